@@ -1,0 +1,246 @@
+//! The admin listener (`admin_listen`, loopback by default): `/healthz`, `/readyz`, `/metrics`,
+//! `/rules`, `/reload`, `/explain`, `/keys/{identity}`.
+
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use http::{HeaderMap, Method, Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use crate::config::GatewayConfig;
+use crate::gateway::{Gateway, Snapshot};
+use crate::http::respond::{self, GatewayError};
+use crate::http::ProxyBody;
+use crate::identity::identify;
+use crate::limiter::{LimitCheck, Store, StoreKey};
+use crate::rules::{key_value, normalize, window_text, KeyBuilder, KeyKind, KeyValue, RequestInfo, Rule};
+
+/// Serve the admin API until `stop`.
+pub async fn serve(gw: Arc<Gateway>, listener: TcpListener, mut stop: watch::Receiver<bool>) {
+    loop {
+        let (stream, _) = tokio::select! {
+            r = listener.accept() => match r { Ok(x) => x, Err(_) => continue },
+            _ = stop.changed() => return,
+        };
+        let gw = gw.clone();
+        tokio::spawn(async move {
+            let svc = service_fn(move |req| {
+                let gw = gw.clone();
+                async move { Ok::<_, std::convert::Infallible>(route(gw, req).await) }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(std::time::Duration::from_secs(10))
+                .serve_connection(TokioIo::new(stream), svc)
+                .await;
+        });
+    }
+}
+
+fn query_param<'a>(q: &'a str, name: &str) -> Option<std::borrow::Cow<'a, str>> {
+    q.split('&').find_map(|kv| {
+        let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+        (k == name).then(|| percent_encoding::percent_decode_str(v).decode_utf8_lossy())
+    })
+}
+
+async fn route(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<ProxyBody> {
+    let path = req.uri().path().to_string();
+    let query = req.uri().query().unwrap_or("").to_string();
+    match (req.method().clone(), path.as_str()) {
+        (Method::GET, "/healthz") => respond::text(StatusCode::OK, "ok\n", "text/plain"),
+        (Method::GET, "/readyz") => match gw.ready().await {
+            Ok(()) => respond::text(StatusCode::OK, "ready\n", "text/plain"),
+            Err(e) => respond::text(StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {e}\n"), "text/plain"),
+        },
+        (Method::GET, "/metrics") => respond::text(StatusCode::OK, gw.metrics.encode(), "application/openmetrics-text; version=1.0.0; charset=utf-8"),
+        (Method::GET, "/rules") => respond::json_ok(&rules_json(&gw.snapshot.load())),
+        (Method::POST, "/reload") => {
+            let _ = req.into_body().collect().await;
+            match gw.reload("admin").await {
+                Ok(v) => respond::json_ok(&json!({"result": "ok", "version": v})),
+                Err(e) => {
+                    let mut r = respond::json_ok(&json!({"result": "error", "error": e.to_string()}));
+                    *r.status_mut() = StatusCode::UNPROCESSABLE_ENTITY;
+                    r
+                }
+            }
+        }
+        (Method::GET, "/explain") => {
+            let method = query_param(&query, "method").unwrap_or("GET".into()).to_ascii_uppercase();
+            let Ok(method) = Method::from_bytes(method.as_bytes()) else {
+                return GatewayError::BadRequest("invalid method").into_response();
+            };
+            let p = query_param(&query, "path").unwrap_or("/".into()).into_owned();
+            let ip: IpAddr = query_param(&query, "ip").and_then(|s| s.parse().ok()).unwrap_or(IpAddr::from([127, 0, 0, 1]));
+            let snap = gw.snapshot.load();
+            respond::json_ok(&explain(&gw.config, &gw.keys, &snap, &method, &p, req.headers(), ip, gw.clock.now_us() / 1_000_000))
+        }
+        (m, p) if p.starts_with("/keys/") && (m == Method::GET || m == Method::DELETE) => {
+            let raw = &p["/keys/".len()..];
+            let who = percent_encoding::percent_decode_str(raw).decode_utf8_lossy().into_owned();
+            if who.is_empty() {
+                return GatewayError::NotFound.into_response();
+            }
+            let snap = gw.snapshot.load();
+            let (checks, meta) = identity_checks(&gw.keys, &snap, &who);
+            if m == Method::DELETE {
+                let keys: Vec<StoreKey> = checks.iter().map(|c| c.key.clone()).collect();
+                return match gw.limiter.reset(&keys).await {
+                    Ok(()) => {
+                        tracing::info!(identity = %gw.keys.tag(KeyValue::Str(&who), ""), counters = keys.len(), "counters reset by admin");
+                        respond::json_ok(&json!({"result": "reset", "counters": keys.len()}))
+                    }
+                    Err(e) => {
+                        let mut r = respond::json_ok(&json!({"result": "error", "error": e.to_string()}));
+                        *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+                        r
+                    }
+                };
+            }
+            match gw.limiter.store.peek(&checks).await {
+                Ok(states) => {
+                    let counters: Vec<Value> = states
+                        .iter()
+                        .zip(&checks)
+                        .zip(&meta)
+                        .map(|((s, c), (rule, kind))| {
+                            json!({
+                                "rule": rule,
+                                "key_kind": kind,
+                                "algorithm": c.quota.algorithm.as_str(),
+                                "limit": c.quota.limit.get(),
+                                "window": window_text(c.quota.window_us.get()),
+                                "remaining": s.map_or(c.quota.limit.get(), |o| o.remaining),
+                                "reset_ms": s.map_or(0, |o| o.reset_us / 1000),
+                                "tracked": s.is_some(),
+                            })
+                        })
+                        .collect();
+                    respond::json_ok(&json!({"identity_hash": gw.keys.tag(KeyValue::Str(&who), ""), "counters": counters}))
+                }
+                Err(e) => {
+                    let mut r = respond::json_ok(&json!({"error": e.to_string()}));
+                    *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+                    r
+                }
+            }
+        }
+        _ => GatewayError::NotFound.into_response(),
+    }
+}
+
+/// Every counter an identity value (user id, key id, IP, org, header value) can have.
+fn identity_checks(keys: &KeyBuilder, snap: &Snapshot, who: &str) -> (Vec<LimitCheck>, Vec<(String, String)>) {
+    let tag = keys.tag(KeyValue::Str(who), "");
+    let mut checks = Vec::new();
+    let mut meta = Vec::new();
+    for r in &snap.rules.rules {
+        if r.key == KeyKind::Global {
+            continue;
+        }
+        let limits = r.overrides.get(who).unwrap_or(&r.limits);
+        for q in limits {
+            checks.push(LimitCheck { key: StoreKey(keys.key(&tag, &r.name, q)), quota: *q, cost: 0, shadow: r.shadow });
+            meta.push((r.name.to_string(), r.key.to_text()));
+        }
+    }
+    (checks, meta)
+}
+
+fn rule_json(r: &Rule) -> Value {
+    json!({
+        "name": &*r.name,
+        "line": r.line,
+        "match": {
+            "path": r.pattern.source,
+            "methods": r.methods.as_ref().map(|m| m.iter().map(|x| x.to_string()).collect::<Vec<_>>()),
+            "tier": r.tier, "host": r.host,
+            "header": r.headers.iter().map(|(k, v)| (k.to_string(), v.clone())).collect::<std::collections::BTreeMap<_, _>>(),
+        },
+        "key": r.key.to_text(),
+        "algorithm": r.limits.first().map(|q| q.algorithm.as_str()),
+        "limits": r.limits.iter().map(|q| json!({"limit": q.limit.get(), "window": window_text(q.window_us.get())})).collect::<Vec<_>>(),
+        "cost": r.cost,
+        "failure": format!("{:?}", r.failure).to_lowercase(),
+        "shadow": r.shadow,
+        "overrides": r.overrides.keys().collect::<Vec<_>>(),
+    })
+}
+
+/// `GET /rules`.
+pub fn rules_json(snap: &Snapshot) -> Value {
+    json!({
+        "version": snap.rules.version,
+        "loaded_at": humantime::format_rfc3339_seconds(snap.loaded_at).to_string(),
+        "api_keys": snap.keys.len(),
+        "rules": snap.rules.rules.iter().map(rule_json).collect::<Vec<_>>(),
+    })
+}
+
+/// What `tollgate explain` and `GET /explain` show: identity, each matching rule and why it won
+/// or lost, and the store keys.
+#[allow(clippy::too_many_arguments)]
+pub fn explain(config: &GatewayConfig, keys: &KeyBuilder, snap: &Snapshot, method: &Method, path: &str, headers: &HeaderMap, ip: IpAddr, now_secs: u64) -> Value {
+    let ident = identify(headers, ip, &snap.keys, &config.identity, now_secs);
+    let pq = path.split('?').next().unwrap_or("/");
+    let norm = normalize(pq);
+    let host = headers.get(http::header::HOST).and_then(|h| h.to_str().ok()).map(|h| h.split(':').next().unwrap_or(h));
+    let info = RequestInfo { method, path: &norm, host, headers, tier: &ident.tier };
+    let ip_text = ident.ip.to_string();
+    let matches: Vec<Value> = snap
+        .rules
+        .explain(&info)
+        .into_iter()
+        .map(|c| {
+            let r = &snap.rules.rules[c.rule as usize];
+            let s = r.specificity;
+            let mut v = json!({
+                "rule": &*r.name,
+                "key": r.key.to_text(),
+                "chosen": c.chosen,
+                "why": format!(
+                    "{:?} path {} (literal length {}), {}, {}{}",
+                    s.class, r.pattern.source, s.literal_len,
+                    if s.methods { "method-specific" } else { "any method" },
+                    if s.tier { "tier-specific" } else { "any tier" },
+                    if c.chosen { "; most specific of its key kind" } else { "; a more specific rule of the same key kind wins" }
+                ),
+                "shadow": r.shadow,
+            });
+            if c.chosen {
+                match key_value(&r.key, &ident, headers, &ip_text) {
+                    Some(val) => {
+                        let tag = keys.tag(val, &r.name);
+                        let ks: Vec<Value> = r
+                            .limits_for(&ident)
+                            .iter()
+                            .map(|q| json!({"store_key": keys.key(&tag, &r.name, q), "algorithm": q.algorithm.as_str(), "limit": q.limit.get(), "window": window_text(q.window_us.get()), "cost": r.cost}))
+                            .collect();
+                        v["limits"] = Value::Array(ks);
+                        v["override"] = Value::Bool(r.overrides.contains_key(&*ident.id));
+                    }
+                    None => v["skipped"] = Value::String("the request has no value for this key kind (no org / no header)".into()),
+                }
+            }
+            v
+        })
+        .collect();
+    json!({
+        "request": {"method": method.as_str(), "path": pq, "normalized_path": &*norm},
+        "identity": {
+            "kind": ident.kind.as_str(),
+            "id": if ident.kind == crate::identity::IdentityKind::Ip { ident.id.to_string() } else { format!("{} (hash {})", ident.id, keys.tag(KeyValue::Str(&ident.id), "")) },
+            "tier": &*ident.tier,
+            "org": ident.org.as_deref(),
+            "ip": ident.ip.to_string(),
+        },
+        "matches": matches,
+    })
+}

@@ -1,0 +1,276 @@
+//! Raw serde structs: exactly what the YAML files say, before validation. Unknown fields are
+//! errors. Fields that validation may refuse are [`Spanned`] so the error names line and column.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+use serde_saphyr::Spanned;
+
+/// `gateway.yaml`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawGateway {
+    /// Proxy listen address.
+    pub listen: Option<Spanned<String>>,
+    /// Admin listen address.
+    pub admin_listen: Option<Spanned<String>>,
+    /// The upstream API.
+    pub upstream: RawUpstream,
+    /// Rules file, relative to the gateway file.
+    pub rules_file: Option<Spanned<String>>,
+    /// API key registry, relative to the gateway file.
+    pub keys_file: Option<Spanned<String>>,
+    /// Where counters live.
+    #[serde(default)]
+    pub store: RawStore,
+    /// How callers are identified.
+    #[serde(default)]
+    pub identity: RawIdentity,
+    /// Response headers and the deny cache.
+    #[serde(default)]
+    pub limits: RawLimits,
+    /// Listener limits and timeouts.
+    #[serde(default)]
+    pub server: RawServer,
+}
+
+/// `upstream:`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawUpstream {
+    /// `http://host:port`.
+    pub url: Spanned<String>,
+    /// TCP connect timeout.
+    pub connect_timeout: Option<Spanned<String>>,
+    /// Deadline for the upstream's response headers.
+    pub request_timeout: Option<Spanned<String>>,
+    /// Idle pooled connections kept per host.
+    pub pool_max_idle_per_host: Option<usize>,
+}
+
+/// `store:`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawStore {
+    /// memory | redis | redis_cluster.
+    pub kind: Option<Spanned<String>>,
+    /// Redis URLs (cluster: any seeds).
+    #[serde(default)]
+    pub urls: Vec<String>,
+    /// Deadline of one limit check.
+    pub timeout: Option<Spanned<String>>,
+    /// First part of every store key.
+    pub key_prefix: Option<Spanned<String>>,
+    /// Name of an env var holding a secret mixed into key hashes.
+    pub key_salt_env: Option<String>,
+    /// Memory store: tracked-key cap.
+    pub memory_max_keys: Option<usize>,
+    /// Consecutive failures that open the circuit breaker.
+    pub breaker_threshold: Option<u32>,
+    /// How often an open breaker probes the store.
+    pub probe_interval: Option<Spanned<String>>,
+}
+
+/// `identity:`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawIdentity {
+    /// Header carrying the API key.
+    pub api_key_header: Option<Spanned<String>>,
+    /// JWT verification.
+    pub jwt: Option<RawJwt>,
+    /// CIDRs whose X-Forwarded-For is believed.
+    #[serde(default)]
+    pub trusted_proxies: Vec<Spanned<String>>,
+    /// IPv6 prefix length that identifies one client.
+    pub ipv6_prefix: Option<Spanned<u8>>,
+    /// Most X-Forwarded-For entries read from the right.
+    pub max_forwarded_entries: Option<usize>,
+}
+
+/// `identity.jwt:`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawJwt {
+    /// Header carrying `Bearer <token>`.
+    pub header: Option<String>,
+    /// Accepted algorithms.
+    pub algorithms: Spanned<Vec<String>>,
+    /// PEM public key (RS*/ES*/EdDSA).
+    pub public_key_file: Option<Spanned<String>>,
+    /// Env var with the HMAC secret (HS*).
+    pub secret_env: Option<Spanned<String>>,
+    /// A JWKS file.
+    pub jwks_file: Option<Spanned<String>>,
+    /// Required `iss`.
+    pub issuer: Option<String>,
+    /// Required `aud`.
+    pub audience: Option<String>,
+    /// Claim naming the user.
+    pub user_claim: Option<String>,
+    /// Claim naming the tier.
+    pub tier_claim: Option<String>,
+    /// Claim naming the org.
+    pub org_claim: Option<String>,
+    /// Clock leeway for exp/nbf.
+    pub leeway: Option<Spanned<String>>,
+}
+
+/// `limits:`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawLimits {
+    /// Header families: ietf, x-ratelimit.
+    pub headers: Option<Spanned<Vec<String>>>,
+    /// Remember denials locally.
+    pub deny_cache: Option<bool>,
+    /// Deny cache capacity.
+    pub deny_cache_max: Option<usize>,
+    /// One in N shadow denials is logged.
+    pub shadow_log_sample: Option<u64>,
+}
+
+/// `server:`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawServer {
+    /// Time a client has to send its request headers.
+    pub header_read_timeout: Option<Spanned<String>>,
+    /// Idle keep-alive connections are closed after this.
+    pub idle_timeout: Option<Spanned<String>>,
+    /// Concurrent client connections.
+    pub max_connections: Option<usize>,
+    /// Request bodies larger than this get 413.
+    pub max_body_bytes: Option<u64>,
+    /// Largest request header section, bytes.
+    pub max_header_bytes: Option<usize>,
+    /// Time in-flight requests get on shutdown.
+    pub shutdown_grace: Option<Spanned<String>>,
+}
+
+/// `rules.yaml`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRules {
+    /// Defaults for every rule.
+    #[serde(default)]
+    pub defaults: RawDefaults,
+    /// The rules.
+    #[serde(default)]
+    pub rules: Vec<Spanned<RawRule>>,
+}
+
+/// `defaults:`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawDefaults {
+    /// Default algorithm.
+    pub algorithm: Option<Spanned<String>>,
+    /// Default failure policy.
+    pub failure: Option<Spanned<String>>,
+    /// Default local share.
+    pub local_share: Option<Spanned<u32>>,
+}
+
+/// One rule.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRule {
+    /// Unique name.
+    pub name: Spanned<String>,
+    /// What requests it applies to.
+    #[serde(rename = "match")]
+    pub matcher: RawMatch,
+    /// What one counter is shared by.
+    pub key: Spanned<String>,
+    /// Algorithm (default from `defaults`).
+    pub algorithm: Option<Spanned<String>>,
+    /// Window algorithms: units per window.
+    pub limit: Option<Spanned<i64>>,
+    /// Window algorithms: the window.
+    pub window: Option<Spanned<String>>,
+    /// Several windows at once.
+    pub limits: Option<Vec<Spanned<RawWindow>>>,
+    /// Buckets: `N/s`, `N/m`, `N/h`.
+    pub rate: Option<Spanned<String>>,
+    /// Buckets: capacity.
+    pub capacity: Option<Spanned<i64>>,
+    /// Units per request.
+    pub cost: Option<Spanned<i64>>,
+    /// open | closed | local.
+    pub failure: Option<Spanned<String>>,
+    /// Nodes sharing the limit in `failure: local`.
+    pub local_share: Option<Spanned<u32>>,
+    /// Per-identity limits.
+    #[serde(default)]
+    pub overrides: BTreeMap<String, Spanned<RawOverride>>,
+    /// Evaluate and report, never reject.
+    #[serde(default)]
+    pub shadow: bool,
+}
+
+/// `match:`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawMatch {
+    /// Path pattern.
+    pub path: Spanned<String>,
+    /// Methods.
+    pub methods: Option<Vec<Spanned<String>>>,
+    /// Tier.
+    pub tier: Option<String>,
+    /// Host.
+    pub host: Option<String>,
+    /// Exact header values.
+    #[serde(default)]
+    pub header: BTreeMap<String, String>,
+}
+
+/// One `{limit, window}`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawWindow {
+    /// Units per window.
+    pub limit: Spanned<i64>,
+    /// Window.
+    pub window: Spanned<String>,
+}
+
+/// An override.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawOverride {
+    /// Units per window.
+    pub limit: Option<Spanned<i64>>,
+    /// Window.
+    pub window: Option<Spanned<String>>,
+    /// Several windows.
+    pub limits: Option<Vec<Spanned<RawWindow>>>,
+    /// Bucket rate.
+    pub rate: Option<Spanned<String>>,
+    /// Bucket capacity.
+    pub capacity: Option<Spanned<i64>>,
+}
+
+/// `keys.yaml`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawKeys {
+    /// Registered keys.
+    #[serde(default)]
+    pub keys: Vec<Spanned<RawKey>>,
+}
+
+/// One API key.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawKey {
+    /// Identity used in rules and logs.
+    pub id: Spanned<String>,
+    /// Hex SHA-256 of the key.
+    pub sha256: Spanned<String>,
+    /// Tier.
+    pub tier: Option<String>,
+    /// Org.
+    pub org: Option<String>,
+}

@@ -1,0 +1,333 @@
+//! The running gateway: shared state, the proxy and admin listeners, graceful shutdown, and the
+//! background tasks (store probe, file watching).
+
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use arc_swap::ArcSwap;
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Semaphore};
+
+use crate::clock::{SharedClock, SystemClock};
+use crate::config::{ConfigError, GatewayConfig, StoreKind};
+use crate::http::ProxyBody;
+use crate::identity::KeyRegistry;
+use crate::limiter::breaker::Breaker;
+use crate::limiter::deny_cache::DenyCache;
+use crate::limiter::memory::MemoryStore;
+use crate::limiter::redis::{RedisMode, RedisStore};
+use crate::limiter::{Backend, Limiter, Store, StoreError};
+use crate::metrics::{Metrics, RuleMetrics};
+use crate::rules::{KeyBuilder, RuleSet};
+
+/// Everything one request reads, swapped whole on reload.
+pub struct Snapshot {
+    /// The compiled rules.
+    pub rules: RuleSet,
+    /// The API key registry.
+    pub keys: KeyRegistry,
+    /// Metric handles, one per rule, same order.
+    pub rule_metrics: Vec<RuleMetrics>,
+    /// When this snapshot was loaded.
+    pub loaded_at: SystemTime,
+}
+
+/// The gateway's shared state.
+pub struct Gateway {
+    /// The validated gateway config (fixed for the process lifetime).
+    pub config: GatewayConfig,
+    /// Rules + keys; requests `load()` it once.
+    pub snapshot: ArcSwap<Snapshot>,
+    /// The limiter (store, local fallback, deny cache, breaker).
+    pub limiter: Limiter,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    /// Builds store keys.
+    pub keys: KeyBuilder,
+    /// Pooled upstream client.
+    pub client: Client<HttpConnector, ProxyBody>,
+    /// Time source.
+    pub clock: SharedClock,
+    /// Shadow denials seen (for log sampling).
+    pub shadow_seen: AtomicU64,
+    /// Serialises reloads (never held across request handling).
+    reload_lock: tokio::sync::Mutex<()>,
+}
+
+/// Load rules and keys into a snapshot, resolving metric handles.
+pub fn load_snapshot(config: &GatewayConfig, metrics: &Metrics) -> Result<Snapshot, ConfigError> {
+    let rules = RuleSet::load(&config.rules_file)?;
+    let keys = match &config.keys_file {
+        Some(k) => KeyRegistry::load(k)?,
+        None => KeyRegistry::empty(),
+    };
+    let rule_metrics = rules.rules.iter().map(|r| metrics.rule(&r.name)).collect();
+    Ok(Snapshot { rules, keys, rule_metrics, loaded_at: SystemTime::now() })
+}
+
+/// Why the gateway could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// Bad config.
+    #[error("{0}")]
+    Config(#[from] ConfigError),
+    /// The store could not be set up.
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+    /// A listener could not bind.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// The error.
+        source: std::io::Error,
+    },
+}
+
+impl Gateway {
+    /// Build the gateway: load rules and keys, connect the store.
+    pub async fn new(config: GatewayConfig) -> Result<Arc<Self>, StartError> {
+        Self::with_clock(config, Arc::new(SystemClock)).await
+    }
+
+    /// As [`Gateway::new`] with an injected clock.
+    pub async fn with_clock(config: GatewayConfig, clock: SharedClock) -> Result<Arc<Self>, StartError> {
+        let metrics = Metrics::new();
+        let snap = load_snapshot(&config, &metrics)?;
+        metrics.set_rules_version(&snap.rules.version);
+        let sc = &config.store;
+        let store = match sc.kind {
+            StoreKind::Memory => Backend::Memory(Arc::new(MemoryStore::new(clock.clone(), sc.memory_max_keys))),
+            StoreKind::Redis | StoreKind::RedisCluster => {
+                let mode = if sc.kind == StoreKind::Redis { RedisMode::Single } else { RedisMode::Cluster };
+                Backend::Redis(Arc::new(RedisStore::connect(mode, &sc.urls, sc.timeout).await?))
+            }
+        };
+        let limiter = Limiter {
+            store,
+            local: Arc::new(MemoryStore::new(clock.clone(), sc.memory_max_keys)),
+            deny: config.limits.deny_cache.then(|| DenyCache::new(config.limits.deny_cache_max)),
+            breaker: Arc::new(Breaker::new(sc.breaker_threshold)),
+            timeout: sc.timeout,
+            clock: clock.clone(),
+        };
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(config.upstream.connect_timeout));
+        connector.set_nodelay(true);
+        connector.enforce_http(true);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_timer(TokioTimer::new())
+            .timer(TokioTimer::new())
+            .pool_idle_timeout(Duration::from_secs(90))
+            .pool_max_idle_per_host(config.upstream.pool_max_idle_per_host)
+            .build(connector);
+        let keys = KeyBuilder { prefix: config.store.key_prefix.clone(), salt: config.store.key_salt.clone() };
+        let gw = Arc::new(Gateway {
+            snapshot: ArcSwap::from_pointee(snap),
+            limiter,
+            metrics,
+            keys,
+            client,
+            clock,
+            shadow_seen: AtomicU64::new(0),
+            reload_lock: tokio::sync::Mutex::new(()),
+            config,
+        });
+        Ok(gw)
+    }
+
+    /// Reload rules and keys. On error the old snapshot stays in force.
+    pub async fn reload(&self, why: &str) -> Result<String, ConfigError> {
+        let _guard = self.reload_lock.lock().await;
+        match load_snapshot(&self.config, &self.metrics) {
+            Ok(snap) => {
+                let version = snap.rules.version.clone();
+                let changed = self.snapshot.load().rules.version != version;
+                self.metrics.set_rules_version(&version);
+                self.snapshot.store(Arc::new(snap));
+                if let Some(d) = &self.limiter.deny {
+                    // Limits may have changed: cached denials may no longer be true.
+                    d.clear();
+                }
+                self.metrics.reload_ok.inc();
+                tracing::info!(trigger = why, version = %version, changed, "rules reloaded");
+                Ok(version)
+            }
+            Err(e) => {
+                self.metrics.reload_error.inc();
+                tracing::error!(trigger = why, error = %e, "reload refused; previous rules stay in force");
+                Err(e)
+            }
+        }
+    }
+
+    /// Is the gateway ready: config loaded and the store answering the script path?
+    pub async fn ready(&self) -> Result<(), StoreError> {
+        match tokio::time::timeout(self.config.store.timeout.max(Duration::from_millis(200)), self.limiter.store.probe()).await {
+            Ok(r) => r,
+            Err(_) => Err(StoreError::Timeout),
+        }
+    }
+
+    /// While the breaker is open, probe the store and close it when it answers.
+    pub fn spawn_probe(self: &Arc<Self>, mut stop: watch::Receiver<bool>) {
+        if self.limiter.store.is_memory() {
+            return;
+        }
+        let gw = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(gw.config.store.probe_interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {}
+                    _ = stop.changed() => return,
+                }
+                let open = gw.limiter.breaker.is_open();
+                gw.metrics.breaker_open.set(i64::from(open));
+                if !open {
+                    continue;
+                }
+                match gw.ready().await {
+                    Ok(()) => {
+                        if gw.limiter.breaker.close() {
+                            gw.metrics.breaker_open.set(0);
+                            tracing::warn!("store is back: circuit breaker closed");
+                        }
+                    }
+                    Err(e) => tracing::debug!(error = %e, "store probe failed; breaker stays open"),
+                }
+            }
+        });
+    }
+}
+
+/// A running gateway: its bound addresses and how to stop it.
+pub struct Running {
+    /// The proxy's bound address.
+    pub addr: SocketAddr,
+    /// The admin listener's bound address.
+    pub admin_addr: SocketAddr,
+    /// The shared state.
+    pub gateway: Arc<Gateway>,
+    /// Send `true` to begin graceful shutdown.
+    pub shutdown: watch::Sender<bool>,
+    /// Resolves when the proxy has drained.
+    pub done: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    /// Begin graceful shutdown and wait for the drain.
+    pub async fn stop(self) {
+        let _ = self.shutdown.send(true);
+        let _ = self.done.await;
+    }
+}
+
+/// Bind the listeners and start serving. Use port 0 in `config` to get free ports.
+pub async fn start(config: GatewayConfig) -> Result<Running, StartError> {
+    let gw = Gateway::new(config).await?;
+    start_with(gw).await
+}
+
+/// Start serving an already-built gateway.
+pub async fn start_with(gw: Arc<Gateway>) -> Result<Running, StartError> {
+    let listen = gw.config.listen;
+    let listener = TcpListener::bind(listen).await.map_err(|source| StartError::Bind { addr: listen, source })?;
+    let admin_listen = gw.config.admin_listen;
+    let admin = TcpListener::bind(admin_listen).await.map_err(|source| StartError::Bind { addr: admin_listen, source })?;
+    let addr = listener.local_addr().map_err(|source| StartError::Bind { addr: listen, source })?;
+    let admin_addr = admin.local_addr().map_err(|source| StartError::Bind { addr: admin_listen, source })?;
+    let (tx, rx) = watch::channel(false);
+    gw.spawn_probe(rx.clone());
+    crate::config::reload::spawn_watcher(gw.clone(), rx.clone());
+    tokio::spawn(crate::admin::serve(gw.clone(), admin, rx.clone()));
+    let done = tokio::spawn(serve(gw.clone(), listener, rx));
+    tracing::info!(%addr, %admin_addr, store = ?gw.config.store.kind, upstream = %gw.config.upstream.url, "tollgate listening");
+    Ok(Running { addr, admin_addr, gateway: gw, shutdown: tx, done })
+}
+
+/// The proxy accept loop. Returns after shutdown was signalled and in-flight requests drained
+/// (or `shutdown_grace` passed).
+pub async fn serve(gw: Arc<Gateway>, listener: TcpListener, mut stop: watch::Receiver<bool>) {
+    let sc = gw.config.server.clone();
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(sc.header_read_timeout)
+        .max_buf_size(sc.max_header_bytes.max(8192))
+        .max_headers(100)
+        .keep_alive(true);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(Some(sc.idle_timeout))
+        .keep_alive_timeout(Duration::from_secs(20))
+        .max_concurrent_streams(256);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let conns = Arc::new(Semaphore::new(sc.max_connections));
+    loop {
+        let (stream, peer) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(x) => x,
+                Err(e) => {
+                    // EMFILE and friends: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = stop.changed() => break,
+        };
+        let Ok(permit) = conns.clone().try_acquire_owned() else {
+            gw.metrics.local_response(503);
+            tokio::spawn(reject_over_capacity(stream));
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let gw2 = gw.clone();
+        let svc = service_fn(move |req: hyper::Request<Incoming>| {
+            let gw = gw2.clone();
+            async move { Ok::<_, std::convert::Infallible>(gw.handle(req, peer).await) }
+        });
+        let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
+        let conn = graceful.watch(conn.into_owned());
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, %peer, "connection ended with error");
+            }
+            drop(permit);
+        });
+    }
+    drop(listener);
+    tracing::info!("shutting down: draining in-flight requests");
+    tokio::select! {
+        _ = graceful.shutdown() => tracing::info!("drained"),
+        _ = tokio::time::sleep(sc.shutdown_grace) => tracing::warn!("shutdown grace period passed; closing remaining connections"),
+    }
+}
+
+/// Over `max_connections`: answer 503 and close, without reading the request.
+async fn reject_over_capacity(mut stream: tokio::net::TcpStream) {
+    use tokio::io::AsyncWriteExt;
+    let body = br#"{"error":"unavailable","message":"too many connections"}"#;
+    let head = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        let _ = stream.write_all(head.as_bytes()).await;
+        let _ = stream.write_all(body).await;
+        let _ = stream.shutdown().await;
+    })
+    .await;
+}

@@ -1,0 +1,150 @@
+//! Forwarding helpers: hop-by-hop header removal (RFC 9110 §7.6.1, including the headers named
+//! in `Connection`), `X-Forwarded-*` and `Forwarded`, and the upstream URI.
+
+use std::net::IpAddr;
+
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::uri::{PathAndQuery, Uri};
+
+use crate::config::UpstreamConfig;
+
+/// The hop-by-hop headers every proxy removes.
+static HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+];
+
+/// `X-Forwarded-For`.
+pub static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+/// `X-Forwarded-Proto`.
+pub static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+/// `X-Forwarded-Host`.
+pub static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+/// `Forwarded`.
+pub static FORWARDED: HeaderName = HeaderName::from_static("forwarded");
+
+/// Is this an HTTP/1.1 upgrade request (`Connection: upgrade` + `Upgrade`)? Returns the
+/// `Upgrade` value to keep.
+pub fn upgrade_of(h: &HeaderMap) -> Option<HeaderValue> {
+    let wants = h
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case("upgrade"));
+    if wants {
+        h.get(header::UPGRADE).cloned()
+    } else {
+        None
+    }
+}
+
+/// Remove hop-by-hop headers, and every header named in `Connection`. With `keep_upgrade`,
+/// `Connection: upgrade` and `Upgrade` are re-added (an upgrade passes through).
+pub fn strip_hop_by_hop(h: &mut HeaderMap, keep_upgrade: Option<HeaderValue>) {
+    if h.contains_key(header::CONNECTION) {
+        let named: Vec<HeaderName> = h
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+            .collect();
+        for n in named {
+            h.remove(n);
+        }
+    }
+    for n in &HOP_BY_HOP {
+        h.remove(n);
+    }
+    h.remove(header::UPGRADE);
+    if let Some(up) = keep_upgrade {
+        h.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        h.insert(header::UPGRADE, up);
+    }
+}
+
+/// Append this hop to `X-Forwarded-For`, `-Proto`, `-Host` and `Forwarded`.
+pub fn add_forwarded(h: &mut HeaderMap, peer: IpAddr, host: Option<&HeaderValue>) {
+    let ip = peer.to_canonical().to_string();
+    append_list(h, &X_FORWARDED_FOR, &ip);
+    append_list(h, &X_FORWARDED_PROTO, "http");
+    if let Some(host) = host.and_then(|v| v.to_str().ok()) {
+        append_list(h, &X_FORWARDED_HOST, host);
+    }
+    let node = if peer.is_ipv6() && !peer.to_canonical().is_ipv4() { format!("\"[{ip}]\"") } else { ip };
+    let mut fwd = format!("for={node};proto=http");
+    if let Some(host) = host.and_then(|v| v.to_str().ok()) {
+        if host.bytes().all(|b| b.is_ascii_graphic() && b != b'"' && b != b'\\') {
+            fwd.push_str(";host=\"");
+            fwd.push_str(host);
+            fwd.push('"');
+        }
+    }
+    append_list(h, &FORWARDED, &fwd);
+}
+
+/// Join every existing value of `name` and `item` into one comma-separated header.
+fn append_list(h: &mut HeaderMap, name: &HeaderName, item: &str) {
+    let mut out = String::new();
+    for v in h.get_all(name) {
+        if let Ok(s) = v.to_str() {
+            if !out.is_empty() {
+                out.push_str(", ");
+            }
+            out.push_str(s);
+        }
+    }
+    if !out.is_empty() {
+        out.push_str(", ");
+    }
+    out.push_str(item);
+    if let Ok(v) = HeaderValue::from_str(&out) {
+        h.insert(name.clone(), v);
+    }
+}
+
+/// The upstream URI for a request whose path and query are `pq`.
+pub fn upstream_uri(up: &UpstreamConfig, pq: Option<&PathAndQuery>) -> Result<Uri, http::Error> {
+    Uri::builder()
+        .scheme(up.scheme.clone())
+        .authority(up.authority.clone())
+        .path_and_query(pq.cloned().unwrap_or_else(|| PathAndQuery::from_static("/")))
+        .build()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strips_connection_named_headers() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, HeaderValue::from_static("close, X-Secret-Hop"));
+        h.insert("x-secret-hop", HeaderValue::from_static("1"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+        h.insert("x-end-to-end", HeaderValue::from_static("kept"));
+        strip_hop_by_hop(&mut h, None);
+        assert_eq!(h.len(), 1);
+        assert!(h.contains_key("x-end-to-end"));
+    }
+
+    #[test]
+    fn appends_forwarding_headers() {
+        let mut h = HeaderMap::new();
+        h.append(&X_FORWARDED_FOR, HeaderValue::from_static("1.1.1.1"));
+        h.append(&X_FORWARDED_FOR, HeaderValue::from_static("2.2.2.2"));
+        add_forwarded(&mut h, "10.0.0.1".parse().unwrap(), Some(&HeaderValue::from_static("api.example")));
+        assert_eq!(h[&X_FORWARDED_FOR], "1.1.1.1, 2.2.2.2, 10.0.0.1");
+        assert_eq!(h[&X_FORWARDED_PROTO], "http");
+        assert_eq!(h[&X_FORWARDED_HOST], "api.example");
+        assert_eq!(h[&FORWARDED], "for=10.0.0.1;proto=http;host=\"api.example\"");
+    }
+}

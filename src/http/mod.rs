@@ -1,0 +1,25 @@
+//! HTTP plumbing: the response body type, the one place errors become responses
+//! ([`respond`]), rate-limit headers ([`headers`]) and forwarding helpers ([`forward`]).
+
+pub mod forward;
+pub mod headers;
+pub mod respond;
+
+use bytes::Bytes;
+use http_body_util::{combinators::UnsyncBoxBody, BodyExt, Full};
+
+/// Errors a streamed body may carry.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The body of every response tollgate sends: the upstream's stream, or a small local body.
+pub type ProxyBody = UnsyncBoxBody<Bytes, BoxError>;
+
+/// A complete in-memory body.
+pub fn full(b: impl Into<Bytes>) -> ProxyBody {
+    Full::new(b.into()).map_err(|never| match never {}).boxed_unsync()
+}
+
+/// An empty body.
+pub fn empty() -> ProxyBody {
+    full(Bytes::new())
+}

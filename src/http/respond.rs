@@ -1,0 +1,145 @@
+//! The one place errors become HTTP responses. Every response tollgate produces itself — 429,
+//! 503, 502, 504, 4xx for bad input — is built here, with a JSON body.
+
+use std::time::{Duration, SystemTime};
+
+use http::{header, HeaderValue, Response, StatusCode};
+use serde_json::json;
+
+use super::headers::{self, Binding};
+use super::{full, ProxyBody};
+
+/// Everything that ends a request without (or instead of) the upstream's response.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    /// Over quota.
+    #[error("rate limit exceeded for rule {rule}")]
+    RateLimited {
+        /// Rule name.
+        rule: String,
+        /// Units per window (or capacity).
+        limit: u64,
+        /// Window in µs.
+        window_us: u64,
+        /// µs until the same request would pass.
+        retry_after_us: u64,
+    },
+    /// The store failed and a `failure: closed` rule applies.
+    #[error("rate limiter unavailable (rule {rule})")]
+    LimiterUnavailable {
+        /// Rule name.
+        rule: String,
+        /// Seconds the client should wait.
+        retry_after_secs: u64,
+    },
+    /// The upstream refused or could not be reached.
+    #[error("upstream unreachable: {0}")]
+    BadGateway(String),
+    /// The upstream did not answer within `request_timeout`.
+    #[error("upstream timed out")]
+    GatewayTimeout,
+    /// A malformed request.
+    #[error("bad request: {0}")]
+    BadRequest(&'static str),
+    /// The body is larger than `max_body_bytes`.
+    #[error("request body too large")]
+    PayloadTooLarge,
+    /// The admin API was asked for something it does not have.
+    #[error("not found")]
+    NotFound,
+    /// The gateway is shutting down or at its connection cap.
+    #[error("service unavailable: {0}")]
+    Unavailable(&'static str),
+}
+
+impl GatewayError {
+    /// The status code.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            GatewayError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
+            GatewayError::LimiterUnavailable { .. } | GatewayError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            GatewayError::BadGateway(_) => StatusCode::BAD_GATEWAY,
+            GatewayError::GatewayTimeout => StatusCode::GATEWAY_TIMEOUT,
+            GatewayError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            GatewayError::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            GatewayError::NotFound => StatusCode::NOT_FOUND,
+        }
+    }
+
+    /// The response: status, JSON body, `Retry-After` where it applies.
+    pub fn into_response(self) -> Response<ProxyBody> {
+        let status = self.status();
+        let mut retry: Option<u64> = None;
+        let body = match &self {
+            GatewayError::RateLimited { rule, limit, window_us, retry_after_us } => {
+                let secs = headers::ceil_secs_min1(*retry_after_us);
+                retry = Some(secs);
+                let reset_at = SystemTime::now() + Duration::from_secs(secs);
+                json!({
+                    "error": "rate_limit_exceeded",
+                    "message": format!("Rate limit of {limit} per {} exceeded for rule {rule}; retry in {secs} s.", crate::rules::window_text(*window_us)),
+                    "rule": rule,
+                    "limit": limit,
+                    "window": crate::rules::window_text(*window_us),
+                    "retry_after": secs,
+                    "reset_at": humantime::format_rfc3339_seconds(reset_at).to_string(),
+                })
+            }
+            GatewayError::LimiterUnavailable { rule, retry_after_secs } => {
+                retry = Some(*retry_after_secs);
+                json!({
+                    "error": "rate_limiter_unavailable",
+                    "message": "The rate limiter's store is unavailable and this endpoint fails closed; retry shortly.",
+                    "rule": rule,
+                    "retry_after": retry_after_secs,
+                })
+            }
+            GatewayError::BadGateway(_) => json!({"error": "bad_gateway", "message": "The upstream could not be reached."}),
+            GatewayError::GatewayTimeout => json!({"error": "gateway_timeout", "message": "The upstream did not answer in time."}),
+            GatewayError::BadRequest(why) => json!({"error": "bad_request", "message": why}),
+            GatewayError::PayloadTooLarge => json!({"error": "payload_too_large", "message": "The request body is larger than this gateway accepts."}),
+            GatewayError::NotFound => json!({"error": "not_found"}),
+            GatewayError::Unavailable(why) => {
+                retry = Some(1);
+                json!({"error": "unavailable", "message": why})
+            }
+        };
+        let mut resp = Response::new(full(body.to_string()));
+        *resp.status_mut() = status;
+        let h = resp.headers_mut();
+        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        if let Some(s) = retry {
+            h.insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        resp
+    }
+}
+
+/// A 429 for `b`, with the rate-limit headers of the denying limit.
+pub fn rate_limited(b: &Binding<'_>, ietf: bool, legacy: bool, now_secs: u64) -> Response<ProxyBody> {
+    let mut resp = GatewayError::RateLimited {
+        rule: b.rule.to_string(),
+        limit: b.quota.limit.get(),
+        window_us: b.quota.window_us.get(),
+        retry_after_us: b.outcome.retry_after_us,
+    }
+    .into_response();
+    headers::write(resp.headers_mut(), b, ietf, legacy, now_secs);
+    resp
+}
+
+/// A JSON 200 (admin API).
+pub fn json_ok(v: &serde_json::Value) -> Response<ProxyBody> {
+    let mut resp = Response::new(full(v.to_string()));
+    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp
+}
+
+/// A plain-text response (admin API).
+pub fn text(status: StatusCode, body: impl Into<bytes::Bytes>, content_type: &'static str) -> Response<ProxyBody> {
+    let mut resp = Response::new(full(body));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    resp
+}

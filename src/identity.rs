@@ -1,0 +1,175 @@
+//! Who is calling: a pure function from request headers and the peer address to an
+//! [`Identity`]. No I/O; the key registry and JWT keys are loaded beforehand.
+//!
+//! Exactly one identity per request, strongest first: a valid JWT, else a registered API key,
+//! else the client IP. An invalid token or an unknown key is *not* an identity (otherwise a
+//! client could mint fresh credentials to reset its quota); the request falls through to the
+//! next kind.
+
+pub mod jwt;
+pub mod keys;
+
+use std::net::{IpAddr, Ipv6Addr};
+use std::sync::Arc;
+
+use http::HeaderMap;
+use ipnet::IpNet;
+
+use crate::config::IdentityConfig;
+pub use keys::KeyRegistry;
+
+/// Which credential identified the caller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum IdentityKind {
+    /// A verified JWT.
+    Jwt,
+    /// A registered API key.
+    ApiKey,
+    /// Only the client IP.
+    Ip,
+}
+
+impl IdentityKind {
+    /// Lower-case name for logs and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            IdentityKind::Jwt => "jwt",
+            IdentityKind::ApiKey => "api_key",
+            IdentityKind::Ip => "ip",
+        }
+    }
+}
+
+/// The tier of callers that have none.
+pub const ANONYMOUS: &str = "anonymous";
+
+/// The caller of one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    /// Which credential identified it.
+    pub kind: IdentityKind,
+    /// JWT user, API key id, or the client IP (collapsed) as text. Never a secret.
+    pub id: Arc<str>,
+    /// Tier from the token or key registry; [`ANONYMOUS`] otherwise.
+    pub tier: Arc<str>,
+    /// Org, when the token or key names one.
+    pub org: Option<Arc<str>>,
+    /// The client IP, IPv6 collapsed to its prefix, IPv4-mapped IPv6 as IPv4.
+    pub ip: IpAddr,
+}
+
+/// Identify the caller. `now_secs` is the Unix time used for JWT `exp`/`nbf`.
+pub fn identify(
+    headers: &HeaderMap,
+    peer: IpAddr,
+    keys: &KeyRegistry,
+    cfg: &IdentityConfig,
+    now_secs: u64,
+) -> Identity {
+    let ip = client_ip(headers, peer, cfg);
+    if let Some(jwt) = &cfg.jwt {
+        if let Some(c) = jwt.verify_headers(headers, now_secs) {
+            return Identity {
+                kind: IdentityKind::Jwt,
+                id: c.user,
+                tier: c.tier.unwrap_or_else(|| Arc::from(ANONYMOUS)),
+                org: c.org,
+                ip,
+            };
+        }
+    }
+    if let Some(v) = headers.get(&cfg.api_key_header) {
+        if let Some(k) = keys.lookup(v.as_bytes()) {
+            return Identity {
+                kind: IdentityKind::ApiKey,
+                id: k.id.clone(),
+                tier: k.tier.clone(),
+                org: k.org.clone(),
+                ip,
+            };
+        }
+    }
+    Identity {
+        kind: IdentityKind::Ip,
+        id: Arc::from(ip.to_string()),
+        tier: Arc::from(ANONYMOUS),
+        org: None,
+        ip,
+    }
+}
+
+fn trusted(ip: IpAddr, nets: &[IpNet]) -> bool {
+    nets.iter().any(|n| n.contains(&ip))
+}
+
+/// Parse one X-Forwarded-For entry: `ip`, `ip:port`, `[v6]` or `[v6]:port`.
+fn parse_forwarded(entry: &str) -> Option<IpAddr> {
+    let e = entry.trim();
+    if let Ok(ip) = e.parse::<IpAddr>() {
+        return Some(ip);
+    }
+    if let Some(rest) = e.strip_prefix('[') {
+        let end = rest.find(']')?;
+        return rest[..end].parse().ok();
+    }
+    let (host, port) = e.rsplit_once(':')?;
+    if port.bytes().all(|b| b.is_ascii_digit()) {
+        return host.parse::<std::net::Ipv4Addr>().ok().map(IpAddr::V4);
+    }
+    None
+}
+
+/// The client IP: the peer, or with trusted proxies the right-most X-Forwarded-For entry that is
+/// not a trusted proxy (at most `max_forwarded_entries` entries are read). Garbage in the part
+/// of the header that is read falls back to the peer address. Always collapsed.
+pub fn client_ip(headers: &HeaderMap, peer: IpAddr, cfg: &IdentityConfig) -> IpAddr {
+    let peer = peer.to_canonical();
+    let mut client = peer;
+    if !cfg.trusted_proxies.is_empty() && trusted(peer, &cfg.trusted_proxies) {
+        let mut read = 0usize;
+        'outer: for value in headers.get_all("x-forwarded-for").iter().rev() {
+            let Ok(s) = value.to_str() else {
+                client = peer;
+                break;
+            };
+            for entry in s.rsplit(',') {
+                if entry.trim().is_empty() {
+                    continue;
+                }
+                read += 1;
+                if read > cfg.max_forwarded_entries {
+                    break 'outer;
+                }
+                match parse_forwarded(entry) {
+                    Some(ip) => {
+                        client = ip.to_canonical();
+                        if !trusted(client, &cfg.trusted_proxies) {
+                            break 'outer;
+                        }
+                    }
+                    None => {
+                        client = peer;
+                        break 'outer;
+                    }
+                }
+            }
+        }
+    }
+    collapse(client, cfg.ipv6_prefix)
+}
+
+/// IPv4-mapped IPv6 becomes IPv4; other IPv6 is masked to `/prefix`.
+pub fn collapse(ip: IpAddr, prefix: u8) -> IpAddr {
+    match ip.to_canonical() {
+        IpAddr::V4(v4) => IpAddr::V4(v4),
+        IpAddr::V6(v6) => {
+            let bits = u128::from(v6);
+            let p = u32::from(prefix.min(128));
+            let mask = if p == 0 { 0 } else { u128::MAX << (128 - p) };
+            IpAddr::V6(Ipv6Addr::from(bits & mask))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,231 @@
+//! JWT verification. Tokens are checked against keys loaded at start-up; `exp`, `nbf`, `iss`
+//! and `aud` are checked against an injected `now` with leeway. Any failure (`alg: none`, an
+//! algorithm outside the configured family, a bad signature, an expired token) yields `None`:
+//! no identity, never an error page.
+
+use std::path::Path;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use http::{HeaderMap, HeaderName};
+use jsonwebtoken::{Algorithm, AlgorithmFamily, DecodingKey, Validation};
+use serde_json::Value;
+
+use crate::config::{duration, raw::RawJwt, ConfigError};
+
+/// Claims the gateway uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JwtClaims {
+    /// The user (from `user_claim`).
+    pub user: Arc<str>,
+    /// The tier (from `tier_claim`).
+    pub tier: Option<Arc<str>>,
+    /// The org (from `org_claim`).
+    pub org: Option<Arc<str>>,
+}
+
+/// One verification key and the algorithms it may verify.
+struct KeySpec {
+    /// `kid` from a JWKS, if any.
+    kid: Option<String>,
+    /// The key.
+    key: DecodingKey,
+    /// Algorithms of the key's family that the config allows.
+    algorithms: Vec<Algorithm>,
+}
+
+/// Compiled JWT settings.
+pub struct JwtVerifier {
+    /// Header carrying `Bearer <token>`.
+    header: HeaderName,
+    /// Verification keys.
+    keys: Vec<KeySpec>,
+    /// Required issuer.
+    issuer: Option<String>,
+    /// Required audience.
+    audience: Option<String>,
+    /// Claim naming the user.
+    user_claim: String,
+    /// Claim naming the tier.
+    tier_claim: String,
+    /// Claim naming the org.
+    org_claim: String,
+    /// Seconds of clock leeway.
+    leeway: u64,
+}
+
+/// Tokens longer than this are not even parsed.
+const MAX_TOKEN_BYTES: usize = 16 * 1024;
+
+impl JwtVerifier {
+    /// Compile `identity.jwt` (key files relative to `dir`).
+    pub fn compile(file: &Path, dir: &Path, raw: &RawJwt) -> Result<Self, ConfigError> {
+        let mut algorithms = Vec::new();
+        for a in &raw.algorithms.value {
+            if a.eq_ignore_ascii_case("none") {
+                return Err(ConfigError::at(file, &raw.algorithms.referenced, "jwt algorithm \"none\" is never accepted"));
+            }
+            let alg = Algorithm::from_str(a)
+                .map_err(|_| ConfigError::at(file, &raw.algorithms.referenced, format!("unknown jwt algorithm {a:?}")))?;
+            algorithms.push(alg);
+        }
+        if algorithms.is_empty() {
+            return Err(ConfigError::at(file, &raw.algorithms.referenced, "jwt.algorithms is empty"));
+        }
+        let hmac = algorithms.iter().any(|a| a.family() == AlgorithmFamily::Hmac);
+        let public = algorithms.iter().any(|a| a.family() != AlgorithmFamily::Hmac);
+        if hmac && public {
+            return Err(ConfigError::at(
+                file,
+                &raw.algorithms.referenced,
+                "jwt.algorithms mixes HS* with RS*/ES*: one key family only (prevents algorithm confusion)",
+            ));
+        }
+        let mut keys = Vec::new();
+        let read = |s: &serde_saphyr::Spanned<String>| -> Result<Vec<u8>, ConfigError> {
+            let p = dir.join(&s.value);
+            std::fs::read(&p).map_err(|e| ConfigError::at(file, &s.referenced, format!("cannot read {}: {e}", p.display())))
+        };
+        if let Some(env) = &raw.secret_env {
+            if !hmac {
+                return Err(ConfigError::at(file, &env.referenced, "secret_env needs HS* algorithms"));
+            }
+            let secret = std::env::var(&env.value).map_err(|_| {
+                ConfigError::at(file, &env.referenced, format!("env var {} is not set", env.value))
+            })?;
+            if secret.len() < 16 {
+                return Err(ConfigError::at(file, &env.referenced, "HMAC secret shorter than 16 bytes"));
+            }
+            keys.push(KeySpec {
+                kid: None,
+                key: DecodingKey::from_secret(secret.as_bytes())
+                    .map_err(|e| ConfigError::at(file, &env.referenced, format!("invalid HMAC secret: {e}")))?,
+                algorithms: algorithms.clone(),
+            });
+        }
+        if let Some(pem_file) = &raw.public_key_file {
+            if hmac {
+                return Err(ConfigError::at(file, &pem_file.referenced, "public_key_file needs RS*/ES*/EdDSA algorithms"));
+            }
+            let pem = read(pem_file)?;
+            let key = DecodingKey::from_rsa_pem(&pem)
+                .or_else(|_| DecodingKey::from_ec_pem(&pem))
+                .or_else(|_| DecodingKey::from_ed_pem(&pem))
+                .map_err(|e| ConfigError::at(file, &pem_file.referenced, format!("not a PEM public key: {e}")))?;
+            let fam = key.family();
+            let algs: Vec<Algorithm> = algorithms.iter().copied().filter(|a| a.family() == fam).collect();
+            if algs.is_empty() {
+                return Err(ConfigError::at(file, &pem_file.referenced, "the key's type matches none of jwt.algorithms"));
+            }
+            keys.push(KeySpec { kid: None, key, algorithms: algs });
+        }
+        if let Some(jwks_file) = &raw.jwks_file {
+            let bytes = read(jwks_file)?;
+            let set: jsonwebtoken::jwk::JwkSet = serde_json::from_slice(&bytes)
+                .map_err(|e| ConfigError::at(file, &jwks_file.referenced, format!("invalid JWKS: {e}")))?;
+            for jwk in &set.keys {
+                let Ok(key) = DecodingKey::from_jwk(jwk) else { continue };
+                let fam = key.family();
+                let algs: Vec<Algorithm> = algorithms.iter().copied().filter(|a| a.family() == fam).collect();
+                if !algs.is_empty() {
+                    keys.push(KeySpec { kid: jwk.common.key_id.clone(), key, algorithms: algs });
+                }
+            }
+        }
+        if keys.is_empty() {
+            return Err(ConfigError::at(
+                file,
+                &raw.algorithms.referenced,
+                "jwt needs a key: public_key_file, secret_env or jwks_file",
+            ));
+        }
+        let leeway = match &raw.leeway {
+            Some(l) => duration(file, l)?.as_secs(),
+            None => 30,
+        };
+        Ok(JwtVerifier {
+            header: raw
+                .header
+                .as_deref()
+                .map(|h| HeaderName::from_bytes(h.as_bytes()))
+                .transpose()
+                .map_err(|_| ConfigError::file(file, "jwt.header: invalid header name"))?
+                .unwrap_or(http::header::AUTHORIZATION),
+            keys,
+            issuer: raw.issuer.clone(),
+            audience: raw.audience.clone(),
+            user_claim: raw.user_claim.clone().unwrap_or_else(|| "sub".into()),
+            tier_claim: raw.tier_claim.clone().unwrap_or_else(|| "tier".into()),
+            org_claim: raw.org_claim.clone().unwrap_or_else(|| "org".into()),
+            leeway,
+        })
+    }
+
+    /// Verify the bearer token in the configured header, if any.
+    pub fn verify_headers(&self, headers: &HeaderMap, now_secs: u64) -> Option<JwtClaims> {
+        let v = headers.get(&self.header)?.to_str().ok()?;
+        let token = v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer "))?.trim();
+        self.verify(token, now_secs)
+    }
+
+    /// Verify a compact JWS. `None` for anything but a valid, current token.
+    pub fn verify(&self, token: &str, now_secs: u64) -> Option<JwtClaims> {
+        if token.is_empty() || token.len() > MAX_TOKEN_BYTES {
+            return None;
+        }
+        let header = jsonwebtoken::decode_header(token).ok()?;
+        let spec = self.keys.iter().find(|k| {
+            k.algorithms.contains(&header.alg)
+                && match (&k.kid, &header.kid) {
+                    (Some(a), Some(b)) => a == b,
+                    (Some(_), None) => false,
+                    (None, _) => true,
+                }
+        })?;
+        let mut v = Validation::new(header.alg);
+        v.algorithms = spec.algorithms.clone();
+        // exp/nbf are checked below against the injected clock.
+        v.validate_exp = false;
+        v.validate_nbf = false;
+        v.required_spec_claims.clear();
+        v.validate_aud = false;
+        let data = jsonwebtoken::decode::<serde_json::Map<String, Value>>(token, &spec.key, &v).ok()?;
+        let c = data.claims;
+        let exp = c.get("exp")?.as_u64()?;
+        if now_secs > exp.saturating_add(self.leeway) {
+            return None;
+        }
+        if let Some(nbf) = c.get("nbf") {
+            if nbf.as_u64()? > now_secs.saturating_add(self.leeway) {
+                return None;
+            }
+        }
+        if let Some(iss) = &self.issuer {
+            if c.get("iss")?.as_str()? != iss {
+                return None;
+            }
+        }
+        if let Some(aud) = &self.audience {
+            let ok = match c.get("aud")? {
+                Value::String(s) => s == aud,
+                Value::Array(a) => a.iter().any(|x| x.as_str() == Some(aud)),
+                _ => false,
+            };
+            if !ok {
+                return None;
+            }
+        }
+        let text = |name: &str| -> Option<Arc<str>> {
+            match c.get(name)? {
+                Value::String(s) if !s.is_empty() && s.len() <= 256 => Some(Arc::from(s.as_str())),
+                Value::Number(n) => Some(Arc::from(n.to_string())),
+                _ => None,
+            }
+        };
+        Some(JwtClaims {
+            user: text(&self.user_claim)?,
+            tier: text(&self.tier_claim),
+            org: text(&self.org_claim),
+        })
+    }
+}

@@ -1,0 +1,94 @@
+//! The API key registry: SHA-256 hashes of keys → `{id, tier, org}`. Keys themselves are never
+//! stored, logged or sent to the store.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use sha2::{Digest, Sha256};
+
+use crate::config::{parse_file, raw::RawKeys, ConfigError};
+
+/// One registered key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyEntry {
+    /// The identity used in rules, overrides and logs.
+    pub id: Arc<str>,
+    /// Tier (`anonymous` when unset).
+    pub tier: Arc<str>,
+    /// Org.
+    pub org: Option<Arc<str>>,
+}
+
+/// Hash → entry. Built once per load, then read-only.
+#[derive(Debug, Clone, Default)]
+pub struct KeyRegistry {
+    /// SHA-256 of the key → entry.
+    by_hash: HashMap<[u8; 32], KeyEntry>,
+}
+
+/// The hex SHA-256 of `key`, as `keys.yaml` wants it.
+pub fn hash_key(key: &str) -> String {
+    hex::encode(Sha256::digest(key.as_bytes()))
+}
+
+impl KeyRegistry {
+    /// An empty registry (no `keys_file`).
+    pub fn empty() -> Self {
+        Self::default()
+    }
+
+    /// Load and validate a `keys.yaml`.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let raw: RawKeys = parse_file(path)?;
+        Self::compile(path, raw)
+    }
+
+    /// Validate parsed keys: 64 hex digits each, ids and hashes unique.
+    pub fn compile(path: &Path, raw: RawKeys) -> Result<Self, ConfigError> {
+        let mut by_hash = HashMap::new();
+        let mut ids = std::collections::HashSet::new();
+        for k in raw.keys {
+            let k = k.value;
+            let mut h = [0u8; 32];
+            if hex::decode_to_slice(k.sha256.value.trim(), &mut h).is_err() {
+                return Err(ConfigError::at(
+                    path,
+                    &k.sha256.referenced,
+                    "sha256 must be 64 hex digits (use `tollgate hash-key <KEY>`)",
+                ));
+            }
+            if k.id.value.is_empty() || !ids.insert(k.id.value.clone()) {
+                return Err(ConfigError::at(path, &k.id.referenced, format!("duplicate or empty key id {:?}", k.id.value)));
+            }
+            let entry = KeyEntry {
+                id: Arc::from(k.id.value.as_str()),
+                tier: Arc::from(k.tier.as_deref().unwrap_or(crate::identity::ANONYMOUS)),
+                org: k.org.as_deref().map(Arc::from),
+            };
+            if by_hash.insert(h, entry).is_some() {
+                return Err(ConfigError::at(path, &k.sha256.referenced, "the same key hash is registered twice"));
+            }
+        }
+        Ok(KeyRegistry { by_hash })
+    }
+
+    /// The entry for a presented key, if registered.
+    pub fn lookup(&self, presented: &[u8]) -> Option<&KeyEntry> {
+        if self.by_hash.is_empty() || presented.is_empty() || presented.len() > 4096 {
+            return None;
+        }
+        let h: [u8; 32] = Sha256::digest(presented).into();
+        self.by_hash.get(&h)
+    }
+
+    /// Number of registered keys.
+    pub fn len(&self) -> usize {
+        self.by_hash.len()
+    }
+
+    /// True when no key is registered.
+    pub fn is_empty(&self) -> bool {
+        self.by_hash.is_empty()
+    }
+}

@@ -1,0 +1,373 @@
+//! The five algorithms, as pure functions over integer microseconds.
+//!
+//! This file is the reference the Lua scripts in `lua/` mirror line for line: the same integer
+//! arithmetic (exact in a Lua double below 2^53) and, for the sliding window, the same
+//! floating-point expressions in the same order, so both stores reach identical decisions.
+//!
+//! Every check is split in two steps so a request with several limits is all-or-nothing:
+//! [`evaluate`] decides without spending (it may only normalise state, e.g. drop expired log
+//! entries, which changes no decision), and [`spend`] is called on every limit only once all of
+//! them admitted.
+
+use std::collections::VecDeque;
+use std::num::NonZeroU64;
+
+/// Which algorithm a limit uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Algorithm {
+    /// Starts full at `capacity`, refills at `rate`; bursts up to capacity.
+    TokenBucket,
+    /// Starts empty, drains at `rate`; admitted requests are delayed instead of bursting.
+    LeakyBucket,
+    /// Epoch-aligned windows with one counter each.
+    FixedWindow,
+    /// Exact count of admissions in the trailing window.
+    SlidingLog,
+    /// Weighted estimate over the previous and the current fixed window.
+    SlidingWindow,
+}
+
+impl Algorithm {
+    /// The config spelling, also used in logs and the admin API.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Algorithm::TokenBucket => "token_bucket",
+            Algorithm::LeakyBucket => "leaky_bucket",
+            Algorithm::FixedWindow => "fixed_window",
+            Algorithm::SlidingLog => "sliding_log",
+            Algorithm::SlidingWindow => "sliding_window",
+        }
+    }
+
+    /// Parse the config spelling.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "token_bucket" => Algorithm::TokenBucket,
+            "leaky_bucket" => Algorithm::LeakyBucket,
+            "fixed_window" => Algorithm::FixedWindow,
+            "sliding_log" => Algorithm::SlidingLog,
+            "sliding_window" => Algorithm::SlidingWindow,
+            _ => return None,
+        })
+    }
+
+    /// The small integer the Lua dispatcher switches on.
+    pub fn code(self) -> u8 {
+        match self {
+            Algorithm::TokenBucket => 1,
+            Algorithm::LeakyBucket => 2,
+            Algorithm::FixedWindow => 3,
+            Algorithm::SlidingLog => 4,
+            Algorithm::SlidingWindow => 5,
+        }
+    }
+
+    /// True for the two bucket algorithms (rate + capacity).
+    pub fn is_bucket(self) -> bool {
+        matches!(self, Algorithm::TokenBucket | Algorithm::LeakyBucket)
+    }
+}
+
+/// One validated limit. It cannot be built with a zero limit or a zero window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Quota {
+    /// The algorithm.
+    pub algorithm: Algorithm,
+    /// Units per window, or the bucket capacity.
+    pub limit: NonZeroU64,
+    /// The window in microseconds; for buckets, the time to refill the whole capacity.
+    pub window_us: NonZeroU64,
+    /// Buckets: microseconds per unit (1 / rate). Windows: equal to `window_us`.
+    pub interval_us: NonZeroU64,
+}
+
+impl Quota {
+    /// A window algorithm: `limit` units per `window_us`.
+    pub fn window(algorithm: Algorithm, limit: NonZeroU64, window_us: NonZeroU64) -> Self {
+        Quota {
+            algorithm,
+            limit,
+            window_us,
+            interval_us: window_us,
+        }
+    }
+
+    /// A bucket algorithm: `capacity` units, one unit refilled (or drained) every `interval_us`.
+    pub fn bucket(algorithm: Algorithm, capacity: NonZeroU64, interval_us: NonZeroU64) -> Self {
+        let window = capacity.get().saturating_mul(interval_us.get());
+        Quota {
+            algorithm,
+            limit: capacity,
+            window_us: NonZeroU64::new(window).unwrap_or(NonZeroU64::MIN),
+            interval_us,
+        }
+    }
+}
+
+/// The decision for one limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Outcome {
+    /// The request fits this limit.
+    pub allowed: bool,
+    /// Units left after this request (if admitted), floored.
+    pub remaining: u64,
+    /// Microseconds until the quota is fully restored.
+    pub reset_us: u64,
+    /// On a denial: microseconds until the same request would be admitted. 0 when allowed.
+    pub retry_after_us: u64,
+    /// Leaky bucket only: microseconds the admitted request waits before it is forwarded.
+    pub delay_us: u64,
+}
+
+/// The state one limit keeps in the memory store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum State {
+    /// Buckets: the theoretical arrival time (GCRA); the bucket is full/empty at `tat`.
+    Bucket {
+        /// Microseconds since the epoch.
+        tat: u64,
+    },
+    /// Fixed window: the window index and its count.
+    Window {
+        /// `floor(now / window)`.
+        index: u64,
+        /// Units admitted in that window.
+        count: u64,
+    },
+    /// Sliding log: one timestamp per admitted unit, oldest first.
+    Log {
+        /// Admission times, microseconds since the epoch.
+        entries: VecDeque<u64>,
+    },
+    /// Sliding window counter.
+    Sliding {
+        /// Index of the current window.
+        index: u64,
+        /// Units admitted in the previous window.
+        prev: u64,
+        /// Units admitted in the current window.
+        curr: u64,
+    },
+}
+
+/// Decide whether `cost` units fit `q` at `now`, without spending. May normalise `state`
+/// (expire old log entries, roll windows) in ways that change no decision.
+pub fn evaluate(q: &Quota, state: &mut Option<State>, now: u64, cost: u64) -> Outcome {
+    match q.algorithm {
+        Algorithm::TokenBucket | Algorithm::LeakyBucket => bucket_eval(q, state, now, cost),
+        Algorithm::FixedWindow => fixed_eval(q, state, now, cost),
+        Algorithm::SlidingLog => log_eval(q, state, now, cost),
+        Algorithm::SlidingWindow => sliding_eval(q, state, now, cost),
+    }
+}
+
+/// Spend `cost` units. Call only after [`evaluate`] admitted the request at the same `now`.
+pub fn spend(q: &Quota, state: &mut Option<State>, now: u64, cost: u64) {
+    match q.algorithm {
+        Algorithm::TokenBucket | Algorithm::LeakyBucket => {
+            let tat = match state {
+                Some(State::Bucket { tat }) => *tat,
+                _ => now,
+            };
+            let base = tat.max(now);
+            *state = Some(State::Bucket {
+                tat: base + cost * q.interval_us.get(),
+            });
+        }
+        Algorithm::FixedWindow => {
+            let index = now / q.window_us.get();
+            match state {
+                Some(State::Window { index: i, count }) if *i == index => *count += cost,
+                _ => *state = Some(State::Window { index, count: cost }),
+            }
+        }
+        Algorithm::SlidingLog => match state {
+            Some(State::Log { entries }) => entries.extend(std::iter::repeat_n(now, cost as usize)),
+            _ => {
+                *state = Some(State::Log {
+                    entries: std::iter::repeat_n(now, cost as usize).collect(),
+                })
+            }
+        },
+        Algorithm::SlidingWindow => {
+            roll_sliding(q, state, now);
+            if let Some(State::Sliding { curr, .. }) = state {
+                *curr += cost;
+            }
+        }
+    }
+}
+
+/// When the memory store may forget this state: past this instant it is equivalent to none.
+pub fn expires_at(q: &Quota, state: &State) -> u64 {
+    let w = q.window_us.get();
+    match state {
+        State::Bucket { tat } => *tat,
+        State::Window { index, .. } => (index + 1) * w,
+        State::Log { entries } => entries.back().map_or(0, |t| t + w),
+        State::Sliding { index, .. } => (index + 2) * w,
+    }
+}
+
+fn bucket_eval(q: &Quota, state: &Option<State>, now: u64, cost: u64) -> Outcome {
+    let t = q.interval_us.get();
+    let cap = q.limit.get() * t;
+    let tat = match state {
+        Some(State::Bucket { tat }) => *tat,
+        _ => now,
+    };
+    let base = tat.max(now);
+    let new_tat = base + cost * t;
+    if new_tat - now <= cap {
+        Outcome {
+            allowed: true,
+            remaining: (cap - (new_tat - now)) / t,
+            reset_us: new_tat - now,
+            retry_after_us: 0,
+            delay_us: if q.algorithm == Algorithm::LeakyBucket {
+                base - now
+            } else {
+                0
+            },
+        }
+    } else {
+        Outcome {
+            allowed: false,
+            remaining: (cap.saturating_sub(base - now)) / t,
+            reset_us: base - now,
+            retry_after_us: new_tat - cap - now,
+            delay_us: 0,
+        }
+    }
+}
+
+fn fixed_eval(q: &Quota, state: &Option<State>, now: u64, cost: u64) -> Outcome {
+    let w = q.window_us.get();
+    let limit = q.limit.get();
+    let index = now / w;
+    let count = match state {
+        Some(State::Window { index: i, count }) if *i == index => *count,
+        _ => 0,
+    };
+    let reset = (index + 1) * w - now;
+    if count + cost <= limit {
+        Outcome {
+            allowed: true,
+            remaining: limit - count - cost,
+            reset_us: reset,
+            retry_after_us: 0,
+            delay_us: 0,
+        }
+    } else {
+        Outcome {
+            allowed: false,
+            remaining: limit.saturating_sub(count),
+            reset_us: reset,
+            retry_after_us: reset,
+            delay_us: 0,
+        }
+    }
+}
+
+fn log_eval(q: &Quota, state: &mut Option<State>, now: u64, cost: u64) -> Outcome {
+    let w = q.window_us.get();
+    let limit = q.limit.get();
+    let floor = now.saturating_sub(w);
+    let entries = match state {
+        Some(State::Log { entries }) => {
+            // Entries at or before now - window have left (now - window, now].
+            while entries.front().is_some_and(|t| *t <= floor) {
+                entries.pop_front();
+            }
+            Some(&*entries)
+        }
+        _ => None,
+    };
+    let count = entries.map_or(0, |e| e.len() as u64);
+    let oldest = entries.and_then(|e| e.front().copied());
+    if count + cost <= limit {
+        Outcome {
+            allowed: true,
+            remaining: limit - count - cost,
+            reset_us: oldest.unwrap_or(now) + w - now,
+            retry_after_us: 0,
+            delay_us: 0,
+        }
+    } else {
+        // The (count + cost - limit)-th oldest entry must leave the window first.
+        let k = (count + cost - limit) as usize;
+        let tk = entries.and_then(|e| e.get(k - 1).copied()).unwrap_or(now);
+        Outcome {
+            allowed: false,
+            remaining: limit.saturating_sub(count),
+            reset_us: oldest.unwrap_or(now) + w - now,
+            retry_after_us: tk + w - now,
+            delay_us: 0,
+        }
+    }
+}
+
+fn roll_sliding(q: &Quota, state: &mut Option<State>, now: u64) {
+    let index = now / q.window_us.get();
+    let (prev, curr) = match state {
+        Some(State::Sliding {
+            index: i,
+            prev,
+            curr,
+        }) => {
+            if *i == index {
+                (*prev, *curr)
+            } else if *i + 1 == index {
+                (*curr, 0)
+            } else {
+                (0, 0)
+            }
+        }
+        _ => (0, 0),
+    };
+    *state = Some(State::Sliding { index, prev, curr });
+}
+
+fn sliding_eval(q: &Quota, state: &mut Option<State>, now: u64, cost: u64) -> Outcome {
+    roll_sliding(q, state, now);
+    let (prev, curr) = match state {
+        Some(State::Sliding { prev, curr, .. }) => (*prev, *curr),
+        _ => (0, 0),
+    };
+    let w = q.window_us.get();
+    let limit = q.limit.get();
+    let elapsed = now % w;
+    let (wf, pf, cf, lf, costf) = (w as f64, prev as f64, curr as f64, limit as f64, cost as f64);
+    let estimate = pf * (wf - elapsed as f64) / wf + cf;
+    if estimate + costf <= lf {
+        let reset = if curr + cost > 0 { 2 * w - elapsed } else { w - elapsed };
+        Outcome {
+            allowed: true,
+            remaining: (lf - estimate - costf).floor().max(0.0) as u64,
+            reset_us: reset,
+            retry_after_us: 0,
+            delay_us: 0,
+        }
+    } else {
+        let retry = if curr + cost <= limit {
+            // Wait inside this window for the previous window's weight to decay.
+            let e = (wf - (lf - cf - costf) * wf / pf).ceil();
+            (e - elapsed as f64).max(1.0)
+        } else {
+            // Wait for the next window, where this window's count becomes `previous`.
+            let e = (wf - (lf - costf) * wf / cf).ceil().max(0.0);
+            (wf - elapsed as f64) + e
+        };
+        let reset = if curr > 0 { 2 * w - elapsed } else { w - elapsed };
+        Outcome {
+            allowed: false,
+            remaining: (lf - estimate).floor().max(0.0) as u64,
+            reset_us: reset,
+            retry_after_us: retry as u64,
+            delay_us: 0,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,93 @@
+//! The deny cache: a denial says when the same key can next pass; until then this node answers
+//! 429 itself, without a store round trip, so a client in a tight loop costs the store nothing.
+//!
+//! Entries are keyed by a 64-bit hash of the store key (no secret is kept) and hold the
+//! instant the key can pass again. The cache is sharded like the memory store and bounded:
+//! a full shard first drops expired entries, then refuses new ones (a missed cache entry only
+//! costs a store round trip, never a wrong answer).
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hash, Hasher};
+
+use parking_lot::Mutex;
+
+use super::StoreKey;
+
+const SHARDS: usize = 16;
+
+/// Locally remembered denials. Correct under any interleaving: an entry only ever says "denied
+/// until T", which the store itself said, and the state it describes can only be reset by
+/// [`DenyCache::remove`] / [`DenyCache::clear`] (admin reset, rule reload).
+pub struct DenyCache {
+    /// key hash → microseconds since the epoch at which the key can pass again.
+    shards: Vec<Mutex<HashMap<u64, u64>>>,
+    /// Entries one shard may hold.
+    per_shard_cap: usize,
+    /// Hashes store keys.
+    hasher: std::collections::hash_map::RandomState,
+}
+
+impl DenyCache {
+    /// A cache of at most about `max_entries` denials.
+    pub fn new(max_entries: usize) -> Self {
+        DenyCache {
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            per_shard_cap: (max_entries / SHARDS).max(16),
+            hasher: Default::default(),
+        }
+    }
+
+    fn slot(&self, key: &StoreKey) -> (usize, u64) {
+        let mut h = self.hasher.build_hasher();
+        key.as_str().hash(&mut h);
+        let v = h.finish();
+        ((v as usize) % SHARDS, v)
+    }
+
+    /// When `key` is still denied at `now`, the instant it can pass.
+    pub fn get(&self, key: &StoreKey, now: u64) -> Option<u64> {
+        let (s, h) = self.slot(key);
+        let shard = self.shards[s].lock();
+        match shard.get(&h) {
+            Some(&until) if until > now => Some(until),
+            _ => None,
+        }
+    }
+
+    /// Remember that `key` is denied until `until`.
+    pub fn insert(&self, key: &StoreKey, until: u64) {
+        let (s, h) = self.slot(key);
+        let mut shard = self.shards[s].lock();
+        if shard.len() >= self.per_shard_cap && !shard.contains_key(&h) {
+            let now = crate::clock::Clock::now_us(&crate::clock::SystemClock);
+            shard.retain(|_, u| *u > now.min(until));
+            if shard.len() >= self.per_shard_cap {
+                return;
+            }
+        }
+        shard.insert(h, until);
+    }
+
+    /// Forget `key`'s denial.
+    pub fn remove(&self, key: &StoreKey) {
+        let (s, h) = self.slot(key);
+        self.shards[s].lock().remove(&h);
+    }
+
+    /// Forget every denial (the rules changed).
+    pub fn clear(&self) {
+        for s in &self.shards {
+            s.lock().clear();
+        }
+    }
+
+    /// Number of remembered denials.
+    pub fn len(&self) -> usize {
+        self.shards.iter().map(|s| s.lock().len()).sum()
+    }
+
+    /// True when nothing is remembered.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}

@@ -1,0 +1,151 @@
+//! Unit tests for the pure parts of the Redis store (the script itself is tested against real
+//! Redis servers in `tests/redis_store.rs` and `tests/differential.rs`).
+
+use std::num::NonZeroU64;
+
+use super::*;
+
+fn check(key: &str, algorithm: Algorithm, shadow: bool) -> LimitCheck {
+    let n = |v| NonZeroU64::new(v).unwrap();
+    LimitCheck {
+        key: StoreKey(key.to_owned()),
+        quota: if algorithm.is_bucket() {
+            Quota::bucket(algorithm, n(10), n(100_000))
+        } else {
+            Quota::window(algorithm, n(10), n(1_000_000))
+        },
+        cost: 2,
+        shadow,
+    }
+}
+
+fn args(cmd: &Cmd) -> Vec<String> {
+    cmd.args_iter()
+        .map(|a| match a {
+            redis::Arg::Simple(b) => String::from_utf8_lossy(b).into_owned(),
+            _ => "<other>".to_owned(),
+        })
+        .collect()
+}
+
+#[test]
+fn script_is_all_fragments_in_order() {
+    let order = [
+        "shared helpers",
+        "token bucket (algorithm code 1)",
+        "leaky bucket (algorithm code 2)",
+        "fixed window (algorithm code 3)",
+        "sliding log (algorithm code 4)",
+        "sliding window counter (algorithm code 5)",
+        "entry point of the combined limit script",
+    ];
+    let mut at = 0;
+    for marker in order {
+        let pos = SCRIPT_SOURCE[at..]
+            .find(marker)
+            .unwrap_or_else(|| panic!("{marker} missing or out of order"));
+        at += pos;
+    }
+    // No fragment may define a global: Redis 7 refuses them.
+    for line in SCRIPT_SOURCE.lines() {
+        assert!(!line.starts_with("function "), "global function: {line}");
+    }
+}
+
+#[test]
+fn sha_is_sha1_of_the_source() {
+    let sha = redis::Script::new(SCRIPT_SOURCE).get_hash().to_owned();
+    assert_eq!(sha.len(), 40);
+    assert!(sha.bytes().all(|b| b.is_ascii_hexdigit()));
+}
+
+#[test]
+fn evalsha_command_layout() {
+    let cs = [
+        check("tl:{a}:r1:1s", Algorithm::FixedWindow, false),
+        check("tl:{a}:r2:b", Algorithm::LeakyBucket, true),
+    ];
+    let cmd = script_cmd(Some("abc"), Mode::Check, Some(1_700_000_000_000_000), cs.iter());
+    assert_eq!(
+        args(&cmd),
+        [
+            "EVALSHA", "abc", "2", "tl:{a}:r1:1s", "tl:{a}:r2:b", "check", "1700000000000000",
+            "3", "10", "1000000", "2", "0", "2", "10", "100000", "2", "1",
+        ]
+    );
+    let cmd = script_cmd(None, Mode::Peek, None, cs[..1].iter());
+    let a = args(&cmd);
+    assert_eq!(a[0], "EVAL");
+    assert_eq!(a[1], SCRIPT_SOURCE);
+    assert_eq!(a[2..], ["1", "tl:{a}:r1:1s", "peek", "", "3", "10", "1000000", "2", "0"]);
+}
+
+#[test]
+fn parse_reply_maps_fields_and_missing_keys() {
+    let v = Value::Array(
+        [7, 1, 3, 100, 0, 5, 0, 0, 50, 40, 0, -1, 0, 0, 0, 0]
+            .into_iter()
+            .map(Value::Int)
+            .collect(),
+    );
+    let (now, outs) = parse_reply(v, 3).unwrap();
+    assert_eq!(now, 7);
+    assert_eq!(
+        outs[0],
+        Some(Outcome {
+            allowed: true,
+            remaining: 3,
+            reset_us: 100,
+            retry_after_us: 0,
+            delay_us: 5
+        })
+    );
+    assert_eq!(
+        outs[1],
+        Some(Outcome {
+            allowed: false,
+            remaining: 0,
+            reset_us: 50,
+            retry_after_us: 40,
+            delay_us: 0
+        })
+    );
+    assert_eq!(outs[2], None);
+}
+
+#[test]
+fn parse_reply_rejects_bad_shapes() {
+    assert!(matches!(
+        parse_reply(Value::Int(1), 0),
+        Err(StoreError::Protocol(_))
+    ));
+    assert!(matches!(
+        parse_reply(Value::Array(vec![Value::Int(1), Value::Int(1)]), 1),
+        Err(StoreError::Protocol(_))
+    ));
+    let bad = Value::Array(vec![Value::Int(1), Value::Nil, Value::Int(0), Value::Int(0), Value::Int(0), Value::Int(0)]);
+    assert!(matches!(parse_reply(bad, 1), Err(StoreError::Protocol(_))));
+}
+
+#[test]
+fn grouping_by_hash_tag() {
+    let keys: Vec<StoreKey> = ["tl:{a}:x", "tl:{b}:x", "tl:{a}:y", "tl:{c}:z", "tl:{b}:w"]
+        .iter()
+        .map(|k| StoreKey((*k).to_owned()))
+        .collect();
+    assert_eq!(
+        group_by_tag(keys.iter()),
+        vec![vec![0, 2], vec![1, 4], vec![3]]
+    );
+    assert!(!one_tag(keys.iter()));
+    assert!(one_tag(keys[..1].iter()));
+    assert!(one_tag([keys[0].clone(), keys[2].clone()].iter()));
+    assert!(one_tag(std::iter::empty()));
+}
+
+#[test]
+fn connect_timeout_is_bounded() {
+    assert_eq!(connect_timeout(Duration::from_millis(20)), Duration::from_millis(100));
+    assert_eq!(connect_timeout(Duration::from_millis(100)), Duration::from_millis(400));
+    assert_eq!(connect_timeout(Duration::from_secs(5)), Duration::from_secs(1));
+}

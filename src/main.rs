@@ -1,0 +1,198 @@
+//! The `tollgate` command line: parse arguments, set up logging, call into the library.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use tollgate::config::{EnvOverrides, GatewayConfig};
+
+#[derive(Parser)]
+#[command(name = "tollgate", version, about = "A rate-limiting HTTP reverse proxy")]
+struct Cli {
+    /// Log format: human on a TTY, JSON otherwise, unless set.
+    #[arg(long, global = true, value_enum)]
+    log_format: Option<LogFormat>,
+    #[command(subcommand)]
+    command: Option<Command>,
+    /// Gateway config (when no sub-command is given, `run` is implied).
+    #[arg(long, env = "TOLLGATE_CONFIG", default_value = "config/gateway.yaml")]
+    config: PathBuf,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Human,
+    Json,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve (the default).
+    Run {
+        /// Gateway config.
+        #[arg(long, env = "TOLLGATE_CONFIG", default_value = "config/gateway.yaml")]
+        config: PathBuf,
+    },
+    /// Validate the gateway config, rules and keys; print a summary.
+    Check {
+        /// Gateway config.
+        #[arg(long, env = "TOLLGATE_CONFIG", default_value = "config/gateway.yaml")]
+        config: PathBuf,
+    },
+    /// Show the identity, matching rules and store keys for a request.
+    Explain {
+        /// Gateway config.
+        #[arg(long, env = "TOLLGATE_CONFIG", default_value = "config/gateway.yaml")]
+        config: PathBuf,
+        /// Method.
+        #[arg(long, default_value = "GET")]
+        method: String,
+        /// Path (query allowed).
+        #[arg(long)]
+        path: String,
+        /// Request header, `Name: value` (repeatable).
+        #[arg(long = "header")]
+        headers: Vec<String>,
+        /// Peer IP.
+        #[arg(long, default_value = "127.0.0.1")]
+        ip: std::net::IpAddr,
+    },
+    /// Print the SHA-256 line to paste into keys.yaml.
+    HashKey {
+        /// The API key.
+        key: String,
+    },
+    /// Run the embedded demo (echo upstream + gateway on the memory store).
+    Demo {
+        /// Demo gateway config.
+        #[arg(long, default_value = "config/demo/gateway.yaml")]
+        config: PathBuf,
+    },
+}
+
+fn init_logs(format: Option<LogFormat>) {
+    use std::io::IsTerminal;
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let json = match format {
+        Some(LogFormat::Json) => true,
+        Some(LogFormat::Human) => false,
+        None => !std::io::stderr().is_terminal(),
+    };
+    let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    if json {
+        b.json().flatten_event(true).init();
+    } else {
+        b.init();
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let command = cli.command.unwrap_or(Command::Run { config: cli.config });
+    match command {
+        Command::HashKey { key } => {
+            println!("    sha256: {}", tollgate::identity::keys::hash_key(&key));
+            ExitCode::SUCCESS
+        }
+        Command::Check { config } => check(&config),
+        Command::Explain { config, method, path, headers, ip } => explain(&config, &method, &path, &headers, ip),
+        Command::Run { config } => {
+            init_logs(cli.log_format);
+            runtime(async move {
+                let cfg = GatewayConfig::load(&config, &EnvOverrides::from_env()).map_err(|e| e.to_string())?;
+                let running = tollgate::gateway::start(cfg).await.map_err(|e| e.to_string())?;
+                tollgate::demo::shutdown_signal().await;
+                tracing::info!("signal received");
+                running.stop().await;
+                Ok(())
+            })
+        }
+        Command::Demo { config } => {
+            init_logs(cli.log_format.or(Some(LogFormat::Human)));
+            runtime(async move { tollgate::demo::run(&config).await.map_err(|e| e.to_string()) })
+        }
+    }
+}
+
+fn runtime(f: impl std::future::Future<Output = Result<(), String>>) -> ExitCode {
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("tollgate: cannot start runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(f) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tollgate: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn load_all(config: &std::path::Path) -> Result<(GatewayConfig, tollgate::gateway::Snapshot), String> {
+    let cfg = GatewayConfig::load(config, &EnvOverrides::from_env()).map_err(|e| e.to_string())?;
+    let metrics = tollgate::metrics::Metrics::new();
+    let snap = tollgate::gateway::load_snapshot(&cfg, &metrics).map_err(|e| e.to_string())?;
+    Ok((cfg, snap))
+}
+
+fn check(config: &std::path::Path) -> ExitCode {
+    match load_all(config) {
+        Ok((cfg, snap)) => {
+            println!("{}: ok", config.display());
+            println!("  listen {} (admin {}), upstream {}", cfg.listen, cfg.admin_listen, cfg.upstream.url);
+            println!("  store {:?} {:?}, timeout {:?}", cfg.store.kind, cfg.store.urls, cfg.store.timeout);
+            println!("  rules {} ({} rules, version {})", cfg.rules_file.display(), snap.rules.rules.len(), snap.rules.version);
+            for r in &snap.rules.rules {
+                let lim: Vec<String> = r.limits.iter().map(|q| format!("{}/{}", q.limit, tollgate::rules::window_text(q.window_us.get()))).collect();
+                println!("    {:<24} {:<10} {:<15} {:<14} {}", r.name, r.key.to_text(), r.limits[0].algorithm.as_str(), lim.join(","), r.pattern.source);
+            }
+            match &cfg.keys_file {
+                Some(k) => println!("  keys {} ({} keys)", k.display(), snap.keys.len()),
+                None => println!("  keys: none"),
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("{e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn explain(config: &std::path::Path, method: &str, path: &str, headers: &[String], ip: std::net::IpAddr) -> ExitCode {
+    let (cfg, snap) = match load_all(config) {
+        Ok(x) => x,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut h = http::HeaderMap::new();
+    for line in headers {
+        let Some((k, v)) = line.split_once(':') else {
+            eprintln!("--header wants 'Name: value', got {line:?}");
+            return ExitCode::FAILURE;
+        };
+        match (http::HeaderName::from_bytes(k.trim().as_bytes()), http::HeaderValue::from_str(v.trim())) {
+            (Ok(k), Ok(v)) => {
+                h.append(k, v);
+            }
+            _ => {
+                eprintln!("invalid header {line:?}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    let Ok(m) = http::Method::from_bytes(method.to_ascii_uppercase().as_bytes()) else {
+        eprintln!("invalid method {method:?}");
+        return ExitCode::FAILURE;
+    };
+    let keys = tollgate::rules::KeyBuilder { prefix: cfg.store.key_prefix.clone(), salt: cfg.store.key_salt.clone() };
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let v = tollgate::admin::explain(&cfg, &keys, &snap, &m, path, &h, ip, now);
+    println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+    ExitCode::SUCCESS
+}

@@ -1,0 +1,338 @@
+//! The request path: identify → match → check → forward / respond.
+//!
+//! Per request: one `ArcSwap` load of the rule snapshot, identity and matching on borrowed
+//! data, one hash per distinct key value, one store call (one round trip per Redis slot), and
+//! then either the upstream's streamed response or a local 429/503. No lock is held across an
+//! `.await`; metric handles were resolved when the rules loaded.
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use http::{header, HeaderValue, Method, Request, Response, Version};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+
+use crate::gateway::Gateway;
+use crate::http::headers::{self, Binding};
+use crate::http::respond::{self, GatewayError};
+use crate::http::{forward, BoxError, ProxyBody};
+use crate::identity::{identify, Identity};
+use crate::limiter::{FailurePolicy, LimitCheck, Source, StoreError, StoreKey, Verdict};
+use crate::rules::{key_value, normalize, KeyValue, RequestInfo};
+
+/// The checks of one request and the rule each came from.
+struct Plan {
+    /// What to ask the store.
+    checks: Vec<LimitCheck>,
+    /// Failure policy per check.
+    policies: Vec<FailurePolicy>,
+    /// Rule index per check.
+    owners: Vec<u32>,
+}
+
+/// Host without port, from `Host` or the URI authority (HTTP/2).
+fn request_host<B>(req: &Request<B>) -> Option<&str> {
+    let raw = match req.headers().get(header::HOST) {
+        Some(h) => h.to_str().ok()?,
+        None => req.uri().host()?,
+    };
+    Some(match raw.rfind(':') {
+        Some(i) if !raw.ends_with(']') && raw[i + 1..].bytes().all(|b| b.is_ascii_digit()) => &raw[..i],
+        _ => raw,
+    })
+}
+
+/// Refuses requests a proxy must not pass on.
+fn validate<B>(req: &Request<B>) -> Result<(), GatewayError> {
+    let h = req.headers();
+    if h.contains_key(header::TRANSFER_ENCODING) && h.contains_key(header::CONTENT_LENGTH) {
+        return Err(GatewayError::BadRequest("both Content-Length and Transfer-Encoding"));
+    }
+    if h.get_all(header::CONTENT_LENGTH).iter().count() > 1 {
+        return Err(GatewayError::BadRequest("more than one Content-Length"));
+    }
+    let hosts = h.get_all(header::HOST).iter().count();
+    if hosts > 1 {
+        return Err(GatewayError::BadRequest("more than one Host header"));
+    }
+    if hosts == 0 && req.version() == Version::HTTP_11 {
+        return Err(GatewayError::BadRequest("HTTP/1.1 request without Host"));
+    }
+    Ok(())
+}
+
+impl Gateway {
+    /// Serve one request; never fails (errors become responses in `crate::http::respond`).
+    pub async fn handle(self: Arc<Self>, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
+        match self.clone().handle_inner(req, peer).await {
+            Ok(r) => r,
+            Err(e) => {
+                self.metrics.local_response(e.status().as_u16());
+                e.into_response()
+            }
+        }
+    }
+
+    /// Build the store checks for a request: the chosen rule of each key kind, its limits
+    /// (or the caller's override), one hash per distinct key value.
+    fn plan(&self, snap: &crate::gateway::Snapshot, req_headers: &http::HeaderMap, ident: &Identity, info: &RequestInfo<'_>) -> Plan {
+        let selected = snap.rules.select(info);
+        let mut plan = Plan {
+            checks: Vec::with_capacity(selected.len() + 1),
+            policies: Vec::with_capacity(selected.len() + 1),
+            owners: Vec::with_capacity(selected.len() + 1),
+        };
+        if selected.is_empty() {
+            return plan;
+        }
+        let ip_text: Arc<str> = if ident.kind == crate::identity::IdentityKind::Ip { ident.id.clone() } else { Arc::from(ident.ip.to_string()) };
+        let mut last: Option<(Vec<u8>, String)> = None;
+        for ri in selected {
+            let rule = &snap.rules.rules[ri as usize];
+            let Some(value) = key_value(&rule.key, ident, req_headers, &ip_text) else { continue };
+            let raw: &[u8] = match value {
+                KeyValue::Str(s) => s.as_bytes(),
+                KeyValue::Bytes(b) => b,
+                KeyValue::Global => b"",
+            };
+            let tag = match (&last, value) {
+                (Some((v, t)), KeyValue::Str(_) | KeyValue::Bytes(_)) if v.as_slice() == raw => t.clone(),
+                _ => {
+                    let t = self.keys.tag(value, &rule.name);
+                    if !matches!(value, KeyValue::Global) {
+                        last = Some((raw.to_vec(), t.clone()));
+                    }
+                    t
+                }
+            };
+            for q in rule.limits_for(ident) {
+                plan.checks.push(LimitCheck {
+                    key: StoreKey(self.keys.key(&tag, &rule.name, q)),
+                    quota: *q,
+                    cost: rule.cost,
+                    shadow: rule.shadow,
+                });
+                plan.policies.push(rule.failure);
+                plan.owners.push(ri);
+            }
+        }
+        plan
+    }
+
+    async fn handle_inner(self: Arc<Self>, req: Request<Incoming>, peer: SocketAddr) -> Result<Response<ProxyBody>, GatewayError> {
+        validate(&req)?;
+        if let Some(len) = req.headers().get(header::CONTENT_LENGTH) {
+            let len: u64 = len.to_str().ok().and_then(|s| s.parse().ok()).ok_or(GatewayError::BadRequest("invalid Content-Length"))?;
+            if len > self.config.server.max_body_bytes {
+                return Err(GatewayError::PayloadTooLarge);
+            }
+        }
+        let snap = self.snapshot.load();
+        let now_us = self.clock.now_us();
+        let now_secs = now_us / 1_000_000;
+        let ident = identify(req.headers(), peer.ip(), &snap.keys, &self.config.identity, now_secs);
+        let path = normalize(req.uri().path());
+        let info = RequestInfo {
+            method: req.method(),
+            path: &path,
+            host: request_host(&req),
+            headers: req.headers(),
+            tier: &ident.tier,
+        };
+        let plan = self.plan(&snap, req.headers(), &ident, &info);
+        drop(path);
+
+        let mut binding: Option<(usize, crate::limiter::Outcome)> = None;
+        let mut delay_us = 0u64;
+        let mut refund_guard = None;
+        if plan.checks.is_empty() {
+            self.metrics.unmatched.inc();
+        } else {
+            let started = Instant::now();
+            let verdict = self.limiter.check(&plan.checks, &plan.policies).await;
+            self.metrics.check_latency.observe(started.elapsed().as_secs_f64());
+            self.account(&snap, &plan, &verdict, &ident);
+            // Fail closed wins over everything: the store is down and the rule says so.
+            if let Some(i) = plan.checks.iter().zip(&verdict.outcomes).position(|(c, (_, s))| !c.shadow && *s == Source::FailClosed) {
+                let rule = &snap.rules.rules[plan.owners[i] as usize];
+                return Err(GatewayError::LimiterUnavailable { rule: rule.name.to_string(), retry_after_secs: 1 });
+            }
+            let idx = headers::binding_index(plan.checks.iter().zip(&verdict.outcomes).map(|(c, (o, _))| (c.shadow, *o)));
+            if let Some(i) = idx {
+                let (o, _) = verdict.outcomes[i];
+                if !o.allowed {
+                    let rule = &snap.rules.rules[plan.owners[i] as usize];
+                    let b = Binding { rule: &rule.name, quota: &plan.checks[i].quota, outcome: &o };
+                    let lim = &self.config.limits;
+                    return Ok(respond::rate_limited(&b, lim.ietf_headers, lim.legacy_headers, now_secs));
+                }
+                binding = Some((i, o));
+            }
+            delay_us = verdict
+                .outcomes
+                .iter()
+                .filter(|(_, s)| *s == Source::Store || *s == Source::Local)
+                .map(|(o, _)| o.delay_us)
+                .max()
+                .unwrap_or(0);
+            if delay_us > 0 {
+                refund_guard = Some(RefundGuard { gw: self.clone(), checks: Some(plan.checks.clone()) });
+            }
+        }
+        if delay_us > 0 {
+            // Leaky bucket: wait our turn. If the client leaves, this future is dropped and the
+            // guard gives the slot back.
+            tokio::time::sleep(Duration::from_micros(delay_us)).await;
+        }
+        if let Some(mut g) = refund_guard.take() {
+            g.checks = None;
+        }
+
+        let mut resp = self.forward(req, peer).await?;
+        if let Some((i, o)) = binding {
+            let rule = &snap.rules.rules[plan.owners[i] as usize];
+            let b = Binding { rule: &rule.name, quota: &plan.checks[i].quota, outcome: &o };
+            let lim = &self.config.limits;
+            headers::write(resp.headers_mut(), &b, lim.ietf_headers, lim.legacy_headers, now_secs);
+        }
+        Ok(resp)
+    }
+
+    /// Metrics and logs for one verdict.
+    fn account(&self, snap: &crate::gateway::Snapshot, plan: &Plan, verdict: &Verdict, ident: &Identity) {
+        if let Some(e) = &verdict.store_error {
+            match e {
+                StoreError::Timeout => self.metrics.store_timeout.inc(),
+                StoreError::CircuitOpen => self.metrics.store_circuit_open.inc(),
+                _ => self.metrics.store_error.inc(),
+            };
+        }
+        let mut last_rule = u32::MAX;
+        for ((c, (o, src)), ri) in plan.checks.iter().zip(&verdict.outcomes).zip(&plan.owners) {
+            // One count per rule: its first denying limit, else its first limit.
+            let first_of_rule = *ri != last_rule;
+            last_rule = *ri;
+            let m = &snap.rule_metrics[*ri as usize];
+            let rule = &snap.rules.rules[*ri as usize];
+            if *src == Source::DenyCache && !o.allowed {
+                self.metrics.deny_cache_hits.inc();
+            }
+            if !first_of_rule && o.allowed {
+                continue;
+            }
+            match (src, o.allowed, c.shadow) {
+                (Source::FailOpen, _, _) => m.fail_open.inc(),
+                (Source::FailClosed, _, _) => m.fail_closed.inc(),
+                (Source::Local, true, _) => m.local.inc(),
+                (_, true, _) => m.allowed.inc(),
+                (_, false, true) => {
+                    let n = self.shadow_seen.fetch_add(1, Ordering::Relaxed);
+                    if n % self.config.limits.shadow_log_sample == 0 {
+                        tracing::info!(rule = %rule.name, identity_kind = ident.kind.as_str(), identity = %self.keys.tag(KeyValue::Str(&ident.id), ""), retry_after_ms = o.retry_after_us / 1000, sampled_one_in = self.config.limits.shadow_log_sample, "shadow rule would deny");
+                    }
+                    m.would_deny.inc()
+                }
+                (_, false, false) => {
+                    if *src != Source::DenyCache {
+                        tracing::info!(rule = %rule.name, identity_kind = ident.kind.as_str(), identity = %self.keys.tag(KeyValue::Str(&ident.id), ""), retry_after_ms = o.retry_after_us / 1000, "denied");
+                    }
+                    if matches!(src, Source::Local) {
+                        m.local.inc();
+                    }
+                    m.denied.inc()
+                }
+            };
+        }
+    }
+
+    /// Send the request upstream and return its streamed response.
+    async fn forward(&self, mut req: Request<Incoming>, peer: SocketAddr) -> Result<Response<ProxyBody>, GatewayError> {
+        let upgrade = forward::upgrade_of(req.headers());
+        let client_upgrade = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut req));
+        let (parts, body) = req.into_parts();
+        let mut out = Request::new(
+            Limited::new(body, self.config.server.max_body_bytes as usize)
+                .map_err(|e| -> BoxError { e })
+                .boxed_unsync(),
+        );
+        *out.method_mut() = parts.method;
+        *out.uri_mut() = forward::upstream_uri(&self.config.upstream, parts.uri.path_and_query()).map_err(|_| GatewayError::BadRequest("invalid request target"))?;
+        *out.version_mut() = Version::HTTP_11;
+        let mut h = parts.headers;
+        let host = h.get(header::HOST).cloned().or_else(|| parts.uri.authority().and_then(|a| HeaderValue::from_str(a.as_str()).ok()));
+        forward::strip_hop_by_hop(&mut h, upgrade);
+        forward::add_forwarded(&mut h, peer.ip(), host.as_ref());
+        if let Some(host) = host {
+            h.insert(header::HOST, host);
+        }
+        *out.headers_mut() = h;
+        if *out.method() == Method::CONNECT {
+            return Err(GatewayError::BadRequest("CONNECT is not supported"));
+        }
+
+        let started = Instant::now();
+        let result = tokio::time::timeout(self.config.upstream.request_timeout, self.client.request(out)).await;
+        self.metrics.upstream_latency.observe(started.elapsed().as_secs_f64());
+        let mut resp = match result {
+            Err(_) => {
+                self.metrics.upstream_status[5].inc();
+                return Err(GatewayError::GatewayTimeout);
+            }
+            Ok(Err(e)) => {
+                self.metrics.upstream_status[5].inc();
+                tracing::warn!(error = %e, "upstream request failed");
+                return Err(GatewayError::BadGateway(e.to_string()));
+            }
+            Ok(Ok(r)) => r,
+        };
+        let class = (resp.status().as_u16() / 100).clamp(1, 5) as usize - 1;
+        self.metrics.upstream_status[class].inc();
+
+        if resp.status() == http::StatusCode::SWITCHING_PROTOCOLS {
+            if let Some(client_up) = client_upgrade {
+                let upstream_up = hyper::upgrade::on(&mut resp);
+                tokio::spawn(async move {
+                    match tokio::try_join!(client_up, upstream_up) {
+                        Ok((c, u)) => {
+                            let mut c = TokioIo::new(c);
+                            let mut u = TokioIo::new(u);
+                            let _ = tokio::io::copy_bidirectional(&mut c, &mut u).await;
+                        }
+                        Err(e) => tracing::debug!(error = %e, "upgrade failed"),
+                    }
+                });
+            }
+            let keep = resp.headers().get(header::UPGRADE).cloned();
+            forward::strip_hop_by_hop(resp.headers_mut(), keep);
+        } else {
+            forward::strip_hop_by_hop(resp.headers_mut(), None);
+        }
+        Ok(resp.map(|b| b.map_err(|e| -> BoxError { Box::new(e) }).boxed_unsync()))
+    }
+}
+
+/// Gives back a leaky-bucket slot when the waiting request is dropped (client disconnected).
+struct RefundGuard {
+    /// The gateway (for its limiter).
+    gw: Arc<Gateway>,
+    /// The checks to refund; `None` once the request went through.
+    checks: Option<Vec<LimitCheck>>,
+}
+
+impl Drop for RefundGuard {
+    fn drop(&mut self) {
+        if let Some(checks) = self.checks.take() {
+            let gw = self.gw.clone();
+            if let Ok(h) = tokio::runtime::Handle::try_current() {
+                h.spawn(async move {
+                    gw.limiter.refund(&checks).await;
+                    tracing::debug!("client left while queued; leaky-bucket slot refunded");
+                });
+            }
+        }
+    }
+}
+
