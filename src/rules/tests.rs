@@ -1,0 +1,134 @@
+//! Specificity and validation tests. Validation fixtures live in `tests/fixtures/rules/`, one
+//! file per error, each starting with `# expect: <line>:<col> <message part>`.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use http::{HeaderMap, HeaderValue, Method};
+
+use super::*;
+use crate::identity::{Identity, IdentityKind};
+
+fn rules(yaml: &str) -> RuleSet {
+    RuleSet::from_str(Path::new("rules.yaml"), yaml).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn chosen(set: &RuleSet, method: &str, path: &str, tier: &str, headers: &HeaderMap) -> Vec<String> {
+    let m = Method::from_bytes(method.as_bytes()).unwrap();
+    let norm = normalize(path);
+    let info = RequestInfo { method: &m, path: &norm, host: Some("api.example"), headers, tier };
+    let mut names: Vec<String> = set.select(&info).into_iter().map(|i| set.rules[i as usize].name.to_string()).collect();
+    names.sort();
+    names
+}
+
+const SPEC: &str = r#"
+rules:
+  - { name: all-user,       match: { path: "/**" },                                key: user, limit: 1000, window: 1h }
+  - { name: api-user,       match: { path: "/api/**" },                            key: user, limit: 100, window: 1m }
+  - { name: v1-user,        match: { path: "/api/v1/**" },                         key: user, limit: 50, window: 1m }
+  - { name: user-by-id,     match: { path: "/api/v1/users/{id}" },                 key: user, limit: 20, window: 1m }
+  - { name: users-me,       match: { path: "/api/v1/users/me" },                   key: user, limit: 10, window: 1m }
+  - { name: users-me-post,  match: { path: "/api/v1/users/me", methods: [POST] },  key: user, limit: 5, window: 1m }
+  - { name: search-any,     match: { path: /api/v1/search },                        key: user, limit: 30, window: 1m }
+  - { name: search-free,    match: { path: /api/v1/search, tier: free },            key: user, limit: 5, window: 1m }
+  - { name: login-ip,       match: { path: /api/v1/login, methods: [POST] },        key: ip, algorithm: sliding_log, limit: 5, window: 15m }
+  - { name: all-ip,         match: { path: "/**" },                                key: ip, limit: 5000, window: 1h }
+  - { name: search-global,  match: { path: /api/v1/search },                        key: global, limit: 10000, window: 1s }
+  - { name: beta-header,    match: { path: "/api/**", header: { X-Beta: "1" } },   key: "header:X-Client", limit: 3, window: 1s }
+  - { name: files,          match: { path: "/api/v1/files/*", methods: [POST, PUT] }, key: user, algorithm: token_bucket, rate: 10/s, capacity: 100, cost: 5 }
+"#;
+
+#[test]
+fn most_specific_per_key_kind_and_all_kinds_apply() {
+    let set = rules(SPEC);
+    let h = HeaderMap::new();
+    let table: &[(&str, &str, &str, &[&str])] = &[
+        ("GET", "/", "anonymous", &["all-ip", "all-user"]),
+        ("GET", "/api/x", "anonymous", &["all-ip", "api-user"]),
+        ("GET", "/api/v1/x/y", "anonymous", &["all-ip", "v1-user"]),
+        // template beats prefix; exact beats template
+        ("GET", "/api/v1/users/42", "pro", &["all-ip", "user-by-id"]),
+        ("GET", "/api/v1/users/me", "pro", &["all-ip", "users-me"]),
+        // method-specific beats any method
+        ("POST", "/api/v1/users/me", "pro", &["all-ip", "users-me-post"]),
+        // tier-specific beats any tier; the global rule applies too
+        ("GET", "/api/v1/search", "free", &["all-ip", "search-free", "search-global"]),
+        ("GET", "/api/v1/search", "pro", &["all-ip", "search-any", "search-global"]),
+        // per-IP login rule and the per-user prefix rule both apply
+        ("POST", "/api/v1/login", "anonymous", &["login-ip", "v1-user"]),
+        ("GET", "/api/v1/login", "anonymous", &["all-ip", "v1-user"]),
+        // normalisation: bypass spellings hit the same rules
+        ("POST", "/api/v1//login", "anonymous", &["login-ip", "v1-user"]),
+        ("POST", "/api/v1/%6Cogin", "anonymous", &["login-ip", "v1-user"]),
+        ("POST", "/api/x/../v1/login/", "anonymous", &["login-ip", "v1-user"]),
+        ("POST", "/api/v1/files/report.pdf", "pro", &["all-ip", "files"]),
+        ("GET", "/api/v1/files/report.pdf", "pro", &["all-ip", "v1-user"]),
+    ];
+    for (m, p, tier, want) in table {
+        assert_eq!(chosen(&set, m, p, tier, &h), *want, "{m} {p} tier={tier}");
+    }
+    let mut beta = HeaderMap::new();
+    beta.insert("x-beta", HeaderValue::from_static("1"));
+    assert_eq!(chosen(&set, "GET", "/api/x", "free", &beta), ["all-ip", "api-user", "beta-header"]);
+}
+
+#[test]
+fn overrides_replace_limits_for_one_identity() {
+    let set = rules(
+        "rules:\n  - name: d\n    match: { path: \"/**\" }\n    key: user\n    limit: 1000\n    window: 1h\n    overrides: { cust_42: { limit: 10000 }, cust_7: { limits: [ {limit: 1, window: 1s}, {limit: 5, window: 1m} ] } }\n",
+    );
+    let r = &set.rules[0];
+    let id = |s: &str| Identity { kind: IdentityKind::ApiKey, id: Arc::from(s), tier: Arc::from("pro"), org: None, ip: "1.2.3.4".parse().unwrap() };
+    assert_eq!(r.limits_for(&id("someone"))[0].limit.get(), 1000);
+    let o = r.limits_for(&id("cust_42"));
+    assert_eq!((o[0].limit.get(), o[0].window_us.get()), (10000, 3_600_000_000));
+    assert_eq!(r.limits_for(&id("cust_7")).len(), 2);
+}
+
+#[test]
+fn rates_parse() {
+    assert_eq!(parse_rate("10/s").unwrap().get(), 100_000);
+    assert_eq!(parse_rate("1000/h").unwrap().get(), 3_600_000);
+    assert_eq!(parse_rate("5/500ms").unwrap().get(), 100_000);
+    assert!(parse_rate("0/s").is_err());
+    assert!(parse_rate("ten/s").is_err());
+}
+
+#[test]
+fn store_keys_hash_the_value_and_share_a_tag_per_caller() {
+    let kb = KeyBuilder { prefix: "tl".into(), salt: "s".into() };
+    let q = Quota::window(Algorithm::SlidingWindow, NonZeroU64::new(5).unwrap(), NonZeroU64::new(60_000_000).unwrap());
+    let evil = "x}:{evil\r\nDEL *";
+    let tag = kb.tag(KeyValue::Str(evil), "r");
+    assert!(tag.bytes().all(|b| b.is_ascii_hexdigit()), "{tag}");
+    let key = kb.key(&tag, "search", &q);
+    assert_eq!(key, format!("tl:{{{tag}}}:search:sw60000"));
+    assert!(!key.contains("evil"));
+    // A different salt moves the caller to another tag (the caller can't aim at a slot).
+    let kb2 = KeyBuilder { prefix: "tl".into(), salt: "other".into() };
+    assert_ne!(kb2.tag(KeyValue::Str(evil), "r"), tag);
+    // Global counters are per rule.
+    assert_ne!(kb.tag(KeyValue::Global, "a"), kb.tag(KeyValue::Global, "b"));
+}
+
+#[test]
+fn validation_fixtures_name_line_column_and_reason() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/rules");
+    let mut n = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let expect = text.lines().next().and_then(|l| l.strip_prefix("# expect: ")).unwrap_or_else(|| panic!("{}: no expect line", path.display()));
+        let (pos, msg) = expect.split_once(' ').unwrap();
+        let err = match RuleSet::from_str(&path, &text) {
+            Ok(_) => panic!("{}: was accepted", path.display()),
+            Err(e) => e,
+        };
+        let shown = err.to_string();
+        assert!(shown.starts_with(&format!("{}:{pos}:", path.display())), "{}: got {shown}", path.display());
+        assert!(shown.contains(msg.trim()), "{}: got {shown}", path.display());
+        n += 1;
+    }
+    assert!(n >= 13, "only {n} fixtures");
+}
