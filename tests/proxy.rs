@@ -1,0 +1,136 @@
+//! End-to-end proxying through the real gateway to a real upstream: pass-through, hop-by-hop
+//! headers, streaming, 502/504, upgrades, SIGTERM drain.
+
+mod harness;
+
+use std::time::{Duration, Instant};
+
+use harness::*;
+
+#[tokio::test]
+async fn status_body_and_headers_pass_through_and_hop_by_hop_is_dropped() {
+    let up = echo().await;
+    let gw = gateway(&format!("http://{up}"), "", OPEN_RULES, None).await;
+    let c = client();
+    let r = c
+        .get(format!("{}/status/203?x=1", gw.url))
+        .header("X-End-To-End", "kept")
+        .header("Connection", "X-Secret-Hop")
+        .header("X-Secret-Hop", "dropped")
+        .header("Keep-Alive", "timeout=5")
+        .header("Proxy-Authorization", "Basic Zm9v")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 203);
+    assert_eq!(r.headers()["x-echo"], "1");
+    assert!(r.headers().get("keep-alive").is_none(), "hop-by-hop from upstream must be stripped");
+    assert!(r.headers().get("ratelimit").is_some());
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(v["path"], "/status/203");
+    assert_eq!(v["query"], "x=1");
+    let h = &v["headers"];
+    assert_eq!(h["x-end-to-end"], "kept");
+    assert!(h.get("x-secret-hop").is_none(), "{h}");
+    assert!(h.get("keep-alive").is_none());
+    assert!(h.get("proxy-authorization").is_none());
+    assert_eq!(h["x-forwarded-for"], "127.0.0.1");
+    assert_eq!(h["x-forwarded-proto"], "http");
+    assert!(h["x-forwarded-host"].as_str().unwrap().starts_with("127.0.0.1:"));
+    assert!(h["forwarded"].as_str().unwrap().starts_with("for=127.0.0.1;proto=http"));
+    gw.running.stop().await;
+}
+
+#[tokio::test]
+async fn eight_mib_body_streams_intact_both_ways() {
+    let up = echo().await;
+    let gw = gateway(&format!("http://{up}"), "", OPEN_RULES, None).await;
+    let body: Vec<u8> = (0..8 * 1024 * 1024u32).map(|i| (i.wrapping_mul(2654435761) >> 24) as u8).collect();
+    // Chunked upload (a stream, no Content-Length).
+    let chunks: Vec<Result<Vec<u8>, std::io::Error>> = body.chunks(64 * 1024).map(|c| Ok(c.to_vec())).collect();
+    let stream = futures_util::stream::iter(chunks);
+    let r = client().post(format!("{}/upload", gw.url)).body(reqwest::Body::wrap_stream(stream)).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let got = r.bytes().await.unwrap();
+    assert_eq!(got.len(), body.len());
+    assert!(got.as_ref() == body.as_slice(), "body corrupted");
+    gw.running.stop().await;
+}
+
+#[tokio::test]
+async fn upstream_down_is_502_and_slow_is_504() {
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let gw = gateway(&dead, "", OPEN_RULES, None).await;
+    let r = client().get(format!("{}/x", gw.url)).send().await.unwrap();
+    assert_eq!(r.status(), 502);
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(v["error"], "bad_gateway");
+    gw.running.stop().await;
+
+    let up = echo().await;
+    let gw = gateway(&format!("http://{up}"), "", OPEN_RULES, None).await;
+    let started = Instant::now();
+    let r = client().get(format!("{}/slow/5000", gw.url)).send().await.unwrap();
+    assert_eq!(r.status(), 504);
+    assert!(started.elapsed() < Duration::from_secs(4), "request_timeout is 2s");
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(v["error"], "gateway_timeout");
+    gw.running.stop().await;
+}
+
+#[tokio::test]
+async fn websocket_style_upgrade_passes_through() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = echo().await;
+    let gw = gateway(&format!("http://{up}"), "", OPEN_RULES, None).await;
+    let mut s = tokio::net::TcpStream::connect(gw.running.addr).await.unwrap();
+    s.write_all(b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n").await.unwrap();
+    let mut buf = vec![0u8; 1024];
+    let n = s.read(&mut buf).await.unwrap();
+    let head = String::from_utf8_lossy(&buf[..n]).to_lowercase();
+    assert!(head.starts_with("http/1.1 101"), "{head}");
+    assert!(head.contains("upgrade: websocket"), "{head}");
+    s.write_all(b"ping through the tunnel").await.unwrap();
+    let mut got = vec![0u8; 23];
+    tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut got)).await.unwrap().unwrap();
+    assert_eq!(&got, b"ping through the tunnel");
+    gw.running.stop().await;
+}
+
+#[tokio::test]
+async fn http2_cleartext_is_served() {
+    let up = echo().await;
+    let gw = gateway(&format!("http://{up}"), "", OPEN_RULES, None).await;
+    let c = reqwest::Client::builder().http2_prior_knowledge().build().unwrap();
+    let r = c.get(format!("{}/h2", gw.url)).send().await.unwrap();
+    assert_eq!(r.version(), reqwest::Version::HTTP_2);
+    assert_eq!(r.status(), 200);
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(v["path"], "/h2");
+    gw.running.stop().await;
+}
+
+#[test]
+fn sigterm_drains_in_flight_requests_then_exits_zero() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let up = rt.block_on(echo());
+    let mut gw = binary(&format!("http://{up}"), "", OPEN_RULES);
+    let url = format!("{}/slow/800", gw.url);
+    let inflight = rt.spawn(async move { client().get(url).send().await.map(|r| r.status().as_u16()) });
+    std::thread::sleep(Duration::from_millis(200));
+    let pid = gw.child.id().to_string();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let status = rt.block_on(inflight).unwrap().unwrap();
+    assert_eq!(status, 200, "the in-flight request finished");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(code) = gw.child.try_wait().unwrap() {
+            assert!(code.success(), "exit {code:?}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "did not exit after SIGTERM");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // New connections are refused once it stopped.
+    assert!(std::net::TcpStream::connect(gw.url.trim_start_matches("http://")).is_err());
+}
