@@ -1,0 +1,73 @@
+# syntax=docker/dockerfile:1
+#
+# tollgate container image.
+#
+#   docker build -t tollgate .
+#   docker run --rm -p 8080:8080 -v "$PWD/config:/etc/tollgate:ro" tollgate
+#
+# The config is not baked in: mount a directory holding gateway.yaml (and the rules.yaml /
+# keys.yaml it names) at /etc/tollgate. Mount the directory, not single files, so hot reload
+# sees editors' atomic renames and Kubernetes' ..data symlink swaps.
+#
+# Ports: 8080 proxy (TOLLGATE_LISTEN overrides the config's `listen`), 9090 admin
+# (/healthz /readyz /metrics ...). The HEALTHCHECK runs inside the container, so it works with
+# admin_listen 127.0.0.1:9090 as well as 0.0.0.0:9090; scraping /metrics from another
+# container needs admin_listen 0.0.0.0:9090.
+
+ARG CHEF_IMAGE=lukemathwalker/cargo-chef:latest-rust-1-trixie
+ARG RUNTIME_IMAGE=debian:trixie-slim
+
+# ---- chef: Rust toolchain + cargo-chef ----------------------------------------------------
+FROM ${CHEF_IMAGE} AS chef
+WORKDIR /app
+# Strip symbols from the release binary. Set here so `cook` and `build` use the same profile
+# (a different profile would not reuse the cooked dependencies).
+ENV CARGO_PROFILE_RELEASE_STRIP=symbols \
+    CARGO_TERM_COLOR=never
+
+# ---- planner: the dependency recipe (changes only when Cargo.toml / Cargo.lock change) -----
+FROM chef AS planner
+COPY . .
+RUN cargo chef prepare --recipe-path recipe.json
+
+# ---- builder: dependencies in their own cached layer, then the crate ----------------------
+FROM chef AS builder
+COPY --from=planner /app/recipe.json recipe.json
+# (cook always builds from the recipe's Cargo.lock; it has no --locked flag)
+RUN cargo chef cook --release --recipe-path recipe.json --bin tollgate
+COPY . .
+RUN cargo build --release --locked --bin tollgate \
+ && install -D -m 0755 target/release/tollgate /out/tollgate
+
+# ---- runtime ------------------------------------------------------------------------------
+FROM ${RUNTIME_IMAGE} AS runtime
+# curl: for the HEALTHCHECK only. Unpinned on purpose: the slim base moves with security
+# updates and pinning Debian package versions breaks the build on every point release.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends curl ca-certificates \
+ && rm -rf /var/lib/apt/lists/* \
+ && groupadd --system --gid 10001 tollgate \
+ && useradd --system --uid 10001 --gid tollgate --home-dir /nonexistent --no-create-home \
+      --shell /usr/sbin/nologin tollgate \
+ && install -d -m 0755 -o root -g root /etc/tollgate
+
+COPY --from=builder /out/tollgate /usr/local/bin/tollgate
+
+# Container defaults: listen on all interfaces inside the container (the config's `listen`
+# is usually loopback-only for bare-metal use); logs are JSON when stdout is not a TTY.
+ENV TOLLGATE_CONFIG=/etc/tollgate/gateway.yaml \
+    TOLLGATE_LISTEN=0.0.0.0:8080 \
+    RUST_LOG=info
+
+# numeric ids, so Kubernetes' runAsNonRoot can verify them without reading /etc/passwd
+USER 10001:10001
+WORKDIR /etc/tollgate
+EXPOSE 8080 9090
+STOPSIGNAL SIGTERM
+
+HEALTHCHECK --interval=10s --timeout=2s --start-period=10s --retries=3 \
+  CMD ["curl", "-fsS", "-o", "/dev/null", "--max-time", "2", "http://127.0.0.1:9090/healthz"]
+
+ENTRYPOINT ["tollgate"]
+CMD ["run", "--config", "/etc/tollgate/gateway.yaml"]
