@@ -57,9 +57,17 @@ async fn route(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<ProxyBody> 
         (Method::GET, "/healthz") => respond::text(StatusCode::OK, "ok\n", "text/plain"),
         (Method::GET, "/readyz") => match gw.ready().await {
             Ok(()) => respond::text(StatusCode::OK, "ready\n", "text/plain"),
-            Err(e) => respond::text(StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {e}\n"), "text/plain"),
+            Err(e) => respond::text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("not ready: {e}\n"),
+                "text/plain",
+            ),
         },
-        (Method::GET, "/metrics") => respond::text(StatusCode::OK, gw.metrics.encode(), "application/openmetrics-text; version=1.0.0; charset=utf-8"),
+        (Method::GET, "/metrics") => respond::text(
+            StatusCode::OK,
+            gw.metrics.encode(),
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        ),
         (Method::GET, "/rules") => respond::json_ok(&rules_json(&gw.snapshot.load())),
         (Method::POST, "/reload") => {
             let _ = req.into_body().collect().await;
@@ -73,18 +81,33 @@ async fn route(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<ProxyBody> 
             }
         }
         (Method::GET, "/explain") => {
-            let method = query_param(&query, "method").unwrap_or("GET".into()).to_ascii_uppercase();
+            let method = query_param(&query, "method")
+                .unwrap_or("GET".into())
+                .to_ascii_uppercase();
             let Ok(method) = Method::from_bytes(method.as_bytes()) else {
                 return GatewayError::BadRequest("invalid method").into_response();
             };
             let p = query_param(&query, "path").unwrap_or("/".into()).into_owned();
-            let ip: IpAddr = query_param(&query, "ip").and_then(|s| s.parse().ok()).unwrap_or(IpAddr::from([127, 0, 0, 1]));
+            let ip: IpAddr = query_param(&query, "ip")
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(IpAddr::from([127, 0, 0, 1]));
             let snap = gw.snapshot.load();
-            respond::json_ok(&explain(&gw.config, &gw.keys, &snap, &method, &p, req.headers(), ip, gw.clock.now_us() / 1_000_000))
+            respond::json_ok(&explain(
+                &gw.config,
+                &gw.keys,
+                &snap,
+                &method,
+                &p,
+                req.headers(),
+                ip,
+                gw.clock.now_us() / 1_000_000,
+            ))
         }
         (m, p) if p.starts_with("/keys/") && (m == Method::GET || m == Method::DELETE) => {
             let raw = &p["/keys/".len()..];
-            let who = percent_encoding::percent_decode_str(raw).decode_utf8_lossy().into_owned();
+            let who = percent_encoding::percent_decode_str(raw)
+                .decode_utf8_lossy()
+                .into_owned();
             if who.is_empty() {
                 return GatewayError::NotFound.into_response();
             }
@@ -123,7 +146,9 @@ async fn route(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<ProxyBody> 
                             })
                         })
                         .collect();
-                    respond::json_ok(&json!({"identity_hash": gw.keys.tag(KeyValue::Str(&who), ""), "counters": counters}))
+                    respond::json_ok(
+                        &json!({"identity_hash": gw.keys.tag(KeyValue::Str(&who), ""), "counters": counters}),
+                    )
                 }
                 Err(e) => {
                     let mut r = respond::json_ok(&json!({"error": e.to_string()}));
@@ -147,7 +172,12 @@ fn identity_checks(keys: &KeyBuilder, snap: &Snapshot, who: &str) -> (Vec<LimitC
         }
         let limits = r.overrides.get(who).unwrap_or(&r.limits);
         for q in limits {
-            checks.push(LimitCheck { key: StoreKey(keys.key(&tag, &r.name, q)), quota: *q, cost: 0, shadow: r.shadow });
+            checks.push(LimitCheck {
+                key: StoreKey(keys.key(&tag, &r.name, q)),
+                quota: *q,
+                cost: 0,
+                shadow: r.shadow,
+            });
             meta.push((r.name.to_string(), r.key.to_text()));
         }
     }
@@ -187,12 +217,30 @@ pub fn rules_json(snap: &Snapshot) -> Value {
 /// What `tollgate explain` and `GET /explain` show: identity, each matching rule and why it won
 /// or lost, and the store keys.
 #[allow(clippy::too_many_arguments)]
-pub fn explain(config: &GatewayConfig, keys: &KeyBuilder, snap: &Snapshot, method: &Method, path: &str, headers: &HeaderMap, ip: IpAddr, now_secs: u64) -> Value {
+pub fn explain(
+    config: &GatewayConfig,
+    keys: &KeyBuilder,
+    snap: &Snapshot,
+    method: &Method,
+    path: &str,
+    headers: &HeaderMap,
+    ip: IpAddr,
+    now_secs: u64,
+) -> Value {
     let ident = identify(headers, ip, &snap.keys, &config.identity, now_secs);
     let pq = path.split('?').next().unwrap_or("/");
     let norm = normalize(pq);
-    let host = headers.get(http::header::HOST).and_then(|h| h.to_str().ok()).map(|h| h.split(':').next().unwrap_or(h));
-    let info = RequestInfo { method, path: &norm, host, headers, tier: &ident.tier };
+    let host = headers
+        .get(http::header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .map(|h| h.split(':').next().unwrap_or(h));
+    let info = RequestInfo {
+        method,
+        path: &norm,
+        host,
+        headers,
+        tier: &ident.tier,
+    };
     let ip_text = ident.ip.to_string();
     let matches: Vec<Value> = snap
         .rules

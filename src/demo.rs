@@ -37,8 +37,13 @@ async fn echo(mut req: Request<Incoming>) -> Result<Response<ProxyBody>, Infalli
         });
         let mut resp = Response::new(full(""));
         *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
-        resp.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
-        let proto = req.headers().get(header::UPGRADE).cloned().unwrap_or(HeaderValue::from_static("echo"));
+        resp.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        let proto = req
+            .headers()
+            .get(header::UPGRADE)
+            .cloned()
+            .unwrap_or(HeaderValue::from_static("echo"));
         resp.headers_mut().insert(header::UPGRADE, proto);
         return Ok(resp);
     }
@@ -58,28 +63,38 @@ async fn echo(mut req: Request<Incoming>) -> Result<Response<ProxyBody>, Infalli
         "query": req.uri().query(),
         "headers": headers,
     });
-    let bodyless = matches!(*req.method(), Method::GET | Method::HEAD | Method::DELETE | Method::OPTIONS);
+    let bodyless = matches!(
+        *req.method(),
+        Method::GET | Method::HEAD | Method::DELETE | Method::OPTIONS
+    );
     let mut resp = if bodyless {
         let mut r = Response::new(full(info.to_string()));
-        r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        r.headers_mut()
+            .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
         r
     } else {
         let body = req.into_body().map_err(|e| -> BoxError { Box::new(e) }).boxed_unsync();
         let mut r = Response::new(body);
-        r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
+        r.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/octet-stream"),
+        );
         r
     };
     *resp.status_mut() = status;
     resp.headers_mut().insert("x-echo", HeaderValue::from_static("1"));
     // A hop-by-hop header the gateway must strip on the way back.
-    resp.headers_mut().insert("keep-alive", HeaderValue::from_static("timeout=30"));
+    resp.headers_mut()
+        .insert("keep-alive", HeaderValue::from_static("timeout=30"));
     Ok(resp)
 }
 
 /// Serve the echo upstream on `listener` until the task is dropped.
 pub async fn serve_echo(listener: TcpListener) {
     loop {
-        let Ok((stream, _)) = listener.accept().await else { continue };
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
         tokio::spawn(async move {
             let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
                 .serve_connection_with_upgrades(TokioIo::new(stream), service_fn(echo))
@@ -105,15 +120,27 @@ pub async fn run(config_path: &Path) -> Result<(), Box<dyn std::error::Error>> {
     let running = crate::gateway::start(config).await?;
     let a = running.addr;
     let port = a.port();
-    println!("tollgate demo: echo upstream on {echo}, gateway on http://{a} (memory store), admin on http://{}", running.admin_addr);
+    println!(
+        "tollgate demo: echo upstream on {echo}, gateway on http://{a} (memory store), admin on http://{}",
+        running.admin_addr
+    );
     println!();
     println!("Try:");
     println!("  for i in $(seq 1 15); do curl -s -o /dev/null -w '%{{http_code}}\\n' localhost:{port}/; done   # anonymous: 10/min per IP, then 429");
     println!("  curl -i localhost:{port}/                                   # rate-limit headers on every response");
-    println!("  curl -i -H 'X-API-Key: demo-pro-key' localhost:{port}/api/search   # a registered pro key: higher limits");
+    println!(
+        "  curl -i -H 'X-API-Key: demo-pro-key' localhost:{port}/api/search   # a registered pro key: higher limits"
+    );
     println!("  curl -i -X POST localhost:{port}/api/login                   # 3 per minute per IP, fails closed");
-    println!("  curl -s localhost:{}/rules ; curl -s localhost:{}/metrics | grep tollgate_requests", running.admin_addr.port(), running.admin_addr.port());
-    println!("  cargo run --release -- explain --config {} --method GET --path /api/search", config_path.display());
+    println!(
+        "  curl -s localhost:{}/rules ; curl -s localhost:{}/metrics | grep tollgate_requests",
+        running.admin_addr.port(),
+        running.admin_addr.port()
+    );
+    println!(
+        "  cargo run --release -- explain --config {} --method GET --path /api/search",
+        config_path.display()
+    );
     println!();
     println!("Ctrl-C to stop.");
     shutdown_signal().await;

@@ -70,7 +70,12 @@ pub fn load_snapshot(config: &GatewayConfig, metrics: &Metrics) -> Result<Snapsh
         None => KeyRegistry::empty(),
     };
     let rule_metrics = rules.rules.iter().map(|r| metrics.rule(&r.name)).collect();
-    Ok(Snapshot { rules, keys, rule_metrics, loaded_at: SystemTime::now() })
+    Ok(Snapshot {
+        rules,
+        keys,
+        rule_metrics,
+        loaded_at: SystemTime::now(),
+    })
 }
 
 /// Why the gateway could not start.
@@ -107,14 +112,21 @@ impl Gateway {
         let store = match sc.kind {
             StoreKind::Memory => Backend::Memory(Arc::new(MemoryStore::new(clock.clone(), sc.memory_max_keys))),
             StoreKind::Redis | StoreKind::RedisCluster => {
-                let mode = if sc.kind == StoreKind::Redis { RedisMode::Single } else { RedisMode::Cluster };
+                let mode = if sc.kind == StoreKind::Redis {
+                    RedisMode::Single
+                } else {
+                    RedisMode::Cluster
+                };
                 Backend::Redis(Arc::new(RedisStore::connect(mode, &sc.urls, sc.timeout).await?))
             }
         };
         let limiter = Limiter {
             store,
             local: Arc::new(MemoryStore::new(clock.clone(), sc.memory_max_keys)),
-            deny: config.limits.deny_cache.then(|| DenyCache::new(config.limits.deny_cache_max)),
+            deny: config
+                .limits
+                .deny_cache
+                .then(|| DenyCache::new(config.limits.deny_cache_max)),
             breaker: Arc::new(Breaker::new(sc.breaker_threshold)),
             timeout: sc.timeout,
             clock: clock.clone(),
@@ -129,7 +141,10 @@ impl Gateway {
             .pool_idle_timeout(Duration::from_secs(90))
             .pool_max_idle_per_host(config.upstream.pool_max_idle_per_host)
             .build(connector);
-        let keys = KeyBuilder { prefix: config.store.key_prefix.clone(), salt: config.store.key_salt.clone() };
+        let keys = KeyBuilder {
+            prefix: config.store.key_prefix.clone(),
+            salt: config.store.key_salt.clone(),
+        };
         let gw = Arc::new(Gateway {
             snapshot: ArcSwap::from_pointee(snap),
             limiter,
@@ -171,7 +186,12 @@ impl Gateway {
 
     /// Is the gateway ready: config loaded and the store answering the script path?
     pub async fn ready(&self) -> Result<(), StoreError> {
-        match tokio::time::timeout(self.config.store.timeout.max(Duration::from_millis(200)), self.limiter.store.probe()).await {
+        match tokio::time::timeout(
+            self.config.store.timeout.max(Duration::from_millis(200)),
+            self.limiter.store.probe(),
+        )
+        .await
+        {
             Ok(r) => r,
             Err(_) => Err(StoreError::Timeout),
         }
@@ -241,18 +261,36 @@ pub async fn start(config: GatewayConfig) -> Result<Running, StartError> {
 /// Start serving an already-built gateway.
 pub async fn start_with(gw: Arc<Gateway>) -> Result<Running, StartError> {
     let listen = gw.config.listen;
-    let listener = TcpListener::bind(listen).await.map_err(|source| StartError::Bind { addr: listen, source })?;
+    let listener = TcpListener::bind(listen)
+        .await
+        .map_err(|source| StartError::Bind { addr: listen, source })?;
     let admin_listen = gw.config.admin_listen;
-    let admin = TcpListener::bind(admin_listen).await.map_err(|source| StartError::Bind { addr: admin_listen, source })?;
-    let addr = listener.local_addr().map_err(|source| StartError::Bind { addr: listen, source })?;
-    let admin_addr = admin.local_addr().map_err(|source| StartError::Bind { addr: admin_listen, source })?;
+    let admin = TcpListener::bind(admin_listen)
+        .await
+        .map_err(|source| StartError::Bind {
+            addr: admin_listen,
+            source,
+        })?;
+    let addr = listener
+        .local_addr()
+        .map_err(|source| StartError::Bind { addr: listen, source })?;
+    let admin_addr = admin.local_addr().map_err(|source| StartError::Bind {
+        addr: admin_listen,
+        source,
+    })?;
     let (tx, rx) = watch::channel(false);
     gw.spawn_probe(rx.clone());
     crate::config::reload::spawn_watcher(gw.clone(), rx.clone());
     tokio::spawn(crate::admin::serve(gw.clone(), admin, rx.clone()));
     let done = tokio::spawn(serve(gw.clone(), listener, rx));
     tracing::info!(%addr, %admin_addr, store = ?gw.config.store.kind, upstream = %gw.config.upstream.url, "tollgate listening");
-    Ok(Running { addr, admin_addr, gateway: gw, shutdown: tx, done })
+    Ok(Running {
+        addr,
+        admin_addr,
+        gateway: gw,
+        shutdown: tx,
+        done,
+    })
 }
 
 /// The proxy accept loop. Returns after shutdown was signalled and in-flight requests drained

@@ -72,13 +72,16 @@ enum Command {
 
 fn init_logs(format: Option<LogFormat>) {
     use std::io::IsTerminal;
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let json = match format {
         Some(LogFormat::Json) => true,
         Some(LogFormat::Human) => false,
         None => !std::io::stderr().is_terminal(),
     };
-    let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     if json {
         b.json().flatten_event(true).init();
     } else {
@@ -95,7 +98,13 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Command::Check { config } => check(&config),
-        Command::Explain { config, method, path, headers, ip } => explain(&config, &method, &path, &headers, ip),
+        Command::Explain {
+            config,
+            method,
+            path,
+            headers,
+            ip,
+        } => explain(&config, &method, &path, &headers, ip),
         Command::Run { config } => {
             init_logs(cli.log_format);
             runtime(async move {
@@ -142,12 +151,34 @@ fn check(config: &std::path::Path) -> ExitCode {
     match load_all(config) {
         Ok((cfg, snap)) => {
             println!("{}: ok", config.display());
-            println!("  listen {} (admin {}), upstream {}", cfg.listen, cfg.admin_listen, cfg.upstream.url);
-            println!("  store {:?} {:?}, timeout {:?}", cfg.store.kind, cfg.store.urls, cfg.store.timeout);
-            println!("  rules {} ({} rules, version {})", cfg.rules_file.display(), snap.rules.rules.len(), snap.rules.version);
+            println!(
+                "  listen {} (admin {}), upstream {}",
+                cfg.listen, cfg.admin_listen, cfg.upstream.url
+            );
+            println!(
+                "  store {:?} {:?}, timeout {:?}",
+                cfg.store.kind, cfg.store.urls, cfg.store.timeout
+            );
+            println!(
+                "  rules {} ({} rules, version {})",
+                cfg.rules_file.display(),
+                snap.rules.rules.len(),
+                snap.rules.version
+            );
             for r in &snap.rules.rules {
-                let lim: Vec<String> = r.limits.iter().map(|q| format!("{}/{}", q.limit, tollgate::rules::window_text(q.window_us.get()))).collect();
-                println!("    {:<24} {:<10} {:<15} {:<14} {}", r.name, r.key.to_text(), r.limits[0].algorithm.as_str(), lim.join(","), r.pattern.source);
+                let lim: Vec<String> = r
+                    .limits
+                    .iter()
+                    .map(|q| format!("{}/{}", q.limit, tollgate::rules::window_text(q.window_us.get())))
+                    .collect();
+                println!(
+                    "    {:<24} {:<10} {:<15} {:<14} {}",
+                    r.name,
+                    r.key.to_text(),
+                    r.limits[0].algorithm.as_str(),
+                    lim.join(","),
+                    r.pattern.source
+                );
             }
             match &cfg.keys_file {
                 Some(k) => println!("  keys {} ({} keys)", k.display(), snap.keys.len()),
@@ -176,7 +207,10 @@ fn explain(config: &std::path::Path, method: &str, path: &str, headers: &[String
             eprintln!("--header wants 'Name: value', got {line:?}");
             return ExitCode::FAILURE;
         };
-        match (http::HeaderName::from_bytes(k.trim().as_bytes()), http::HeaderValue::from_str(v.trim())) {
+        match (
+            http::HeaderName::from_bytes(k.trim().as_bytes()),
+            http::HeaderValue::from_str(v.trim()),
+        ) {
             (Ok(k), Ok(v)) => {
                 h.append(k, v);
             }
@@ -190,8 +224,14 @@ fn explain(config: &std::path::Path, method: &str, path: &str, headers: &[String
         eprintln!("invalid method {method:?}");
         return ExitCode::FAILURE;
     };
-    let keys = tollgate::rules::KeyBuilder { prefix: cfg.store.key_prefix.clone(), salt: cfg.store.key_salt.clone() };
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let keys = tollgate::rules::KeyBuilder {
+        prefix: cfg.store.key_prefix.clone(),
+        salt: cfg.store.key_salt.clone(),
+    };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
     let v = tollgate::admin::explain(&cfg, &keys, &snap, &m, path, &h, ip, now);
     println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
     ExitCode::SUCCESS

@@ -113,31 +113,67 @@ impl Metrics {
         let requests = Family::<RuleLabels, Counter>::default();
         registry.register("requests", "Requests by rule and decision", requests.clone());
         let unmatched = Counter::default();
-        registry.register("unmatched_requests", "Requests no rule matched (forwarded)", unmatched.clone());
+        registry.register(
+            "unmatched_requests",
+            "Requests no rule matched (forwarded)",
+            unmatched.clone(),
+        );
         let check_latency = Histogram::new(exponential_buckets(0.00005, 2.0, 14));
-        registry.register("limit_check_duration_seconds", "Latency of one limit check", check_latency.clone());
+        registry.register(
+            "limit_check_duration_seconds",
+            "Latency of one limit check",
+            check_latency.clone(),
+        );
         let store_errors = Family::<KindLabels, Counter>::default();
-        registry.register("store_errors", "Store failures by kind (error, timeout, circuit_open)", store_errors.clone());
+        registry.register(
+            "store_errors",
+            "Store failures by kind (error, timeout, circuit_open)",
+            store_errors.clone(),
+        );
         let kind = |k: &str| store_errors.get_or_create(&KindLabels { kind: k.into() }).clone();
         let (store_error, store_timeout, store_circuit_open) = (kind("error"), kind("timeout"), kind("circuit_open"));
         let breaker_open = Gauge::default();
-        registry.register("store_breaker_open", "1 while the store circuit breaker is open", breaker_open.clone());
+        registry.register(
+            "store_breaker_open",
+            "1 while the store circuit breaker is open",
+            breaker_open.clone(),
+        );
         let deny_cache_hits = Counter::default();
-        registry.register("deny_cache_hits", "Denials answered from the local deny cache", deny_cache_hits.clone());
+        registry.register(
+            "deny_cache_hits",
+            "Denials answered from the local deny cache",
+            deny_cache_hits.clone(),
+        );
         let upstream = Family::<StatusLabels, Counter>::default();
-        registry.register("upstream_responses", "Upstream responses by status class", upstream.clone());
+        registry.register(
+            "upstream_responses",
+            "Upstream responses by status class",
+            upstream.clone(),
+        );
         let st = |s: &str| upstream.get_or_create(&StatusLabels { status: s.into() }).clone();
         let upstream_status = [st("1xx"), st("2xx"), st("3xx"), st("4xx"), st("5xx"), st("error")];
         let upstream_latency = Histogram::new(exponential_buckets(0.0001, 2.0, 18));
-        registry.register("upstream_duration_seconds", "Upstream time to response headers", upstream_latency.clone());
+        registry.register(
+            "upstream_duration_seconds",
+            "Upstream time to response headers",
+            upstream_latency.clone(),
+        );
         let reloads = Family::<ResultLabels, Counter>::default();
         registry.register("reloads", "Rule/key reloads by result", reloads.clone());
         let reload_ok = reloads.get_or_create(&ResultLabels { result: "ok".into() }).clone();
         let reload_error = reloads.get_or_create(&ResultLabels { result: "error".into() }).clone();
         let rules_info = Family::<VersionLabels, Gauge>::default();
-        registry.register("rules_info", "The loaded rule-set version (value 1)", rules_info.clone());
+        registry.register(
+            "rules_info",
+            "The loaded rule-set version (value 1)",
+            rules_info.clone(),
+        );
         let local_errors = Family::<StatusLabels, Counter>::default();
-        registry.register("local_responses", "Responses made by the gateway itself, by status", local_errors.clone());
+        registry.register(
+            "local_responses",
+            "Responses made by the gateway itself, by status",
+            local_errors.clone(),
+        );
         Arc::new(Metrics {
             registry,
             requests,
@@ -159,7 +195,14 @@ impl Metrics {
 
     /// Resolve the handles of rule `name` (at load time).
     pub fn rule(&self, name: &str) -> RuleMetrics {
-        let get = |decision| self.requests.get_or_create(&RuleLabels { rule: name.to_string(), decision }).clone();
+        let get = |decision| {
+            self.requests
+                .get_or_create(&RuleLabels {
+                    rule: name.to_string(),
+                    decision,
+                })
+                .clone()
+        };
         RuleMetrics {
             allowed: get(Decision::allowed),
             denied: get(Decision::denied),
@@ -173,12 +216,20 @@ impl Metrics {
     /// Record the loaded rule-set version.
     pub fn set_rules_version(&self, version: &str) {
         self.rules_info.clear();
-        self.rules_info.get_or_create(&VersionLabels { version: version.to_string() }).set(1);
+        self.rules_info
+            .get_or_create(&VersionLabels {
+                version: version.to_string(),
+            })
+            .set(1);
     }
 
     /// Count a response the gateway made itself.
     pub fn local_response(&self, status: u16) {
-        self.local_errors.get_or_create(&StatusLabels { status: status.to_string() }).inc();
+        self.local_errors
+            .get_or_create(&StatusLabels {
+                status: status.to_string(),
+            })
+            .inc();
     }
 
     /// The text exposition.

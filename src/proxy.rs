@@ -78,7 +78,13 @@ impl Gateway {
 
     /// Build the store checks for a request: the chosen rule of each key kind, its limits
     /// (or the caller's override), one hash per distinct key value.
-    fn plan(&self, snap: &crate::gateway::Snapshot, req_headers: &http::HeaderMap, ident: &Identity, info: &RequestInfo<'_>) -> Plan {
+    fn plan(
+        &self,
+        snap: &crate::gateway::Snapshot,
+        req_headers: &http::HeaderMap,
+        ident: &Identity,
+        info: &RequestInfo<'_>,
+    ) -> Plan {
         let selected = snap.rules.select(info);
         let mut plan = Plan {
             checks: Vec::with_capacity(selected.len() + 1),
@@ -88,11 +94,17 @@ impl Gateway {
         if selected.is_empty() {
             return plan;
         }
-        let ip_text: Arc<str> = if ident.kind == crate::identity::IdentityKind::Ip { ident.id.clone() } else { Arc::from(ident.ip.to_string()) };
+        let ip_text: Arc<str> = if ident.kind == crate::identity::IdentityKind::Ip {
+            ident.id.clone()
+        } else {
+            Arc::from(ident.ip.to_string())
+        };
         let mut last: Option<(Vec<u8>, String)> = None;
         for ri in selected {
             let rule = &snap.rules.rules[ri as usize];
-            let Some(value) = key_value(&rule.key, ident, req_headers, &ip_text) else { continue };
+            let Some(value) = key_value(&rule.key, ident, req_headers, &ip_text) else {
+                continue;
+            };
             let raw: &[u8] = match value {
                 KeyValue::Str(s) => s.as_bytes(),
                 KeyValue::Bytes(b) => b,
@@ -122,10 +134,18 @@ impl Gateway {
         plan
     }
 
-    async fn handle_inner(self: Arc<Self>, req: Request<Incoming>, peer: SocketAddr) -> Result<Response<ProxyBody>, GatewayError> {
+    async fn handle_inner(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+    ) -> Result<Response<ProxyBody>, GatewayError> {
         validate(&req)?;
         if let Some(len) = req.headers().get(header::CONTENT_LENGTH) {
-            let len: u64 = len.to_str().ok().and_then(|s| s.parse().ok()).ok_or(GatewayError::BadRequest("invalid Content-Length"))?;
+            let len: u64 = len
+                .to_str()
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .ok_or(GatewayError::BadRequest("invalid Content-Length"))?;
             if len > self.config.server.max_body_bytes {
                 return Err(GatewayError::PayloadTooLarge);
             }
@@ -156,18 +176,40 @@ impl Gateway {
             self.metrics.check_latency.observe(started.elapsed().as_secs_f64());
             self.account(&snap, &plan, &verdict, &ident);
             // Fail closed wins over everything: the store is down and the rule says so.
-            if let Some(i) = plan.checks.iter().zip(&verdict.outcomes).position(|(c, (_, s))| !c.shadow && *s == Source::FailClosed) {
+            if let Some(i) = plan
+                .checks
+                .iter()
+                .zip(&verdict.outcomes)
+                .position(|(c, (_, s))| !c.shadow && *s == Source::FailClosed)
+            {
                 let rule = &snap.rules.rules[plan.owners[i] as usize];
-                return Err(GatewayError::LimiterUnavailable { rule: rule.name.to_string(), retry_after_secs: 1 });
+                return Err(GatewayError::LimiterUnavailable {
+                    rule: rule.name.to_string(),
+                    retry_after_secs: 1,
+                });
             }
-            let idx = headers::binding_index(plan.checks.iter().zip(&verdict.outcomes).map(|(c, (o, _))| (c.shadow, *o)));
+            let idx = headers::binding_index(
+                plan.checks
+                    .iter()
+                    .zip(&verdict.outcomes)
+                    .map(|(c, (o, _))| (c.shadow, *o)),
+            );
             if let Some(i) = idx {
                 let (o, _) = verdict.outcomes[i];
                 if !o.allowed {
                     let rule = &snap.rules.rules[plan.owners[i] as usize];
-                    let b = Binding { rule: &rule.name, quota: &plan.checks[i].quota, outcome: &o };
+                    let b = Binding {
+                        rule: &rule.name,
+                        quota: &plan.checks[i].quota,
+                        outcome: &o,
+                    };
                     let lim = &self.config.limits;
-                    return Ok(respond::rate_limited(&b, lim.ietf_headers, lim.legacy_headers, now_secs));
+                    return Ok(respond::rate_limited(
+                        &b,
+                        lim.ietf_headers,
+                        lim.legacy_headers,
+                        now_secs,
+                    ));
                 }
                 binding = Some((i, o));
             }
@@ -179,7 +221,10 @@ impl Gateway {
                 .max()
                 .unwrap_or(0);
             if delay_us > 0 {
-                refund_guard = Some(RefundGuard { gw: self.clone(), checks: Some(plan.checks.clone()) });
+                refund_guard = Some(RefundGuard {
+                    gw: self.clone(),
+                    checks: Some(plan.checks.clone()),
+                });
             }
         }
         if delay_us > 0 {
@@ -194,7 +239,11 @@ impl Gateway {
         let mut resp = self.forward(req, peer).await?;
         if let Some((i, o)) = binding {
             let rule = &snap.rules.rules[plan.owners[i] as usize];
-            let b = Binding { rule: &rule.name, quota: &plan.checks[i].quota, outcome: &o };
+            let b = Binding {
+                rule: &rule.name,
+                quota: &plan.checks[i].quota,
+                outcome: &o,
+            };
             let lim = &self.config.limits;
             headers::write(resp.headers_mut(), &b, lim.ietf_headers, lim.legacy_headers, now_secs);
         }
@@ -259,10 +308,16 @@ impl Gateway {
                 .boxed_unsync(),
         );
         *out.method_mut() = parts.method;
-        *out.uri_mut() = forward::upstream_uri(&self.config.upstream, parts.uri.path_and_query()).map_err(|_| GatewayError::BadRequest("invalid request target"))?;
+        *out.uri_mut() = forward::upstream_uri(&self.config.upstream, parts.uri.path_and_query())
+            .map_err(|_| GatewayError::BadRequest("invalid request target"))?;
         *out.version_mut() = Version::HTTP_11;
         let mut h = parts.headers;
-        let host = h.get(header::HOST).cloned().or_else(|| parts.uri.authority().and_then(|a| HeaderValue::from_str(a.as_str()).ok()));
+        let host = h.get(header::HOST).cloned().or_else(|| {
+            parts
+                .uri
+                .authority()
+                .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+        });
         forward::strip_hop_by_hop(&mut h, upgrade);
         forward::add_forwarded(&mut h, peer.ip(), host.as_ref());
         if let Some(host) = host {
@@ -335,4 +390,3 @@ impl Drop for RefundGuard {
         }
     }
 }
-

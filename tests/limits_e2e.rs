@@ -8,7 +8,10 @@ use std::time::{Duration, Instant};
 use harness::*;
 
 fn header(r: &reqwest::Response, name: &str) -> String {
-    r.headers().get(name).map(|v| v.to_str().unwrap().to_string()).unwrap_or_default()
+    r.headers()
+        .get(name)
+        .map(|v| v.to_str().unwrap().to_string())
+        .unwrap_or_default()
 }
 
 /// Parse `"name";r=12;t=41` into (name, r, t).
@@ -50,7 +53,10 @@ async fn every_limited_response_carries_the_binding_limit() {
         assert_eq!(header(&r, "x-ratelimit-limit"), "3");
         assert_eq!(header(&r, "x-ratelimit-remaining"), (2 - i).to_string());
         let reset: u64 = header(&r, "x-ratelimit-reset").parse().unwrap();
-        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
         assert!(reset >= now && reset <= now + 11, "reset {reset} now {now}");
     }
     let r = c.get(format!("{}/search", gw.url)).send().await.unwrap();
@@ -73,7 +79,11 @@ async fn every_limited_response_carries_the_binding_limit() {
     // Another path: only the per-IP rule binds; its counter saw the 3 admitted + 1 more.
     let r = c.get(format!("{}/other", gw.url)).send().await.unwrap();
     assert_eq!(header(&r, "ratelimit-policy"), "\"per-ip\";q=100;w=3600");
-    assert_eq!(parse_ratelimit(&header(&r, "ratelimit")).1, 96, "3 admitted + this one; the denied request spent no per-IP quota");
+    assert_eq!(
+        parse_ratelimit(&header(&r, "ratelimit")).1,
+        96,
+        "3 admitted + this one; the denied request spent no per-IP quota"
+    );
     gw.running.stop().await;
 }
 
@@ -85,7 +95,13 @@ async fn header_families_are_configurable() {
     assert!(r.headers().contains_key("ratelimit"));
     assert!(!r.headers().contains_key("x-ratelimit-limit"));
     gw.running.stop().await;
-    let gw = gateway(&format!("http://{up}"), "limits:\n  headers: [x-ratelimit]\n", LAYERED, None).await;
+    let gw = gateway(
+        &format!("http://{up}"),
+        "limits:\n  headers: [x-ratelimit]\n",
+        LAYERED,
+        None,
+    )
+    .await;
     let r = client().get(format!("{}/x", gw.url)).send().await.unwrap();
     assert!(!r.headers().contains_key("ratelimit"));
     assert!(r.headers().contains_key("x-ratelimit-remaining"));
@@ -95,7 +111,8 @@ async fn header_families_are_configurable() {
 #[tokio::test]
 async fn a_client_following_the_headers_never_sees_a_429() {
     let up = echo().await;
-    let rules = "rules:\n  - { name: w, match: { path: \"/**\" }, key: user, algorithm: fixed_window, limit: 4, window: 1s }\n";
+    let rules =
+        "rules:\n  - { name: w, match: { path: \"/**\" }, key: user, algorithm: fixed_window, limit: 4, window: 1s }\n";
     let gw = gateway(&format!("http://{up}"), "", rules, None).await;
     let c = client();
     let end = Instant::now() + Duration::from_millis(3500);
@@ -122,9 +139,22 @@ async fn shadow_rules_spend_and_report_but_never_reject() {
     for _ in 0..6 {
         assert_eq!(c.get(format!("{}/x", gw.url)).send().await.unwrap().status(), 200);
     }
-    let m = c.get(format!("{}/metrics", gw.admin)).send().await.unwrap().text().await.unwrap();
-    assert!(m.contains("tollgate_requests_total{rule=\"dark\",decision=\"would_deny\"} 4"), "{m}");
-    assert!(m.contains("tollgate_requests_total{rule=\"dark\",decision=\"allowed\"} 2"), "{m}");
+    let m = c
+        .get(format!("{}/metrics", gw.admin))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        m.contains("tollgate_requests_total{rule=\"dark\",decision=\"would_deny\"} 4"),
+        "{m}"
+    );
+    assert!(
+        m.contains("tollgate_requests_total{rule=\"dark\",decision=\"allowed\"} 2"),
+        "{m}"
+    );
     gw.running.stop().await;
 }
 
@@ -185,37 +215,92 @@ async fn admin_endpoints() {
     let rules = "rules:\n  - { name: per-user, match: { path: \"/**\" }, key: user, limit: 5, window: 1m, overrides: { cust_42: { limit: 7 } } }\n";
     let gw = gateway(&format!("http://{up}"), "", rules, Some(keys)).await;
     let c = client();
-    assert_eq!(c.get(format!("{}/healthz", gw.admin)).send().await.unwrap().status(), 200);
-    assert_eq!(c.get(format!("{}/readyz", gw.admin)).send().await.unwrap().status(), 200);
-    let v: serde_json::Value = c.get(format!("{}/rules", gw.admin)).send().await.unwrap().json().await.unwrap();
+    assert_eq!(
+        c.get(format!("{}/healthz", gw.admin)).send().await.unwrap().status(),
+        200
+    );
+    assert_eq!(
+        c.get(format!("{}/readyz", gw.admin)).send().await.unwrap().status(),
+        200
+    );
+    let v: serde_json::Value = c
+        .get(format!("{}/rules", gw.admin))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(v["rules"][0]["name"], "per-user");
     assert_eq!(v["version"].as_str().unwrap().len(), 16);
     assert!(v["loaded_at"].as_str().unwrap().ends_with('Z'));
     // "secret" is the key; its hash is in keys.yaml.
     for _ in 0..3 {
-        c.get(format!("{}/x", gw.url)).header("x-api-key", "secret").send().await.unwrap();
+        c.get(format!("{}/x", gw.url))
+            .header("x-api-key", "secret")
+            .send()
+            .await
+            .unwrap();
     }
-    let v: serde_json::Value = c.get(format!("{}/explain?method=GET&path=/x", gw.admin)).header("x-api-key", "secret").send().await.unwrap().json().await.unwrap();
+    let v: serde_json::Value = c
+        .get(format!("{}/explain?method=GET&path=/x", gw.admin))
+        .header("x-api-key", "secret")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(v["identity"]["kind"], "api_key");
     assert_eq!(v["matches"][0]["rule"], "per-user");
     assert_eq!(v["matches"][0]["override"], true);
     assert_eq!(v["matches"][0]["limits"][0]["limit"], 7);
     let key = v["matches"][0]["limits"][0]["store_key"].as_str().unwrap();
     assert!(!key.contains("secret") && !key.contains("cust_42"), "{key}");
-    let v: serde_json::Value = c.get(format!("{}/keys/cust_42", gw.admin)).send().await.unwrap().json().await.unwrap();
+    let v: serde_json::Value = c
+        .get(format!("{}/keys/cust_42", gw.admin))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(v["counters"][0]["remaining"], 4, "{v}");
     assert!(!v.to_string().contains("secret"));
     let r = c.delete(format!("{}/keys/cust_42", gw.admin)).send().await.unwrap();
     assert_eq!(r.status(), 200);
-    let v: serde_json::Value = c.get(format!("{}/keys/cust_42", gw.admin)).send().await.unwrap().json().await.unwrap();
+    let v: serde_json::Value = c
+        .get(format!("{}/keys/cust_42", gw.admin))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(v["counters"][0]["remaining"], 7, "reset restores the full quota: {v}");
     let r = c.post(format!("{}/reload", gw.admin)).send().await.unwrap();
     assert_eq!(r.status(), 200);
-    let m = c.get(format!("{}/metrics", gw.admin)).send().await.unwrap().text().await.unwrap();
-    for needle in ["tollgate_requests_total{rule=\"per-user\",decision=\"allowed\"} 3", "tollgate_reloads_total{result=\"ok\"} 1", "tollgate_limit_check_duration_seconds_bucket", "tollgate_upstream_responses_total{status=\"2xx\"} 3", "tollgate_rules_info{version="] {
+    let m = c
+        .get(format!("{}/metrics", gw.admin))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for needle in [
+        "tollgate_requests_total{rule=\"per-user\",decision=\"allowed\"} 3",
+        "tollgate_reloads_total{result=\"ok\"} 1",
+        "tollgate_limit_check_duration_seconds_bucket",
+        "tollgate_upstream_responses_total{status=\"2xx\"} 3",
+        "tollgate_rules_info{version=",
+    ] {
         assert!(m.contains(needle), "missing {needle}");
     }
-    assert!(!m.contains("127.0.0.1") && !m.contains("cust_42") && !m.contains("secret"), "no identity in metrics");
+    assert!(
+        !m.contains("127.0.0.1") && !m.contains("cust_42") && !m.contains("secret"),
+        "no identity in metrics"
+    );
     assert_eq!(c.get(format!("{}/nope", gw.admin)).send().await.unwrap().status(), 404);
     gw.running.stop().await;
 }

@@ -24,7 +24,10 @@ async fn status_body_and_headers_pass_through_and_hop_by_hop_is_dropped() {
         .unwrap();
     assert_eq!(r.status().as_u16(), 203);
     assert_eq!(r.headers()["x-echo"], "1");
-    assert!(r.headers().get("keep-alive").is_none(), "hop-by-hop from upstream must be stripped");
+    assert!(
+        r.headers().get("keep-alive").is_none(),
+        "hop-by-hop from upstream must be stripped"
+    );
     assert!(r.headers().get("ratelimit").is_some());
     let v: serde_json::Value = r.json().await.unwrap();
     assert_eq!(v["path"], "/status/203");
@@ -45,11 +48,18 @@ async fn status_body_and_headers_pass_through_and_hop_by_hop_is_dropped() {
 async fn eight_mib_body_streams_intact_both_ways() {
     let up = echo().await;
     let gw = gateway(&format!("http://{up}"), "", OPEN_RULES, None).await;
-    let body: Vec<u8> = (0..8 * 1024 * 1024u32).map(|i| (i.wrapping_mul(2654435761) >> 24) as u8).collect();
+    let body: Vec<u8> = (0..8 * 1024 * 1024u32)
+        .map(|i| (i.wrapping_mul(2654435761) >> 24) as u8)
+        .collect();
     // Chunked upload (a stream, no Content-Length).
     let chunks: Vec<Result<Vec<u8>, std::io::Error>> = body.chunks(64 * 1024).map(|c| Ok(c.to_vec())).collect();
     let stream = futures_util::stream::iter(chunks);
-    let r = client().post(format!("{}/upload", gw.url)).body(reqwest::Body::wrap_stream(stream)).send().await.unwrap();
+    let r = client()
+        .post(format!("{}/upload", gw.url))
+        .body(reqwest::Body::wrap_stream(stream))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
     let got = r.bytes().await.unwrap();
     assert_eq!(got.len(), body.len());
@@ -84,7 +94,9 @@ async fn websocket_style_upgrade_passes_through() {
     let up = echo().await;
     let gw = gateway(&format!("http://{up}"), "", OPEN_RULES, None).await;
     let mut s = tokio::net::TcpStream::connect(gw.running.addr).await.unwrap();
-    s.write_all(b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n").await.unwrap();
+    s.write_all(b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n")
+        .await
+        .unwrap();
     let mut buf = vec![0u8; 1024];
     let n = s.read(&mut buf).await.unwrap();
     let head = String::from_utf8_lossy(&buf[..n]).to_lowercase();
@@ -92,7 +104,10 @@ async fn websocket_style_upgrade_passes_through() {
     assert!(head.contains("upgrade: websocket"), "{head}");
     s.write_all(b"ping through the tunnel").await.unwrap();
     let mut got = vec![0u8; 23];
-    tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut got)).await.unwrap().unwrap();
+    tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut got))
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(&got, b"ping through the tunnel");
     gw.running.stop().await;
 }
@@ -119,7 +134,11 @@ fn sigterm_drains_in_flight_requests_then_exits_zero() {
     let inflight = rt.spawn(async move { client().get(url).send().await.map(|r| r.status().as_u16()) });
     std::thread::sleep(Duration::from_millis(200));
     let pid = gw.child.id().to_string();
-    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    assert!(std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
     let status = rt.block_on(inflight).unwrap().unwrap();
     assert_eq!(status, 200, "the in-flight request finished");
     let deadline = Instant::now() + Duration::from_secs(10);

@@ -14,7 +14,14 @@ fn rules(name: &str, limit: u64) -> String {
 }
 
 async fn version(c: &reqwest::Client, admin: &str) -> String {
-    let v: serde_json::Value = c.get(format!("{admin}/rules")).send().await.unwrap().json().await.unwrap();
+    let v: serde_json::Value = c
+        .get(format!("{admin}/rules"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     v["version"].as_str().unwrap().to_string()
 }
 
@@ -47,7 +54,11 @@ async fn an_atomic_rename_is_live_within_a_second_and_counters_survive() {
         .into_iter()
         .map(|r| r.unwrap().status().as_u16())
         .collect();
-    assert_eq!(codes.iter().filter(|s| **s == 200).count(), 2, "{codes:?}: 3 + 2 = the limit of 5");
+    assert_eq!(
+        codes.iter().filter(|s| **s == 200).count(),
+        2,
+        "{codes:?}: 3 + 2 = the limit of 5"
+    );
     gw.running.stop().await;
 }
 
@@ -64,7 +75,14 @@ async fn a_broken_file_is_refused_and_the_old_rules_stay() {
     assert_eq!(r.status(), 422);
     let body: serde_json::Value = r.json().await.unwrap();
     assert!(body["error"].as_str().unwrap().contains("rules.yaml:2:"), "{body}");
-    let m = c.get(format!("{}/metrics", gw.admin)).send().await.unwrap().text().await.unwrap();
+    let m = c
+        .get(format!("{}/metrics", gw.admin))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     assert!(m.contains("tollgate_reloads_total{result=\"error\"}"), "{m}");
     assert!(!m.contains("tollgate_reloads_total{result=\"error\"} 0"));
     // The old limit of 2 still applies.
@@ -108,7 +126,14 @@ async fn a_kubernetes_configmap_symlink_swap_is_seen() {
     std::fs::remove_dir_all(&v1).unwrap();
     let took = wait_for_change(&c, &admin, &v0).await;
     assert!(took < Duration::from_secs(1), "{took:?}");
-    let v: serde_json::Value = c.get(format!("{admin}/rules")).send().await.unwrap().json().await.unwrap();
+    let v: serde_json::Value = c
+        .get(format!("{admin}/rules"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(v["rules"][0]["name"], "new");
     running.stop().await;
 }
@@ -151,7 +176,14 @@ async fn thirty_rewrites_under_concurrent_load_lose_no_request_and_the_final_lim
     let c = client();
     let t0 = Instant::now();
     loop {
-        let v: serde_json::Value = c.get(format!("{}/rules", gw.admin)).send().await.unwrap().json().await.unwrap();
+        let v: serde_json::Value = c
+            .get(format!("{}/rules", gw.admin))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
         if v["rules"][0]["name"] == "final" {
             break;
         }
@@ -173,9 +205,22 @@ async fn thirty_rewrites_under_concurrent_load_lose_no_request_and_the_final_lim
             admitted_after += 1;
         }
     }
-    assert_eq!(admitted_after, 0, "the final limit of 25 was already used up by the load");
-    let m = c.get(format!("{}/metrics", gw.admin)).send().await.unwrap().text().await.unwrap();
-    let line = m.lines().find(|l| l.starts_with("tollgate_requests_total{rule=\"final\",decision=\"allowed\"}")).unwrap();
+    assert_eq!(
+        admitted_after, 0,
+        "the final limit of 25 was already used up by the load"
+    );
+    let m = c
+        .get(format!("{}/metrics", gw.admin))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let line = m
+        .lines()
+        .find(|l| l.starts_with("tollgate_requests_total{rule=\"final\",decision=\"allowed\"}"))
+        .unwrap();
     assert!(line.ends_with(" 25"), "{line}");
     gw.running.stop().await;
 }

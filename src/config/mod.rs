@@ -54,18 +54,14 @@ impl ConfigError {
 
 /// Read and parse a YAML file into `T`, mapping parse errors to `file:line:col`.
 pub fn parse_file<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, ConfigError> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| ConfigError::file(path, format!("cannot read: {e}")))?;
+    let text = std::fs::read_to_string(path).map_err(|e| ConfigError::file(path, format!("cannot read: {e}")))?;
     parse_str(path, &text)
 }
 
 /// Parse YAML text (named `path` in errors).
 pub fn parse_str<T: serde::de::DeserializeOwned>(path: &Path, text: &str) -> Result<T, ConfigError> {
     serde_saphyr::from_str::<T>(text).map_err(|e| {
-        let (line, col) = e
-            .location()
-            .map(|l| (l.line(), l.column()))
-            .unwrap_or((0, 0));
+        let (line, col) = e.location().map(|l| (l.line(), l.column())).unwrap_or((0, 0));
         let msg = e.without_snippet().to_string();
         // The rendered message may itself carry a position and a snippet: keep its first line.
         let msg = msg.lines().next().unwrap_or("invalid YAML").to_string();
@@ -236,10 +232,13 @@ impl EnvOverrides {
 
 fn addr(file: &Path, s: &Option<Spanned<String>>, default: &str) -> Result<SocketAddr, ConfigError> {
     match s {
-        Some(s) => s
-            .value
-            .parse()
-            .map_err(|_| ConfigError::at(file, &s.referenced, format!("invalid address {:?} (want ip:port)", s.value))),
+        Some(s) => s.value.parse().map_err(|_| {
+            ConfigError::at(
+                file,
+                &s.referenced,
+                format!("invalid address {:?} (want ip:port)", s.value),
+            )
+        }),
         None => default
             .parse()
             .map_err(|_| ConfigError::file(file, "bad default address")),
@@ -259,7 +258,11 @@ impl GatewayConfig {
         let dir = path.parent().unwrap_or(Path::new("."));
         let rel = |p: &str| -> PathBuf {
             let p = Path::new(p);
-            if p.is_absolute() { p.to_path_buf() } else { dir.join(p) }
+            if p.is_absolute() {
+                p.to_path_buf()
+            } else {
+                dir.join(p)
+            }
         };
         let mut listen = addr(f, &raw.listen, "0.0.0.0:8080")?;
         if let Some(l) = &env.listen {
@@ -311,7 +314,11 @@ impl GatewayConfig {
         };
         let mut urls = s.urls.clone();
         if let Some(list) = &env.redis_urls {
-            urls = list.split(',').map(|u| u.trim().to_string()).filter(|u| !u.is_empty()).collect();
+            urls = list
+                .split(',')
+                .map(|u| u.trim().to_string())
+                .filter(|u| !u.is_empty())
+                .collect();
         }
         if kind != StoreKind::Memory && urls.is_empty() {
             return Err(ConfigError::file(f, "store.urls: a redis store needs at least one url"));
@@ -319,7 +326,11 @@ impl GatewayConfig {
         let key_prefix = match &s.key_prefix {
             Some(p) => {
                 if p.value.is_empty() || !p.value.chars().all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c)) {
-                    return Err(ConfigError::at(f, &p.referenced, "key_prefix: use letters, digits, '_', '-', '.'"));
+                    return Err(ConfigError::at(
+                        f,
+                        &p.referenced,
+                        "key_prefix: use letters, digits, '_', '-', '.'",
+                    ));
                 }
                 p.value.clone()
             }

@@ -48,11 +48,22 @@ pub fn spawn_watcher(gw: Arc<Gateway>, mut stop: watch::Receiver<bool>) {
     let watcher = match watcher {
         Ok(mut w) => {
             use notify::Watcher;
-            let mut dirs: Vec<PathBuf> = files.iter().map(|f| f.parent().map(|p| p.to_path_buf()).unwrap_or_else(|| PathBuf::from("."))).collect();
+            let mut dirs: Vec<PathBuf> = files
+                .iter()
+                .map(|f| {
+                    f.parent()
+                        .map(|p| p.to_path_buf())
+                        .unwrap_or_else(|| PathBuf::from("."))
+                })
+                .collect();
             dirs.sort();
             dirs.dedup();
             for d in &dirs {
-                let d = if d.as_os_str().is_empty() { PathBuf::from(".") } else { d.clone() };
+                let d = if d.as_os_str().is_empty() {
+                    PathBuf::from(".")
+                } else {
+                    d.clone()
+                };
                 if let Err(e) = w.watch(&d, notify::RecursiveMode::NonRecursive) {
                     tracing::warn!(dir = %d.display(), error = %e, "cannot watch directory; polling only");
                 }
@@ -70,7 +81,9 @@ pub fn spawn_watcher(gw: Arc<Gateway>, mut stop: watch::Receiver<bool>) {
         let stx = tx.clone();
         tokio::spawn(async move {
             use tokio::signal::unix::{signal, SignalKind};
-            let Ok(mut hup) = signal(SignalKind::hangup()) else { return };
+            let Ok(mut hup) = signal(SignalKind::hangup()) else {
+                return;
+            };
             while hup.recv().await.is_some() {
                 let _ = stx.send("SIGHUP").await;
             }

@@ -78,7 +78,11 @@ pub fn add_forwarded(h: &mut HeaderMap, peer: IpAddr, host: Option<&HeaderValue>
     if let Some(host) = host.and_then(|v| v.to_str().ok()) {
         append_list(h, &X_FORWARDED_HOST, host);
     }
-    let node = if peer.is_ipv6() && !peer.to_canonical().is_ipv4() { format!("\"[{ip}]\"") } else { ip };
+    let node = if peer.is_ipv6() && !peer.to_canonical().is_ipv4() {
+        format!("\"[{ip}]\"")
+    } else {
+        ip
+    };
     let mut fwd = format!("for={node};proto=http");
     if let Some(host) = host.and_then(|v| v.to_str().ok()) {
         if host.bytes().all(|b| b.is_ascii_graphic() && b != b'"' && b != b'\\') {
@@ -141,7 +145,11 @@ mod tests {
         let mut h = HeaderMap::new();
         h.append(&X_FORWARDED_FOR, HeaderValue::from_static("1.1.1.1"));
         h.append(&X_FORWARDED_FOR, HeaderValue::from_static("2.2.2.2"));
-        add_forwarded(&mut h, "10.0.0.1".parse().unwrap(), Some(&HeaderValue::from_static("api.example")));
+        add_forwarded(
+            &mut h,
+            "10.0.0.1".parse().unwrap(),
+            Some(&HeaderValue::from_static("api.example")),
+        );
         assert_eq!(h[&X_FORWARDED_FOR], "1.1.1.1, 2.2.2.2, 10.0.0.1");
         assert_eq!(h[&X_FORWARDED_PROTO], "http");
         assert_eq!(h[&X_FORWARDED_HOST], "api.example");

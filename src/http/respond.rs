@@ -71,7 +71,12 @@ impl GatewayError {
         let status = self.status();
         let mut retry: Option<u64> = None;
         let body = match &self {
-            GatewayError::RateLimited { rule, limit, window_us, retry_after_us } => {
+            GatewayError::RateLimited {
+                rule,
+                limit,
+                window_us,
+                retry_after_us,
+            } => {
                 let secs = headers::ceil_secs_min1(*retry_after_us);
                 retry = Some(secs);
                 let reset_at = SystemTime::now() + Duration::from_secs(secs);
@@ -94,10 +99,16 @@ impl GatewayError {
                     "retry_after": retry_after_secs,
                 })
             }
-            GatewayError::BadGateway(_) => json!({"error": "bad_gateway", "message": "The upstream could not be reached."}),
-            GatewayError::GatewayTimeout => json!({"error": "gateway_timeout", "message": "The upstream did not answer in time."}),
+            GatewayError::BadGateway(_) => {
+                json!({"error": "bad_gateway", "message": "The upstream could not be reached."})
+            }
+            GatewayError::GatewayTimeout => {
+                json!({"error": "gateway_timeout", "message": "The upstream did not answer in time."})
+            }
             GatewayError::BadRequest(why) => json!({"error": "bad_request", "message": why}),
-            GatewayError::PayloadTooLarge => json!({"error": "payload_too_large", "message": "The request body is larger than this gateway accepts."}),
+            GatewayError::PayloadTooLarge => {
+                json!({"error": "payload_too_large", "message": "The request body is larger than this gateway accepts."})
+            }
             GatewayError::NotFound => json!({"error": "not_found"}),
             GatewayError::Unavailable(why) => {
                 retry = Some(1);
@@ -132,7 +143,8 @@ pub fn rate_limited(b: &Binding<'_>, ietf: bool, legacy: bool, now_secs: u64) ->
 /// A JSON 200 (admin API).
 pub fn json_ok(v: &serde_json::Value) -> Response<ProxyBody> {
     let mut resp = Response::new(full(v.to_string()));
-    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     resp
 }
 
@@ -140,6 +152,7 @@ pub fn json_ok(v: &serde_json::Value) -> Response<ProxyBody> {
 pub fn text(status: StatusCode, body: impl Into<bytes::Bytes>, content_type: &'static str) -> Response<ProxyBody> {
     let mut resp = Response::new(full(body));
     *resp.status_mut() = status;
-    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    resp.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
     resp
 }

@@ -63,14 +63,23 @@ impl JwtVerifier {
         let mut algorithms = Vec::new();
         for a in &raw.algorithms.value {
             if a.eq_ignore_ascii_case("none") {
-                return Err(ConfigError::at(file, &raw.algorithms.referenced, "jwt algorithm \"none\" is never accepted"));
+                return Err(ConfigError::at(
+                    file,
+                    &raw.algorithms.referenced,
+                    "jwt algorithm \"none\" is never accepted",
+                ));
             }
-            let alg = Algorithm::from_str(a)
-                .map_err(|_| ConfigError::at(file, &raw.algorithms.referenced, format!("unknown jwt algorithm {a:?}")))?;
+            let alg = Algorithm::from_str(a).map_err(|_| {
+                ConfigError::at(file, &raw.algorithms.referenced, format!("unknown jwt algorithm {a:?}"))
+            })?;
             algorithms.push(alg);
         }
         if algorithms.is_empty() {
-            return Err(ConfigError::at(file, &raw.algorithms.referenced, "jwt.algorithms is empty"));
+            return Err(ConfigError::at(
+                file,
+                &raw.algorithms.referenced,
+                "jwt.algorithms is empty",
+            ));
         }
         let hmac = algorithms.iter().any(|a| a.family() == AlgorithmFamily::Hmac);
         let public = algorithms.iter().any(|a| a.family() != AlgorithmFamily::Hmac);
@@ -84,17 +93,25 @@ impl JwtVerifier {
         let mut keys = Vec::new();
         let read = |s: &serde_saphyr::Spanned<String>| -> Result<Vec<u8>, ConfigError> {
             let p = dir.join(&s.value);
-            std::fs::read(&p).map_err(|e| ConfigError::at(file, &s.referenced, format!("cannot read {}: {e}", p.display())))
+            std::fs::read(&p)
+                .map_err(|e| ConfigError::at(file, &s.referenced, format!("cannot read {}: {e}", p.display())))
         };
         if let Some(env) = &raw.secret_env {
             if !hmac {
-                return Err(ConfigError::at(file, &env.referenced, "secret_env needs HS* algorithms"));
+                return Err(ConfigError::at(
+                    file,
+                    &env.referenced,
+                    "secret_env needs HS* algorithms",
+                ));
             }
-            let secret = std::env::var(&env.value).map_err(|_| {
-                ConfigError::at(file, &env.referenced, format!("env var {} is not set", env.value))
-            })?;
+            let secret = std::env::var(&env.value)
+                .map_err(|_| ConfigError::at(file, &env.referenced, format!("env var {} is not set", env.value)))?;
             if secret.len() < 16 {
-                return Err(ConfigError::at(file, &env.referenced, "HMAC secret shorter than 16 bytes"));
+                return Err(ConfigError::at(
+                    file,
+                    &env.referenced,
+                    "HMAC secret shorter than 16 bytes",
+                ));
             }
             keys.push(KeySpec {
                 kid: None,
@@ -105,7 +122,11 @@ impl JwtVerifier {
         }
         if let Some(pem_file) = &raw.public_key_file {
             if hmac {
-                return Err(ConfigError::at(file, &pem_file.referenced, "public_key_file needs RS*/ES*/EdDSA algorithms"));
+                return Err(ConfigError::at(
+                    file,
+                    &pem_file.referenced,
+                    "public_key_file needs RS*/ES*/EdDSA algorithms",
+                ));
             }
             let pem = read(pem_file)?;
             let key = DecodingKey::from_rsa_pem(&pem)
@@ -115,9 +136,17 @@ impl JwtVerifier {
             let fam = key.family();
             let algs: Vec<Algorithm> = algorithms.iter().copied().filter(|a| a.family() == fam).collect();
             if algs.is_empty() {
-                return Err(ConfigError::at(file, &pem_file.referenced, "the key's type matches none of jwt.algorithms"));
+                return Err(ConfigError::at(
+                    file,
+                    &pem_file.referenced,
+                    "the key's type matches none of jwt.algorithms",
+                ));
             }
-            keys.push(KeySpec { kid: None, key, algorithms: algs });
+            keys.push(KeySpec {
+                kid: None,
+                key,
+                algorithms: algs,
+            });
         }
         if let Some(jwks_file) = &raw.jwks_file {
             let bytes = read(jwks_file)?;
@@ -128,7 +157,11 @@ impl JwtVerifier {
                 let fam = key.family();
                 let algs: Vec<Algorithm> = algorithms.iter().copied().filter(|a| a.family() == fam).collect();
                 if !algs.is_empty() {
-                    keys.push(KeySpec { kid: jwk.common.key_id.clone(), key, algorithms: algs });
+                    keys.push(KeySpec {
+                        kid: jwk.common.key_id.clone(),
+                        key,
+                        algorithms: algs,
+                    });
                 }
             }
         }

@@ -59,7 +59,11 @@ impl KeyRegistry {
                 ));
             }
             if k.id.value.is_empty() || !ids.insert(k.id.value.clone()) {
-                return Err(ConfigError::at(path, &k.id.referenced, format!("duplicate or empty key id {:?}", k.id.value)));
+                return Err(ConfigError::at(
+                    path,
+                    &k.id.referenced,
+                    format!("duplicate or empty key id {:?}", k.id.value),
+                ));
             }
             let entry = KeyEntry {
                 id: Arc::from(k.id.value.as_str()),
@@ -67,7 +71,11 @@ impl KeyRegistry {
                 org: k.org.as_deref().map(Arc::from),
             };
             if by_hash.insert(h, entry).is_some() {
-                return Err(ConfigError::at(path, &k.sha256.referenced, "the same key hash is registered twice"));
+                return Err(ConfigError::at(
+                    path,
+                    &k.sha256.referenced,
+                    "the same key hash is registered twice",
+                ));
             }
         }
         Ok(KeyRegistry { by_hash })

@@ -17,7 +17,9 @@ fn config(identity_yaml: &str) -> IdentityConfig {
     let yaml = format!("upstream: {{ url: http://127.0.0.1:1 }}\nidentity:\n{identity_yaml}");
     let path = Path::new(FIXTURES).join("gateway.yaml");
     let raw: RawGateway = parse_str(&path, &yaml).unwrap();
-    GatewayConfig::compile(&path, raw, &EnvOverrides::default()).unwrap().identity
+    GatewayConfig::compile(&path, raw, &EnvOverrides::default())
+        .unwrap()
+        .identity
 }
 
 fn rs_config() -> IdentityConfig {
@@ -40,7 +42,10 @@ fn claims(exp_offset: i64) -> serde_json::Value {
 
 fn bearer(token: &str) -> HeaderMap {
     let mut h = HeaderMap::new();
-    h.insert("authorization", HeaderValue::from_str(&format!("Bearer {token}")).unwrap());
+    h.insert(
+        "authorization",
+        HeaderValue::from_str(&format!("Bearer {token}")).unwrap(),
+    );
     h
 }
 
@@ -75,9 +80,19 @@ fn jwt_attacks_yield_no_identity() {
     let none_token = format!("{}.{}.", b64(&json!({"alg": "none", "typ": "JWT"})), parts[1]);
     // HS/RS confusion: HMAC-signed with the RSA *public* key as the secret.
     let public_pem = std::fs::read(format!("{FIXTURES}/rsa_public.pem")).unwrap();
-    let confused = encode(&Header::new(Algorithm::HS256), &claims(600), &EncodingKey::from_secret(&public_pem).unwrap()).unwrap();
+    let confused = encode(
+        &Header::new(Algorithm::HS256),
+        &claims(600),
+        &EncodingKey::from_secret(&public_pem).unwrap(),
+    )
+    .unwrap();
     let expired = encode(&Header::new(Algorithm::RS256), &claims(-3600), &rsa_key()).unwrap();
-    let bad_sig = format!("{}.{}.{}", parts[0], parts[1], parts[2].chars().rev().collect::<String>());
+    let bad_sig = format!(
+        "{}.{}.{}",
+        parts[0],
+        parts[1],
+        parts[2].chars().rev().collect::<String>()
+    );
     let mut future = claims(600);
     future["nbf"] = json!(NOW + 3600);
     let not_yet = encode(&Header::new(Algorithm::RS256), &future, &rsa_key()).unwrap();
@@ -110,7 +125,11 @@ fn jwt_attacks_yield_no_identity() {
 fn leeway_applies_to_exp() {
     let cfg = rs_config();
     let t = encode(&Header::new(Algorithm::RS256), &claims(-20), &rsa_key()).unwrap();
-    assert_eq!(who(&bearer(&t), &cfg).kind, IdentityKind::Jwt, "20 s past exp is within 30 s leeway");
+    assert_eq!(
+        who(&bearer(&t), &cfg).kind,
+        IdentityKind::Jwt,
+        "20 s past exp is within 30 s leeway"
+    );
 }
 
 #[test]
@@ -122,9 +141,19 @@ fn es256_and_hs256_configs() {
 
     std::env::set_var("TOLLGATE_TEST_HS_SECRET", "0123456789abcdef0123456789abcdef");
     let cfg = config("  jwt:\n    algorithms: [HS256]\n    secret_env: TOLLGATE_TEST_HS_SECRET\n");
-    let t = encode(&Header::new(Algorithm::HS256), &claims(600), &EncodingKey::from_secret(b"0123456789abcdef0123456789abcdef").unwrap()).unwrap();
+    let t = encode(
+        &Header::new(Algorithm::HS256),
+        &claims(600),
+        &EncodingKey::from_secret(b"0123456789abcdef0123456789abcdef").unwrap(),
+    )
+    .unwrap();
     assert_eq!(who(&bearer(&t), &cfg).kind, IdentityKind::Jwt);
-    let forged = encode(&Header::new(Algorithm::HS256), &claims(600), &EncodingKey::from_secret(b"another-secret-of-32-bytes-long!").unwrap()).unwrap();
+    let forged = encode(
+        &Header::new(Algorithm::HS256),
+        &claims(600),
+        &EncodingKey::from_secret(b"another-secret-of-32-bytes-long!").unwrap(),
+    )
+    .unwrap();
     assert_eq!(who(&bearer(&forged), &cfg).kind, IdentityKind::Ip);
 }
 
@@ -170,7 +199,10 @@ fn huge_forwarded_for_is_bounded() {
     let cfg = rs_config();
     let list: Vec<String> = (0..5000).map(|i| format!("10.0.{}.{}", i / 250, i % 250)).collect();
     let mut h = HeaderMap::new();
-    h.insert("x-forwarded-for", HeaderValue::from_str(&format!("1.1.1.1, {}", list.join(", "))).unwrap());
+    h.insert(
+        "x-forwarded-for",
+        HeaderValue::from_str(&format!("1.1.1.1, {}", list.join(", "))).unwrap(),
+    );
     // Only the last 32 entries are read; all trusted, so the left-most read one is the client.
     let ip = client_ip(&h, "10.0.0.1".parse().unwrap(), &cfg);
     assert_ne!(ip.to_string(), "1.1.1.1");
@@ -186,14 +218,24 @@ fn ipv6_rotation_inside_a_64_is_one_client() {
     assert_eq!(a, b);
     assert_eq!(a.to_string(), "2001:db8:1:2::");
     assert_ne!(a, c);
-    assert_eq!(collapse("::ffff:192.0.2.1".parse().unwrap(), 64).to_string(), "192.0.2.1");
+    assert_eq!(
+        collapse("::ffff:192.0.2.1".parse().unwrap(), 64).to_string(),
+        "192.0.2.1"
+    );
 }
 
 #[test]
 fn api_keys_identify_only_when_registered() {
     let cfg = rs_config();
     let path = Path::new("keys.yaml");
-    let raw = parse_str(path, &format!("keys:\n  - id: cust_42\n    sha256: {}\n    tier: pro\n    org: acme\n", keys::hash_key("s3cret"))).unwrap();
+    let raw = parse_str(
+        path,
+        &format!(
+            "keys:\n  - id: cust_42\n    sha256: {}\n    tier: pro\n    org: acme\n",
+            keys::hash_key("s3cret")
+        ),
+    )
+    .unwrap();
     let reg = KeyRegistry::compile(path, raw).unwrap();
     let mut h = HeaderMap::new();
     h.insert("x-api-key", HeaderValue::from_static("s3cret"));

@@ -310,11 +310,7 @@ fn log_eval(q: &Quota, state: &mut Option<State>, now: u64, cost: u64) -> Outcom
 fn roll_sliding(q: &Quota, state: &mut Option<State>, now: u64) {
     let index = now / q.window_us.get();
     let (prev, curr) = match state {
-        Some(State::Sliding {
-            index: i,
-            prev,
-            curr,
-        }) => {
+        Some(State::Sliding { index: i, prev, curr }) => {
             if *i == index {
                 (*prev, *curr)
             } else if *i + 1 == index {

@@ -7,7 +7,7 @@
 //! costs a store round trip, never a wrong answer).
 
 use std::collections::HashMap;
-use std::hash::{BuildHasher, Hash, Hasher};
+use std::hash::BuildHasher;
 
 use parking_lot::Mutex;
 
@@ -38,9 +38,7 @@ impl DenyCache {
     }
 
     fn slot(&self, key: &StoreKey) -> (usize, u64) {
-        let mut h = self.hasher.build_hasher();
-        key.as_str().hash(&mut h);
-        let v = h.finish();
+        let v = self.hasher.hash_one(key.as_str());
         ((v as usize) % SHARDS, v)
     }
 

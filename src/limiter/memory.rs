@@ -14,7 +14,7 @@
 //! the least quota).
 
 use std::collections::HashMap;
-use std::hash::{BuildHasher, Hash, Hasher};
+use std::hash::BuildHasher;
 
 use parking_lot::{Mutex, MutexGuard};
 
@@ -24,6 +24,9 @@ use crate::clock::SharedClock;
 
 /// Number of independently locked shards.
 pub const SHARDS: usize = 64;
+
+/// One locked shard, tagged with its index.
+type Guard<'a> = (usize, MutexGuard<'a, HashMap<Box<str>, Entry>>);
 
 /// One tracked limit.
 #[derive(Debug)]
@@ -68,13 +71,11 @@ impl MemoryStore {
     }
 
     fn shard_of(&self, key: &str) -> usize {
-        let mut h = self.hasher.build_hasher();
-        key.hash(&mut h);
-        (h.finish() as usize) % SHARDS
+        (self.hasher.hash_one(key) as usize) % SHARDS
     }
 
     /// Lock the shards `checks` touch, in ascending order. Returns guards indexed by shard.
-    fn lock_all(&self, checks: &[LimitCheck]) -> Vec<(usize, MutexGuard<'_, HashMap<Box<str>, Entry>>)> {
+    fn lock_all(&self, checks: &[LimitCheck]) -> Vec<Guard<'_>> {
         let mut idx: Vec<usize> = checks.iter().map(|c| self.shard_of(c.key.as_str())).collect();
         idx.sort_unstable();
         idx.dedup();
@@ -109,12 +110,10 @@ impl MemoryStore {
             if !map.contains_key(c.key.as_str()) && map.len() >= cap {
                 make_room(map, now, cap);
             }
-            let e = map
-                .entry(Box::from(c.key.as_str()))
-                .or_insert(Entry {
-                    state: None,
-                    expires_at: 0,
-                });
+            let e = map.entry(Box::from(c.key.as_str())).or_insert(Entry {
+                state: None,
+                expires_at: 0,
+            });
             algorithm::spend(&c.quota, &mut e.state, now, c.cost);
             if let Some(s) = &e.state {
                 e.expires_at = algorithm::expires_at(&c.quota, s);
@@ -131,9 +130,7 @@ impl MemoryStore {
             let map = guard_for(&mut guards, shard);
             if let Some(e) = map.get_mut(c.key.as_str()) {
                 match &mut e.state {
-                    Some(State::Bucket { tat }) => {
-                        *tat = tat.saturating_sub(c.cost * c.quota.interval_us.get())
-                    }
+                    Some(State::Bucket { tat }) => *tat = tat.saturating_sub(c.cost * c.quota.interval_us.get()),
                     Some(State::Window { count, .. }) => *count = count.saturating_sub(c.cost),
                     Some(State::Sliding { curr, .. }) => *curr = curr.saturating_sub(c.cost),
                     Some(State::Log { entries }) => {
@@ -149,7 +146,7 @@ impl MemoryStore {
 }
 
 fn guard_for<'a, 'b>(
-    guards: &'a mut [(usize, MutexGuard<'b, HashMap<Box<str>, Entry>>)],
+    guards: &'a mut [Guard<'b>],
     shard: usize,
 ) -> &'a mut HashMap<Box<str>, Entry> {
     // `guards` holds every shard the checks touch, so the search always finds it.

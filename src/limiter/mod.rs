@@ -82,10 +82,7 @@ pub enum StoreError {
 /// refunded within the same call).
 pub trait Store: Send + Sync + 'static {
     /// Check and spend every limit in `checks`; one [`Outcome`] per check, in order.
-    fn check(
-        &self,
-        checks: &[LimitCheck],
-    ) -> impl Future<Output = Result<Vec<Outcome>, StoreError>> + Send;
+    fn check(&self, checks: &[LimitCheck]) -> impl Future<Output = Result<Vec<Outcome>, StoreError>> + Send;
 
     /// Give back what an admitted `checks` spent (a leaky-bucket request whose client left
     /// while it waited).
@@ -93,10 +90,7 @@ pub trait Store: Send + Sync + 'static {
 
     /// Current state of each limit, as the outcome a cost-0 request would get. `None` where the
     /// store holds nothing for that key.
-    fn peek(
-        &self,
-        checks: &[LimitCheck],
-    ) -> impl Future<Output = Result<Vec<Option<Outcome>>, StoreError>> + Send;
+    fn peek(&self, checks: &[LimitCheck]) -> impl Future<Output = Result<Vec<Option<Outcome>>, StoreError>> + Send;
 
     /// Forget the counters at `keys`.
     fn reset(&self, keys: &[StoreKey]) -> impl Future<Output = Result<(), StoreError>> + Send;
@@ -230,10 +224,8 @@ impl Limiter {
                     continue;
                 }
                 if let Some(until) = deny.get(&c.key, now) {
-                    let mut outcomes: Vec<(Outcome, Source)> = checks
-                        .iter()
-                        .map(|_| (full(), Source::DenyCache))
-                        .collect();
+                    let mut outcomes: Vec<(Outcome, Source)> =
+                        checks.iter().map(|_| (full(), Source::DenyCache)).collect();
                     outcomes[i].0 = Outcome {
                         allowed: false,
                         remaining: 0,
@@ -286,12 +278,7 @@ impl Limiter {
         }
     }
 
-    async fn on_failure(
-        &self,
-        checks: &[LimitCheck],
-        policies: &[FailurePolicy],
-        err: StoreError,
-    ) -> Verdict {
+    async fn on_failure(&self, checks: &[LimitCheck], policies: &[FailurePolicy], err: StoreError) -> Verdict {
         let mut outcomes: Vec<(Outcome, Source)> = Vec::with_capacity(checks.len());
         let mut local_checks = Vec::new();
         let mut local_idx = Vec::new();

@@ -59,7 +59,7 @@ use arc_swap::ArcSwap;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
+use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
 use redis::io::tcp::TcpSettings;
 use redis::{Cmd, ErrorKind, IntoConnectionInfo, RedisError, ServerErrorKind, Value};
 
@@ -115,19 +115,23 @@ impl Conn {
         }
     }
 
-    /// Send one command to every master (the server itself when standalone).
-    async fn query_all_masters(&mut self, cmd: Cmd) -> Result<Value, RedisError> {
+    /// Send one command to every master (the server itself when standalone); `Ok` only if
+    /// every one of them succeeded. Each node's reply is inspected: the client's aggregating
+    /// response policies pass a node's error reply through as a value.
+    async fn query_all_masters(&mut self, cmd: Cmd) -> Result<(), RedisError> {
         match self {
-            Conn::Single(c) => cmd.query_async(c).await,
+            Conn::Single(c) => cmd.query_async::<Value>(c).await.map(|_| ()),
             Conn::Cluster(c) => {
-                c.route_command(
-                    cmd,
-                    RoutingInfo::MultiNode((
-                        MultipleNodeRoutingInfo::AllMasters,
-                        Some(ResponsePolicy::AllSucceeded),
-                    )),
-                )
-                .await
+                let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+                match c.route_command(cmd, routing).await? {
+                    Value::Map(replies) => {
+                        for (_, reply) in replies {
+                            reply.extract_error()?;
+                        }
+                        Ok(())
+                    }
+                    other => other.extract_error().map(|_| ()),
+                }
             }
         }
     }
@@ -255,13 +259,10 @@ async fn open(mode: RedisMode, urls: &[String], timeout: Duration) -> Result<Con
                 .set_number_of_retries(1)
                 .set_min_delay(Duration::from_millis(5))
                 .set_max_delay(Duration::from_millis(50));
-            let cm = tokio::time::timeout(
-                deadline,
-                ConnectionManager::new_with_config(client, config),
-            )
-            .await
-            .map_err(|_| StoreError::Timeout)?
-            .map_err(store_err)?;
+            let cm = tokio::time::timeout(deadline, ConnectionManager::new_with_config(client, config))
+                .await
+                .map_err(|_| StoreError::Timeout)?
+                .map_err(store_err)?;
             Ok(Conn::Single(cm))
         }
         RedisMode::Cluster => {
@@ -347,12 +348,7 @@ impl Inner {
 
     /// Run the limit script on `checks` (all on one slot) and return the raw reply. EVALSHA
     /// first; EVAL with the source on NOSCRIPT.
-    async fn run_script<'c, I>(
-        &self,
-        mode: Mode,
-        now: Option<u64>,
-        checks: I,
-    ) -> Result<Value, RedisError>
+    async fn run_script<'c, I>(&self, mode: Mode, now: Option<u64>, checks: I) -> Result<Value, RedisError>
     where
         I: Iterator<Item = &'c LimitCheck> + Clone,
     {
@@ -555,11 +551,7 @@ fn one_tag<'a>(mut keys: impl Iterator<Item = &'a StoreKey>) -> bool {
 impl RedisStore {
     /// Connect to `urls` (one server, or cluster seeds). `timeout` is the per-check deadline;
     /// it also bounds every Redis response, and connecting takes at most a few times it.
-    pub async fn connect(
-        mode: RedisMode,
-        urls: &[String],
-        timeout: Duration,
-    ) -> Result<Self, StoreError> {
+    pub async fn connect(mode: RedisMode, urls: &[String], timeout: Duration) -> Result<Self, StoreError> {
         let conn = open(mode, urls, timeout).await?;
         let sha = redis::Script::new(SCRIPT_SOURCE).get_hash().to_owned();
         Ok(RedisStore {
@@ -601,11 +593,7 @@ impl RedisStore {
     /// [`Store::check`] at an explicit `now` (microseconds since the epoch) instead of Redis
     /// `TIME` when `now` is `Some` — differential tests drive Redis and the memory store with
     /// the same clock. `None` is the production path.
-    pub async fn check_at(
-        &self,
-        checks: &[LimitCheck],
-        now: Option<u64>,
-    ) -> Result<Vec<Outcome>, StoreError> {
+    pub async fn check_at(&self, checks: &[LimitCheck], now: Option<u64>) -> Result<Vec<Outcome>, StoreError> {
         if checks.is_empty() {
             return Ok(Vec::new());
         }
@@ -681,11 +669,7 @@ impl RedisStore {
     }
 
     /// Run `mode` on `checks` grouped by slot, concurrently; one entry per check.
-    async fn per_group(
-        &self,
-        mode: Mode,
-        checks: &[LimitCheck],
-    ) -> Result<Vec<Option<Outcome>>, StoreError> {
+    async fn per_group(&self, mode: Mode, checks: &[LimitCheck]) -> Result<Vec<Option<Outcome>>, StoreError> {
         if checks.is_empty() {
             return Ok(Vec::new());
         }
@@ -740,8 +724,7 @@ impl Store for RedisStore {
                 cmd
             })
             .collect();
-        let results =
-            futures_util::future::join_all(cmds.iter().map(|c| self.inner.command(c))).await;
+        let results = futures_util::future::join_all(cmds.iter().map(|c| self.inner.command(c))).await;
         for r in results {
             r?;
         }
@@ -782,6 +765,7 @@ impl Store for RedisStore {
                     }
                     r => r,
                 }
+                .map(|()| Value::Okay)
             })
             .await;
             guard.finish(res)?;

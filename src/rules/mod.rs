@@ -207,8 +207,13 @@ fn name_ok(s: &str) -> bool {
 
 /// Parse `N/s`, `N/m`, `N/h`, `N/d` or `N/<duration>` into µs per unit.
 pub fn parse_rate(s: &str) -> Result<NonZeroU64, String> {
-    let (n, per) = s.split_once('/').ok_or_else(|| format!("rate {s:?}: want N/s, N/m, N/h or N/<duration>"))?;
-    let n: u64 = n.trim().parse().map_err(|_| format!("rate {s:?}: {n:?} is not a positive integer"))?;
+    let (n, per) = s
+        .split_once('/')
+        .ok_or_else(|| format!("rate {s:?}: want N/s, N/m, N/h or N/<duration>"))?;
+    let n: u64 = n
+        .trim()
+        .parse()
+        .map_err(|_| format!("rate {s:?}: {n:?} is not a positive integer"))?;
     if n == 0 {
         return Err(format!("rate {s:?} must be positive"));
     }
@@ -237,10 +242,12 @@ impl Ctx<'_> {
     }
 
     fn positive(&self, rule: &str, field: &str, v: &Spanned<i64>) -> Result<NonZeroU64, ConfigError> {
-        u64::try_from(v.value)
-            .ok()
-            .and_then(NonZeroU64::new)
-            .ok_or_else(|| self.err(&v.referenced, format!("rule {rule:?}: {field} must be a positive integer, got {}", v.value)))
+        u64::try_from(v.value).ok().and_then(NonZeroU64::new).ok_or_else(|| {
+            self.err(
+                &v.referenced,
+                format!("rule {rule:?}: {field} must be a positive integer, got {}", v.value),
+            )
+        })
     }
 
     fn window(&self, rule: &str, w: &Spanned<String>) -> Result<NonZeroU64, ConfigError> {
@@ -267,20 +274,41 @@ impl Ctx<'_> {
     ) -> Result<Vec<Quota>, ConfigError> {
         if alg.is_bucket() {
             if limit.is_some() || window.is_some() || limits.is_some() {
-                return Err(self.err(loc, format!("rule {rule:?}: {} takes rate and capacity, not limit/window", alg.as_str())));
+                return Err(self.err(
+                    loc,
+                    format!(
+                        "rule {rule:?}: {} takes rate and capacity, not limit/window",
+                        alg.as_str()
+                    ),
+                ));
             }
-            let rate = rate.as_ref().ok_or_else(|| self.err(loc, format!("rule {rule:?}: {} needs rate", alg.as_str())))?;
-            let interval = parse_rate(&rate.value).map_err(|m| self.err(&rate.referenced, format!("rule {rule:?}: {m}")))?;
-            let cap = capacity.as_ref().ok_or_else(|| self.err(loc, format!("rule {rule:?}: {} needs capacity", alg.as_str())))?;
+            let rate = rate
+                .as_ref()
+                .ok_or_else(|| self.err(loc, format!("rule {rule:?}: {} needs rate", alg.as_str())))?;
+            let interval =
+                parse_rate(&rate.value).map_err(|m| self.err(&rate.referenced, format!("rule {rule:?}: {m}")))?;
+            let cap = capacity
+                .as_ref()
+                .ok_or_else(|| self.err(loc, format!("rule {rule:?}: {} needs capacity", alg.as_str())))?;
             let cap = self.positive(rule, "capacity", cap)?;
             return Ok(vec![Quota::bucket(alg, cap, interval)]);
         }
         if rate.is_some() || capacity.is_some() {
-            return Err(self.err(loc, format!("rule {rule:?}: {} takes limit and window, not rate/capacity", alg.as_str())));
+            return Err(self.err(
+                loc,
+                format!(
+                    "rule {rule:?}: {} takes limit and window, not rate/capacity",
+                    alg.as_str()
+                ),
+            ));
         }
         let mut out = Vec::new();
         match (limit, window, limits) {
-            (Some(l), Some(w), None) => out.push(Quota::window(alg, self.positive(rule, "limit", l)?, self.window(rule, w)?)),
+            (Some(l), Some(w), None) => out.push(Quota::window(
+                alg,
+                self.positive(rule, "limit", l)?,
+                self.window(rule, w)?,
+            )),
             (None, None, Some(ls)) if !ls.is_empty() => {
                 for lw in ls {
                     out.push(Quota::window(
@@ -292,14 +320,22 @@ impl Ctx<'_> {
                 let mut seen = HashSet::new();
                 for (q, lw) in out.iter().zip(ls) {
                     if !seen.insert(q.window_us) {
-                        return Err(self.err(&lw.referenced, format!("rule {rule:?}: two limits with the same window")));
+                        return Err(self.err(
+                            &lw.referenced,
+                            format!("rule {rule:?}: two limits with the same window"),
+                        ));
                     }
                 }
             }
             (Some(_), None, None) => return Err(self.err(loc, format!("rule {rule:?}: limit needs a window"))),
             (None, Some(_), None) => return Err(self.err(loc, format!("rule {rule:?}: window needs a limit"))),
             (None, None, None) => return Err(self.err(loc, format!("rule {rule:?}: needs limit + window, or limits:"))),
-            _ => return Err(self.err(loc, format!("rule {rule:?}: use either limit + window or limits:, not both"))),
+            _ => {
+                return Err(self.err(
+                    loc,
+                    format!("rule {rule:?}: use either limit + window or limits:, not both"),
+                ))
+            }
         }
         Ok(out)
     }
@@ -328,7 +364,8 @@ fn failure_policy(
 ) -> Result<FailurePolicy, ConfigError> {
     let share = match share {
         Some(s) => Some(
-            NonZeroU32::new(s.value).ok_or_else(|| ConfigError::at(file, &s.referenced, "local_share must be at least 1"))?,
+            NonZeroU32::new(s.value)
+                .ok_or_else(|| ConfigError::at(file, &s.referenced, "local_share must be at least 1"))?,
         ),
         None => None,
     };
@@ -339,7 +376,11 @@ fn failure_policy(
             "closed" => FailurePolicy::Closed,
             "local" => FailurePolicy::Local { share: NonZeroU32::MIN },
             other => {
-                return Err(ConfigError::at(file, &f.referenced, format!("unknown failure policy {other:?} (open | closed | local)")))
+                return Err(ConfigError::at(
+                    file,
+                    &f.referenced,
+                    format!("unknown failure policy {other:?} (open | closed | local)"),
+                ))
             }
         },
     };
@@ -371,7 +412,12 @@ impl RuleSet {
                 .ok_or_else(|| ConfigError::at(file, &a.referenced, format!("unknown algorithm {:?}", a.value)))?,
             None => Algorithm::SlidingWindow,
         };
-        let default_failure = failure_policy(file, &raw.defaults.failure, raw.defaults.local_share.as_ref(), FailurePolicy::Open)?;
+        let default_failure = failure_policy(
+            file,
+            &raw.defaults.failure,
+            raw.defaults.local_share.as_ref(),
+            FailurePolicy::Open,
+        )?;
         let ctx = Ctx { file, default_alg };
         let mut rules: Vec<Rule> = Vec::new();
         let mut names: HashSet<String> = HashSet::new();
@@ -380,13 +426,22 @@ impl RuleSet {
             let loc = &sr.referenced;
             let name = r.name.value.as_str();
             if !name_ok(name) {
-                return Err(ctx.err(&r.name.referenced, format!("rule name {name:?}: use 1-64 letters, digits, '_', '-', '.'")));
+                return Err(ctx.err(
+                    &r.name.referenced,
+                    format!("rule name {name:?}: use 1-64 letters, digits, '_', '-', '.'"),
+                ));
             }
             if !names.insert(name.to_string()) {
                 return Err(ctx.err(&r.name.referenced, format!("duplicate rule name {name:?}")));
             }
             let key = KeyKind::parse(&r.key.value).ok_or_else(|| {
-                ctx.err(&r.key.referenced, format!("rule {name:?}: unknown key kind {:?} (user | ip | org | global | header:<Name>)", r.key.value))
+                ctx.err(
+                    &r.key.referenced,
+                    format!(
+                        "rule {name:?}: unknown key kind {:?} (user | ip | org | global | header:<Name>)",
+                        r.key.value
+                    ),
+                )
             })?;
             let alg = ctx.algorithm(name, &r.algorithm)?;
             let limits = ctx.quotas(name, loc, alg, &r.limit, &r.window, &r.limits, &r.rate, &r.capacity)?;
@@ -398,13 +453,24 @@ impl RuleSet {
                 for q in qs {
                     if cost > q.limit.get() {
                         let what = if q.algorithm.is_bucket() { "capacity" } else { "limit" };
-                        return Err(ctx.err(at, format!("rule {name:?}: cost {cost} is above the {what} {}: no request could ever pass", q.limit)));
+                        return Err(ctx.err(
+                            at,
+                            format!(
+                                "rule {name:?}: cost {cost} is above the {what} {}: no request could ever pass",
+                                q.limit
+                            ),
+                        ));
                     }
                 }
                 Ok(())
             };
             check_cost(&limits, r.cost.as_ref().map_or(loc, |c| &c.referenced))?;
-            let failure = failure_policy(file, &r.failure, r.local_share.as_ref().or(raw.defaults.local_share.as_ref()), default_failure)?;
+            let failure = failure_policy(
+                file,
+                &r.failure,
+                r.local_share.as_ref().or(raw.defaults.local_share.as_ref()),
+                default_failure,
+            )?;
             if r.local_share.is_some() && !matches!(failure, FailurePolicy::Local { .. }) {
                 return Err(ctx.err(loc, format!("rule {name:?}: local_share needs failure: local")));
             }
@@ -413,7 +479,13 @@ impl RuleSet {
                 let ov: &RawOverride = &o.value;
                 // An override replaces the limits; unspecified fields inherit the rule's.
                 let (limit, window, limits_o, rate, capacity) = if alg.is_bucket() {
-                    (None, None, None, ov.rate.clone().or_else(|| r.rate.clone()), ov.capacity.clone().or_else(|| r.capacity.clone()))
+                    (
+                        None,
+                        None,
+                        None,
+                        ov.rate.clone().or_else(|| r.rate.clone()),
+                        ov.capacity.clone().or_else(|| r.capacity.clone()),
+                    )
                 } else if ov.limits.is_some() {
                     (None, None, clone_windows(&ov.limits), None, None)
                 } else if ov.limit.is_some() || ov.window.is_some() {
@@ -423,25 +495,34 @@ impl RuleSet {
                     return Err(ctx.err(&o.referenced, format!("rule {name:?}: override {who:?} sets no limit")));
                 };
                 if !alg.is_bucket() && (ov.rate.is_some() || ov.capacity.is_some()) {
-                    return Err(ctx.err(&o.referenced, format!("rule {name:?}: override {who:?}: rate/capacity on a window algorithm")));
+                    return Err(ctx.err(
+                        &o.referenced,
+                        format!("rule {name:?}: override {who:?}: rate/capacity on a window algorithm"),
+                    ));
                 }
                 let qs = ctx.quotas(name, &o.referenced, alg, &limit, &window, &limits_o, &rate, &capacity)?;
                 check_cost(&qs, &o.referenced)?;
                 overrides.insert(who.clone(), qs);
             }
             let m = &r.matcher;
-            let pattern = Pattern::parse(&m.path.value).map_err(|e| ctx.err(&m.path.referenced, format!("rule {name:?}: {e}")))?;
+            let pattern = Pattern::parse(&m.path.value)
+                .map_err(|e| ctx.err(&m.path.referenced, format!("rule {name:?}: {e}")))?;
             let methods = match &m.methods {
                 None => None,
                 Some(ms) => {
                     let mut out = Vec::new();
                     for x in ms {
                         let up = x.value.to_ascii_uppercase();
-                        let meth = Method::from_bytes(up.as_bytes())
-                            .map_err(|_| ctx.err(&x.referenced, format!("rule {name:?}: invalid method {:?}", x.value)))?;
+                        let meth = Method::from_bytes(up.as_bytes()).map_err(|_| {
+                            ctx.err(&x.referenced, format!("rule {name:?}: invalid method {:?}", x.value))
+                        })?;
                         out.push(meth);
                     }
-                    if out.is_empty() { None } else { Some(out) }
+                    if out.is_empty() {
+                        None
+                    } else {
+                        Some(out)
+                    }
                 }
             };
             let mut headers = Vec::new();
@@ -479,16 +560,26 @@ impl RuleSet {
         // matches every request B matches.
         for b in &rules {
             for a in &rules {
-                if a.index != b.index && a.key == b.key && covers(a, b) && (a.specificity > b.specificity || (a.specificity == b.specificity && a.index < b.index)) {
+                if a.index != b.index
+                    && a.key == b.key
+                    && covers(a, b)
+                    && (a.specificity > b.specificity || (a.specificity == b.specificity && a.index < b.index))
+                {
                     let loc = &raw.rules[b.index].referenced;
                     return Err(ctx.err(
                         loc,
-                        format!("rule {:?} is unreachable: rule {:?} (line {}) matches every request it does and wins", b.name, a.name, a.line),
+                        format!(
+                            "rule {:?} is unreachable: rule {:?} (line {}) matches every request it does and wins",
+                            b.name, a.name, a.line
+                        ),
                     ));
                 }
             }
         }
-        let mut set = RuleSet { rules, ..Default::default() };
+        let mut set = RuleSet {
+            rules,
+            ..Default::default()
+        };
         set.index();
         Ok(set)
     }
@@ -506,7 +597,10 @@ impl RuleSet {
         for (i, r) in self.rules.iter().enumerate() {
             let i = i as u32;
             if r.pattern.class == PatternClass::Exact {
-                self.exact.entry(normalize(&r.pattern.source).into_owned()).or_default().push(i);
+                self.exact
+                    .entry(normalize(&r.pattern.source).into_owned())
+                    .or_default()
+                    .push(i);
             } else if let Some(first) = r.pattern.first_literal() {
                 self.by_first.entry(first.to_string()).or_default().push(i);
             } else {
@@ -531,7 +625,11 @@ impl RuleSet {
         }
         for i in self.candidates(req.path) {
             let slot = self.kind_slot[i as usize] as usize;
-            let cur = if extra.is_empty() { &mut best[slot] } else { &mut extra[slot] };
+            let cur = if extra.is_empty() {
+                &mut best[slot]
+            } else {
+                &mut extra[slot]
+            };
             let r = &self.rules[i as usize];
             if let Some(c) = *cur {
                 let c = &self.rules[c as usize];
@@ -555,9 +653,18 @@ impl RuleSet {
         let chosen: HashSet<u32> = self.select(req).into_iter().collect();
         let mut out: Vec<Candidate> = (0..self.rules.len() as u32)
             .filter(|i| self.rules[*i as usize].matches(req))
-            .map(|rule| Candidate { rule, chosen: chosen.contains(&rule) })
+            .map(|rule| Candidate {
+                rule,
+                chosen: chosen.contains(&rule),
+            })
             .collect();
-        out.sort_by_key(|c| (self.kind_slot[c.rule as usize], std::cmp::Reverse(self.rules[c.rule as usize].specificity), c.rule));
+        out.sort_by_key(|c| {
+            (
+                self.kind_slot[c.rule as usize],
+                std::cmp::Reverse(self.rules[c.rule as usize].specificity),
+                c.rule,
+            )
+        });
         out
     }
 
@@ -570,7 +677,16 @@ impl RuleSet {
 fn clone_windows(w: &Option<Vec<Spanned<RawWindow>>>) -> Option<Vec<Spanned<RawWindow>>> {
     w.as_ref().map(|v| {
         v.iter()
-            .map(|s| Spanned::new(RawWindow { limit: s.value.limit.clone(), window: s.value.window.clone() }, s.referenced, s.defined))
+            .map(|s| {
+                Spanned::new(
+                    RawWindow {
+                        limit: s.value.limit.clone(),
+                        window: s.value.window.clone(),
+                    },
+                    s.referenced,
+                    s.defined,
+                )
+            })
             .collect()
     })
 }
@@ -594,7 +710,12 @@ fn covers(a: &Rule, b: &Rule) -> bool {
 
 /// The value a rule's counter is shared by, for this request; `None` when the rule does not
 /// apply (no org, no header).
-pub fn key_value<'a>(kind: &KeyKind, identity: &'a Identity, headers: &'a HeaderMap, ip_text: &'a str) -> Option<KeyValue<'a>> {
+pub fn key_value<'a>(
+    kind: &KeyKind,
+    identity: &'a Identity,
+    headers: &'a HeaderMap,
+    ip_text: &'a str,
+) -> Option<KeyValue<'a>> {
     Some(match kind {
         KeyKind::User => KeyValue::Str(&identity.id),
         KeyKind::Ip => KeyValue::Str(ip_text),

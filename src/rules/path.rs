@@ -173,7 +173,7 @@ impl Pattern {
             .sum();
         let class = if subtree {
             PatternClass::Prefix
-        } else if segments.iter().any(|s| *s == Segment::Any) {
+        } else if segments.contains(&Segment::Any) {
             PatternClass::Template
         } else {
             PatternClass::Exact

@@ -16,8 +16,18 @@ fn rules(yaml: &str) -> RuleSet {
 fn chosen(set: &RuleSet, method: &str, path: &str, tier: &str, headers: &HeaderMap) -> Vec<String> {
     let m = Method::from_bytes(method.as_bytes()).unwrap();
     let norm = normalize(path);
-    let info = RequestInfo { method: &m, path: &norm, host: Some("api.example"), headers, tier };
-    let mut names: Vec<String> = set.select(&info).into_iter().map(|i| set.rules[i as usize].name.to_string()).collect();
+    let info = RequestInfo {
+        method: &m,
+        path: &norm,
+        host: Some("api.example"),
+        headers,
+        tier,
+    };
+    let mut names: Vec<String> = set
+        .select(&info)
+        .into_iter()
+        .map(|i| set.rules[i as usize].name.to_string())
+        .collect();
     names.sort();
     names
 }
@@ -53,8 +63,18 @@ fn most_specific_per_key_kind_and_all_kinds_apply() {
         // method-specific beats any method
         ("POST", "/api/v1/users/me", "pro", &["all-ip", "users-me-post"]),
         // tier-specific beats any tier; the global rule applies too
-        ("GET", "/api/v1/search", "free", &["all-ip", "search-free", "search-global"]),
-        ("GET", "/api/v1/search", "pro", &["all-ip", "search-any", "search-global"]),
+        (
+            "GET",
+            "/api/v1/search",
+            "free",
+            &["all-ip", "search-free", "search-global"],
+        ),
+        (
+            "GET",
+            "/api/v1/search",
+            "pro",
+            &["all-ip", "search-any", "search-global"],
+        ),
         // per-IP login rule and the per-user prefix rule both apply
         ("POST", "/api/v1/login", "anonymous", &["login-ip", "v1-user"]),
         ("GET", "/api/v1/login", "anonymous", &["all-ip", "v1-user"]),
@@ -70,7 +90,10 @@ fn most_specific_per_key_kind_and_all_kinds_apply() {
     }
     let mut beta = HeaderMap::new();
     beta.insert("x-beta", HeaderValue::from_static("1"));
-    assert_eq!(chosen(&set, "GET", "/api/x", "free", &beta), ["all-ip", "api-user", "beta-header"]);
+    assert_eq!(
+        chosen(&set, "GET", "/api/x", "free", &beta),
+        ["all-ip", "api-user", "beta-header"]
+    );
 }
 
 #[test]
@@ -79,7 +102,13 @@ fn overrides_replace_limits_for_one_identity() {
         "rules:\n  - name: d\n    match: { path: \"/**\" }\n    key: user\n    limit: 1000\n    window: 1h\n    overrides: { cust_42: { limit: 10000 }, cust_7: { limits: [ {limit: 1, window: 1s}, {limit: 5, window: 1m} ] } }\n",
     );
     let r = &set.rules[0];
-    let id = |s: &str| Identity { kind: IdentityKind::ApiKey, id: Arc::from(s), tier: Arc::from("pro"), org: None, ip: "1.2.3.4".parse().unwrap() };
+    let id = |s: &str| Identity {
+        kind: IdentityKind::ApiKey,
+        id: Arc::from(s),
+        tier: Arc::from("pro"),
+        org: None,
+        ip: "1.2.3.4".parse().unwrap(),
+    };
     assert_eq!(r.limits_for(&id("someone"))[0].limit.get(), 1000);
     let o = r.limits_for(&id("cust_42"));
     assert_eq!((o[0].limit.get(), o[0].window_us.get()), (10000, 3_600_000_000));
@@ -97,8 +126,15 @@ fn rates_parse() {
 
 #[test]
 fn store_keys_hash_the_value_and_share_a_tag_per_caller() {
-    let kb = KeyBuilder { prefix: "tl".into(), salt: "s".into() };
-    let q = Quota::window(Algorithm::SlidingWindow, NonZeroU64::new(5).unwrap(), NonZeroU64::new(60_000_000).unwrap());
+    let kb = KeyBuilder {
+        prefix: "tl".into(),
+        salt: "s".into(),
+    };
+    let q = Quota::window(
+        Algorithm::SlidingWindow,
+        NonZeroU64::new(5).unwrap(),
+        NonZeroU64::new(60_000_000).unwrap(),
+    );
     let evil = "x}:{evil\r\nDEL *";
     let tag = kb.tag(KeyValue::Str(evil), "r");
     assert!(tag.bytes().all(|b| b.is_ascii_hexdigit()), "{tag}");
@@ -106,7 +142,10 @@ fn store_keys_hash_the_value_and_share_a_tag_per_caller() {
     assert_eq!(key, format!("tl:{{{tag}}}:search:sw60000"));
     assert!(!key.contains("evil"));
     // A different salt moves the caller to another tag (the caller can't aim at a slot).
-    let kb2 = KeyBuilder { prefix: "tl".into(), salt: "other".into() };
+    let kb2 = KeyBuilder {
+        prefix: "tl".into(),
+        salt: "other".into(),
+    };
     assert_ne!(kb2.tag(KeyValue::Str(evil), "r"), tag);
     // Global counters are per rule.
     assert_ne!(kb.tag(KeyValue::Global, "a"), kb.tag(KeyValue::Global, "b"));
@@ -119,14 +158,22 @@ fn validation_fixtures_name_line_column_and_reason() {
     for entry in std::fs::read_dir(&dir).unwrap() {
         let path = entry.unwrap().path();
         let text = std::fs::read_to_string(&path).unwrap();
-        let expect = text.lines().next().and_then(|l| l.strip_prefix("# expect: ")).unwrap_or_else(|| panic!("{}: no expect line", path.display()));
+        let expect = text
+            .lines()
+            .next()
+            .and_then(|l| l.strip_prefix("# expect: "))
+            .unwrap_or_else(|| panic!("{}: no expect line", path.display()));
         let (pos, msg) = expect.split_once(' ').unwrap();
         let err = match RuleSet::from_str(&path, &text) {
             Ok(_) => panic!("{}: was accepted", path.display()),
             Err(e) => e,
         };
         let shown = err.to_string();
-        assert!(shown.starts_with(&format!("{}:{pos}:", path.display())), "{}: got {shown}", path.display());
+        assert!(
+            shown.starts_with(&format!("{}:{pos}:", path.display())),
+            "{}: got {shown}",
+            path.display()
+        );
         assert!(shown.contains(msg.trim()), "{}: got {shown}", path.display());
         n += 1;
     }

@@ -71,12 +71,21 @@ pub async fn gateway(upstream: &str, extra: &str, rules: &str, keys: Option<&str
     let running = tollgate::gateway::start(cfg).await.unwrap();
     let url = format!("http://{}", running.addr);
     let admin = format!("http://{}", running.admin_addr);
-    TestGateway { running, dir, url, admin }
+    TestGateway {
+        running,
+        dir,
+        url,
+        admin,
+    }
 }
 
 /// A free loopback port (bound then released).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// The real `tollgate` binary, running `run --config` on fixed ports.
@@ -103,9 +112,10 @@ pub fn binary(upstream: &str, extra: &str, rules: &str) -> BinaryGateway {
     let dir = tempfile::tempdir().unwrap();
     let (port, admin_port) = (free_port(), free_port());
     let p = write_config(dir.path(), upstream, extra, rules, None);
-    let text = std::fs::read_to_string(&p)
-        .unwrap()
-        .replace("listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0", &format!("listen: 127.0.0.1:{port}\nadmin_listen: 127.0.0.1:{admin_port}"));
+    let text = std::fs::read_to_string(&p).unwrap().replace(
+        "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0",
+        &format!("listen: 127.0.0.1:{port}\nadmin_listen: 127.0.0.1:{admin_port}"),
+    );
     std::fs::write(&p, text).unwrap();
     let child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
         .args(["run", "--config"])
@@ -115,10 +125,17 @@ pub fn binary(upstream: &str, extra: &str, rules: &str) -> BinaryGateway {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let g = BinaryGateway { child, url: format!("http://127.0.0.1:{port}"), admin: format!("http://127.0.0.1:{admin_port}"), dir };
+    let g = BinaryGateway {
+        child,
+        url: format!("http://127.0.0.1:{port}"),
+        admin: format!("http://127.0.0.1:{admin_port}"),
+        dir,
+    };
     let deadline = Instant::now() + Duration::from_secs(10);
     while Instant::now() < deadline {
-        if std::net::TcpStream::connect(("127.0.0.1", admin_port)).is_ok() && std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+        if std::net::TcpStream::connect(("127.0.0.1", admin_port)).is_ok()
+            && std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+        {
             return g;
         }
         std::thread::sleep(Duration::from_millis(20));

@@ -66,7 +66,7 @@ fn key_count_is_bounded() {
 fn expired_keys_are_swept_first() {
     let store = MemoryStore::new(Arc::new(FakeClock::new(T0)), 64 * 16);
     let hot = check("tl:{hot}:r:1s", 3, false);
-    store.check_at(&[hot.clone()], T0 + 5_000_000);
+    store.check_at(std::slice::from_ref(&hot), T0 + 5_000_000);
     for i in 0..10_000 {
         store.check_at(&[check(&format!("tl:{{{i}}}:r:1s"), 5, false)], T0);
     }

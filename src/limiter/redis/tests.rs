@@ -69,15 +69,33 @@ fn evalsha_command_layout() {
     assert_eq!(
         args(&cmd),
         [
-            "EVALSHA", "abc", "2", "tl:{a}:r1:1s", "tl:{a}:r2:b", "check", "1700000000000000",
-            "3", "10", "1000000", "2", "0", "2", "10", "100000", "2", "1",
+            "EVALSHA",
+            "abc",
+            "2",
+            "tl:{a}:r1:1s",
+            "tl:{a}:r2:b",
+            "check",
+            "1700000000000000",
+            "3",
+            "10",
+            "1000000",
+            "2",
+            "0",
+            "2",
+            "10",
+            "100000",
+            "2",
+            "1",
         ]
     );
     let cmd = script_cmd(None, Mode::Peek, None, cs[..1].iter());
     let a = args(&cmd);
     assert_eq!(a[0], "EVAL");
     assert_eq!(a[1], SCRIPT_SOURCE);
-    assert_eq!(a[2..], ["1", "tl:{a}:r1:1s", "peek", "", "3", "10", "1000000", "2", "0"]);
+    assert_eq!(
+        a[2..],
+        ["1", "tl:{a}:r1:1s", "peek", "", "3", "10", "1000000", "2", "0"]
+    );
 }
 
 #[test]
@@ -115,15 +133,19 @@ fn parse_reply_maps_fields_and_missing_keys() {
 
 #[test]
 fn parse_reply_rejects_bad_shapes() {
-    assert!(matches!(
-        parse_reply(Value::Int(1), 0),
-        Err(StoreError::Protocol(_))
-    ));
+    assert!(matches!(parse_reply(Value::Int(1), 0), Err(StoreError::Protocol(_))));
     assert!(matches!(
         parse_reply(Value::Array(vec![Value::Int(1), Value::Int(1)]), 1),
         Err(StoreError::Protocol(_))
     ));
-    let bad = Value::Array(vec![Value::Int(1), Value::Nil, Value::Int(0), Value::Int(0), Value::Int(0), Value::Int(0)]);
+    let bad = Value::Array(vec![
+        Value::Int(1),
+        Value::Nil,
+        Value::Int(0),
+        Value::Int(0),
+        Value::Int(0),
+        Value::Int(0),
+    ]);
     assert!(matches!(parse_reply(bad, 1), Err(StoreError::Protocol(_))));
 }
 
@@ -133,10 +155,7 @@ fn grouping_by_hash_tag() {
         .iter()
         .map(|k| StoreKey((*k).to_owned()))
         .collect();
-    assert_eq!(
-        group_by_tag(keys.iter()),
-        vec![vec![0, 2], vec![1, 4], vec![3]]
-    );
+    assert_eq!(group_by_tag(keys.iter()), vec![vec![0, 2], vec![1, 4], vec![3]]);
     assert!(!one_tag(keys.iter()));
     assert!(one_tag(keys[..1].iter()));
     assert!(one_tag([keys[0].clone(), keys[2].clone()].iter()));
