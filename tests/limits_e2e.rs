@@ -64,7 +64,7 @@ async fn every_limited_response_carries_the_binding_limit() {
     let retry: u64 = header(&r, "retry-after").parse().unwrap();
     let (name, rem, t) = parse_ratelimit(&header(&r, "ratelimit"));
     assert_eq!((name.as_str(), rem), ("search", 0));
-    assert!(retry >= 1 && retry <= 10);
+    assert!((1..=10).contains(&retry));
     assert_eq!(t, retry, "RateLimit t agrees with Retry-After");
     assert_eq!(header(&r, "ratelimit-policy"), "\"search\";q=3;w=10");
     assert_eq!(header(&r, "content-type"), "application/json");

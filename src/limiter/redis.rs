@@ -55,7 +55,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use arc_swap::ArcSwap;
+use arc_swap::ArcSwapOption;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
@@ -167,7 +167,7 @@ struct Inner {
     /// Deadline of one store call.
     timeout: Duration,
     /// The current connection; swapped whole by a rebuild, loaded and cloned by every call.
-    conn: ArcSwap<Conn>,
+    conn: ArcSwapOption<Conn>,
     /// SHA1 of [`SCRIPT_SOURCE`], for EVALSHA.
     sha: String,
     /// Failed calls in a row (reset by any success).
@@ -288,9 +288,14 @@ async fn open(mode: RedisMode, urls: &[String], timeout: Duration) -> Result<Con
 }
 
 impl Inner {
-    /// A clone of the current connection (the guard is dropped before any await).
-    fn conn(&self) -> Conn {
-        Conn::clone(&self.conn.load())
+    /// A clone of the current connection (the guard is dropped before any await). `Err` while
+    /// no connection was ever established (Redis was down at start-up): the failure counts
+    /// towards a rebuild, which keeps trying in the background.
+    fn conn(&self) -> Result<Conn, RedisError> {
+        match &*self.conn.load() {
+            Some(c) => Ok(Conn::clone(c)),
+            None => Err(RedisError::from((ErrorKind::Io, "not connected to Redis yet"))),
+        }
     }
 
     fn success(&self) {
@@ -330,7 +335,7 @@ impl Inner {
         handle.spawn(async move {
             match open(inner.mode, &inner.urls, inner.timeout).await {
                 Ok(conn) => {
-                    inner.conn.store(Arc::new(conn));
+                    inner.conn.store(Some(Arc::new(conn)));
                     inner.failures.store(0, Ordering::Relaxed);
                     inner.rebuilds.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(
@@ -352,7 +357,7 @@ impl Inner {
     where
         I: Iterator<Item = &'c LimitCheck> + Clone,
     {
-        let mut conn = self.conn();
+        let mut conn = self.conn()?;
         let cmd = script_cmd(Some(&self.sha), mode, now, checks.clone());
         match conn.query(&cmd).await {
             Err(e) if is_noscript(&e) => {
@@ -363,13 +368,15 @@ impl Inner {
         }
     }
 
-    /// One script call with health accounting: returns Redis' `now` and one entry per check.
-    async fn call<'c, I>(
+    /// One script call with health accounting: returns Redis' `now` and one entry per check,
+    /// built by `map` from the reply's `allowed` integer and the outcome.
+    async fn call<'c, I, T>(
         self: &Arc<Self>,
         mode: Mode,
         now: Option<u64>,
         checks: I,
-    ) -> Result<(u64, Vec<Option<Outcome>>), StoreError>
+        map: fn(i64, Outcome) -> T,
+    ) -> Result<(u64, Vec<T>), StoreError>
     where
         I: Iterator<Item = &'c LimitCheck> + Clone + ExactSizeIterator,
     {
@@ -377,14 +384,16 @@ impl Inner {
         let guard = CallGuard::new(self);
         let res = tokio::time::timeout(self.timeout, self.run_script(mode, now, checks)).await;
         let value = guard.finish(res)?;
-        parse_reply(value, if mode == Mode::Refund { 0 } else { n })
+        parse_reply(value, if mode == Mode::Refund { 0 } else { n }, map)
     }
 
     /// Any command with health accounting and the deadline.
     async fn command(self: &Arc<Self>, cmd: &Cmd) -> Result<Value, StoreError> {
         let guard = CallGuard::new(self);
-        let mut conn = self.conn();
-        let res = tokio::time::timeout(self.timeout, conn.query(cmd)).await;
+        let res = match self.conn() {
+            Ok(mut conn) => tokio::time::timeout(self.timeout, async move { conn.query(cmd).await }).await,
+            Err(e) => Ok(Err(e)),
+        };
         guard.finish(res)
     }
 }
@@ -484,8 +493,19 @@ fn script_cmd<'c>(
     cmd
 }
 
-/// Parse `[now, (allowed, remaining, reset, retry, delay) * n]`. `allowed == -1` → `None`.
-fn parse_reply(value: Value, n: usize) -> Result<(u64, Vec<Option<Outcome>>), StoreError> {
+/// A check reply entry as is.
+fn checked(_allowed: i64, o: Outcome) -> Outcome {
+    o
+}
+
+/// A peek reply entry: `allowed == -1` marks a key that does not exist.
+fn peeked(allowed: i64, o: Outcome) -> Option<Outcome> {
+    (allowed >= 0).then_some(o)
+}
+
+/// Parse `[now, (allowed, remaining, reset, retry, delay) * n]`, mapping each entry with `map`
+/// (straight into the caller's vector: no intermediate allocation).
+fn parse_reply<T>(value: Value, n: usize, map: fn(i64, Outcome) -> T) -> Result<(u64, Vec<T>), StoreError> {
     let items = match value {
         Value::Array(items) => items,
         other => return Err(StoreError::Protocol(format!("expected an array, got {other:?}"))),
@@ -514,7 +534,7 @@ fn parse_reply(value: Value, n: usize) -> Result<(u64, Vec<Option<Outcome>>), St
             retry_after_us: field()?,
             delay_us: field()?,
         };
-        out.push(if allowed < 0 { None } else { Some(outcome) });
+        out.push(map(allowed, outcome));
     }
     Ok((now, out))
 }
@@ -551,15 +571,26 @@ fn one_tag<'a>(mut keys: impl Iterator<Item = &'a StoreKey>) -> bool {
 impl RedisStore {
     /// Connect to `urls` (one server, or cluster seeds). `timeout` is the per-check deadline;
     /// it also bounds every Redis response, and connecting takes at most a few times it.
+    ///
+    /// When Redis cannot be reached now, the store still starts (so the gateway serves, with each
+    /// rule's failure policy) and keeps connecting in the background; only a configuration
+    /// error (a malformed URL) fails here.
     pub async fn connect(mode: RedisMode, urls: &[String], timeout: Duration) -> Result<Self, StoreError> {
-        let conn = open(mode, urls, timeout).await?;
+        let conn = match open(mode, urls, timeout).await {
+            Ok(c) => Some(Arc::new(c)),
+            Err(e) if urls.iter().all(|u| u.as_str().into_connection_info().is_ok()) && !urls.is_empty() => {
+                tracing::warn!(error = %e, ?mode, "Redis is unreachable at start-up; serving with each rule's failure policy and retrying in the background");
+                None
+            }
+            Err(e) => return Err(e),
+        };
         let sha = redis::Script::new(SCRIPT_SOURCE).get_hash().to_owned();
         Ok(RedisStore {
             inner: Arc::new(Inner {
                 mode,
                 urls: urls.to_vec(),
                 timeout,
-                conn: ArcSwap::from_pointee(conn),
+                conn: ArcSwapOption::new(conn),
                 sha,
                 failures: AtomicU32::new(0),
                 last_rebuild_ms: AtomicU64::new(0),
@@ -600,14 +631,13 @@ impl RedisStore {
         let inner = &self.inner;
         if one_tag(checks.iter().map(|c| &c.key)) {
             // Fast path: one slot, one script call, no grouping.
-            let (_, outs) = inner.call(Mode::Check, now, checks.iter()).await?;
-            return Ok(outs.into_iter().map(Option::unwrap_or_default).collect());
+            return Ok(inner.call(Mode::Check, now, checks.iter(), checked).await?.1);
         }
         let start = Instant::now();
         let groups = group_by_tag(checks.iter().map(|c| &c.key));
         let calls = groups
             .iter()
-            .map(|g| inner.call(Mode::Check, now, g.iter().map(|&i| &checks[i])));
+            .map(|g| inner.call(Mode::Check, now, g.iter().map(|&i| &checks[i]), checked));
         let results = futures_util::future::join_all(calls).await;
         let mut outcomes = vec![Outcome::default(); checks.len()];
         let mut nows = Vec::with_capacity(groups.len());
@@ -615,7 +645,7 @@ impl RedisStore {
             let (group_now, outs) = r?;
             nows.push(group_now);
             for (&i, o) in g.iter().zip(outs) {
-                outcomes[i] = o.unwrap_or_default();
+                outcomes[i] = o;
             }
         }
         let denied = |i: usize| !outcomes[i].allowed && !checks[i].shadow;
@@ -651,7 +681,7 @@ impl RedisStore {
         let task = async move {
             let calls = refunds
                 .iter()
-                .map(|(now, cs)| inner.call(Mode::Refund, Some(*now), cs.iter()));
+                .map(|(now, cs)| inner.call(Mode::Refund, Some(*now), cs.iter(), peeked));
             for r in futures_util::future::join_all(calls).await {
                 if let Err(e) = r {
                     tracing::warn!(error = %e, "refund of a rejected cross-slot request failed");
@@ -675,12 +705,12 @@ impl RedisStore {
         }
         let inner = &self.inner;
         if one_tag(checks.iter().map(|c| &c.key)) {
-            return Ok(inner.call(mode, None, checks.iter()).await?.1);
+            return Ok(inner.call(mode, None, checks.iter(), peeked).await?.1);
         }
         let groups = group_by_tag(checks.iter().map(|c| &c.key));
         let calls = groups
             .iter()
-            .map(|g| inner.call(mode, None, g.iter().map(|&i| &checks[i])));
+            .map(|g| inner.call(mode, None, g.iter().map(|&i| &checks[i]), peeked));
         let results = futures_util::future::join_all(calls).await;
         let mut out = vec![None; checks.len()];
         for (g, r) in groups.iter().zip(results) {
@@ -755,7 +785,7 @@ impl Store for RedisStore {
             let inner = &self.inner;
             let guard = CallGuard::new(inner);
             let res = tokio::time::timeout(inner.timeout, async {
-                let mut conn = inner.conn();
+                let mut conn = inner.conn()?;
                 match conn.query_all_masters(peek()).await {
                     Err(e) if is_noscript(&e) => {
                         let mut load = redis::cmd("SCRIPT");

@@ -106,7 +106,7 @@ fn parse_reply_maps_fields_and_missing_keys() {
             .map(Value::Int)
             .collect(),
     );
-    let (now, outs) = parse_reply(v, 3).unwrap();
+    let (now, outs) = parse_reply(v, 3, peeked).unwrap();
     assert_eq!(now, 7);
     assert_eq!(
         outs[0],
@@ -133,9 +133,12 @@ fn parse_reply_maps_fields_and_missing_keys() {
 
 #[test]
 fn parse_reply_rejects_bad_shapes() {
-    assert!(matches!(parse_reply(Value::Int(1), 0), Err(StoreError::Protocol(_))));
     assert!(matches!(
-        parse_reply(Value::Array(vec![Value::Int(1), Value::Int(1)]), 1),
+        parse_reply(Value::Int(1), 0, peeked),
+        Err(StoreError::Protocol(_))
+    ));
+    assert!(matches!(
+        parse_reply(Value::Array(vec![Value::Int(1), Value::Int(1)]), 1, checked),
         Err(StoreError::Protocol(_))
     ));
     let bad = Value::Array(vec![
@@ -146,7 +149,7 @@ fn parse_reply_rejects_bad_shapes() {
         Value::Int(0),
         Value::Int(0),
     ]);
-    assert!(matches!(parse_reply(bad, 1), Err(StoreError::Protocol(_))));
+    assert!(matches!(parse_reply(bad, 1, checked), Err(StoreError::Protocol(_))));
 }
 
 #[test]

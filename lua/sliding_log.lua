@@ -1,0 +1,94 @@
+-- tollgate: sliding log (algorithm code 4) (fragment of the combined limit script).
+--
+-- A fragment: src/limiter/redis.rs concatenates common.lua, token_bucket.lua,
+-- leaky_bucket.lua, fixed_window.lua, this file, sliding_window.lua and check.lua into one
+-- script; check.lua dispatches code 4 to the functions below. Mirrors `log_eval` / `spend` in
+-- src/limiter/algorithm.rs: admit if (units admitted in (now - window, now]) + cost <= limit.
+--
+-- KEY   one ZSET per limit, one member per admitted unit, score = admission time (integer
+--       microseconds). Members are "<now>:<seq>" with seq zero-padded to 12 digits and one
+--       more than the largest seq already stored at that score, so members stay unique even
+--       for several requests in the same microsecond and across refunds. Entries at or before
+--       now - window are removed when the key is next spent on. Expires (PEXPIREAT) one window
+--       after the newest entry.
+-- ARGV  (per key, passed by check.lua) limit = units per window, interval = window in
+--       microseconds, cost = units this request takes.
+-- Reply (per key) allowed (1/0), remaining, reset_us (until the oldest entry leaves),
+--       retry_after_us (until enough entries left for this request; 0 when allowed),
+--       delay_us (0).
+
+-- Entries at or before this instant have left the window.
+local function sl_floor(now, w)
+  local f = now - w
+  if f < 0 then
+    f = 0
+  end
+  return f
+end
+
+-- Score of the (n+1)-th entry inside the window (n from 0), oldest first.
+local function sl_nth(key, lo, n)
+  local r = redis.call('ZRANGEBYSCORE', key, lo, '+inf', 'WITHSCORES', 'LIMIT', n, 1)
+  return tonumber(r[2])
+end
+
+local function sl_eval(key, now, limit, w, cost)
+  local lo = string.format('(%d', sl_floor(now, w))
+  local count = tg_read('ZCOUNT', key, lo, '+inf') or 0
+  local oldest = now
+  if count > 0 then
+    oldest = sl_nth(key, lo, 0) or now
+  end
+  if count + cost <= limit then
+    return true, limit - count - cost, oldest + w - now, 0, 0
+  end
+  -- The (count + cost - limit)-th oldest entry must leave the window first.
+  local k = count + cost - limit
+  local tk = now
+  if k <= count then
+    tk = sl_nth(key, lo, k - 1) or now
+  end
+  return false, math.max(limit - count, 0), oldest + w - now, tk + w - now, 0
+end
+
+local function sl_spend(key, now, limit, w, cost)
+  local _, bad = tg_read('ZREMRANGEBYSCORE', key, '-inf', sl_floor(now, w))
+  if bad then
+    redis.call('DEL', key)
+  end
+  if cost > 0 then
+    local seq = 0
+    local top = redis.call('ZREVRANGEBYSCORE', key, now, now, 'LIMIT', 0, 1)
+    if top[1] then
+      local s = string.match(top[1], ':(%d+)$')
+      if s then
+        seq = tonumber(s) + 1
+      end
+    end
+    local prefix = string.format('%d:', now)
+    local args = {}
+    for j = 0, cost - 1 do
+      args[#args + 1] = now
+      args[#args + 1] = prefix .. string.format('%012d', seq + j)
+      if #args >= 2000 then
+        redis.call('ZADD', key, unpack(args))
+        args = {}
+      end
+    end
+    if #args > 0 then
+      redis.call('ZADD', key, unpack(args))
+    end
+  end
+  redis.call('PEXPIREAT', key, tg_at_ms(now + w))
+end
+
+-- Give back `cost` units: remove the `cost` newest entries at or before `now`. With the `now`
+-- the check used (a cross-slot rejection), those are exactly the entries it added (or, with
+-- several requests in that microsecond, equivalent ones). With a later `now` (a leaky-bucket
+-- client that left), the newest ones are removed, like the memory store does.
+local function sl_refund(key, now, limit, w, cost)
+  local r = tg_read('ZREVRANGEBYSCORE', key, now, '-inf', 'LIMIT', 0, cost)
+  if r and #r > 0 then
+    redis.call('ZREM', key, unpack(r))
+  end
+end

@@ -1,0 +1,85 @@
+-- tollgate: sliding window counter (algorithm code 5) (fragment of the combined limit script).
+--
+-- A fragment: src/limiter/redis.rs concatenates common.lua, token_bucket.lua,
+-- leaky_bucket.lua, fixed_window.lua, sliding_log.lua, this file and check.lua into one
+-- script; check.lua dispatches code 5 to the functions below. Mirrors `roll_sliding` /
+-- `sliding_eval` / `spend` in src/limiter/algorithm.rs, including the floating-point
+-- expressions, written in the same order so both stores round identically:
+--   estimate = previous * (window - elapsed) / window + current;  admit if estimate + cost <= limit
+--
+-- KEY   one HASH per limit: i = index of the current window (floor(now / window)),
+--       p = units admitted in window i - 1, c = units admitted in window i. Expires (PEXPIREAT)
+--       at the end of window i + 1, after which p would be 0 too.
+-- ARGV  (per key, passed by check.lua) limit = units per window, interval = window in
+--       microseconds, cost = units this request takes.
+-- Reply (per key) allowed (1/0), remaining (floored), reset_us, retry_after_us (0 when
+--       allowed), delay_us (0).
+
+-- The state rolled to now's window: index, previous, current (and `bad` for another type).
+local function sw_roll(key, now, w)
+  local index = math.floor(now / w)
+  local r, bad = tg_read('HMGET', key, 'i', 'p', 'c')
+  local i = nil
+  if r and r[1] then
+    i = tonumber(r[1])
+  end
+  if i == index then
+    return index, tonumber(r[2]) or 0, tonumber(r[3]) or 0, bad
+  elseif i ~= nil and i + 1 == index then
+    return index, tonumber(r[3]) or 0, 0, bad
+  end
+  return index, 0, 0, bad
+end
+
+local function sw_eval(key, now, limit, w, cost)
+  local index, prev, curr = sw_roll(key, now, w)
+  local elapsed = now - index * w
+  local estimate = prev * (w - elapsed) / w + curr
+  if estimate + cost <= limit then
+    local reset = w - elapsed
+    if curr + cost > 0 then
+      reset = 2 * w - elapsed
+    end
+    return true, math.max(math.floor(limit - estimate - cost), 0), reset, 0, 0
+  end
+  local retry
+  if curr + cost <= limit then
+    -- Wait inside this window for the previous window's weight to decay.
+    local e = math.ceil(w - (limit - curr - cost) * w / prev)
+    retry = math.max(e - elapsed, 1)
+  else
+    -- Wait for the next window, where this window's count becomes `previous`.
+    local e = math.max(math.ceil(w - (limit - cost) * w / curr), 0)
+    retry = (w - elapsed) + e
+  end
+  local reset = w - elapsed
+  if curr > 0 then
+    reset = 2 * w - elapsed
+  end
+  return false, math.max(math.floor(limit - estimate), 0), reset, tg_int(retry), 0
+end
+
+local function sw_spend(key, now, limit, w, cost)
+  local index, prev, curr, bad = sw_roll(key, now, w)
+  if bad then
+    redis.call('DEL', key)
+  end
+  redis.call('HSET', key, 'i', index, 'p', prev, 'c', curr + cost)
+  redis.call('PEXPIREAT', key, tg_at_ms((index + 2) * w))
+end
+
+-- Give back `cost` units counted at `now`: from c if the window has not moved since, from p if
+-- it moved on by exactly one window; later than that they no longer count anyway.
+local function sw_refund(key, now, limit, w, cost)
+  local index = math.floor(now / w)
+  local r = tg_read('HMGET', key, 'i', 'p', 'c')
+  if not r or not r[1] then
+    return
+  end
+  local i = tonumber(r[1])
+  if i == index then
+    redis.call('HSET', key, 'c', math.max((tonumber(r[3]) or 0) - cost, 0))
+  elseif i == index + 1 then
+    redis.call('HSET', key, 'p', math.max((tonumber(r[2]) or 0) - cost, 0))
+  end
+end

@@ -1,0 +1,314 @@
+//! Differential tests: seeded random request sequences driven through the memory store
+//! (`MemoryStore::check_at`) and through the Lua script on a real Redis (`RedisStore::check_at`
+//! with the same `now`), asserting the same decisions.
+//!
+//! Both implement the algorithms of `src/limiter/algorithm.rs` with the same integer arithmetic
+//! and, for the sliding window, the same floating-point expressions in the same order, so the
+//! outcomes are expected to be identical; the assertion allows the rounding slack of the design
+//! (±1 µs for integer algorithms, ±2 µs for the sliding window) on times and requires exact
+//! `allowed` and `remaining`.
+
+mod common;
+
+use std::num::NonZeroU64;
+use std::sync::Arc;
+
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+use common::{RedisCluster, RedisServer};
+use tollgate::clock::FakeClock;
+use tollgate::limiter::memory::MemoryStore;
+use tollgate::limiter::redis::{RedisMode, RedisStore};
+use tollgate::limiter::{Algorithm, LimitCheck, Outcome, Quota, StoreKey};
+
+const ALL: [Algorithm; 5] = [
+    Algorithm::TokenBucket,
+    Algorithm::LeakyBucket,
+    Algorithm::FixedWindow,
+    Algorithm::SlidingLog,
+    Algorithm::SlidingWindow,
+];
+
+/// Deadline per Redis call (debug build; the tests run in parallel on a small machine).
+const TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+fn nz(v: u64) -> NonZeroU64 {
+    NonZeroU64::new(v).unwrap()
+}
+
+/// A random quota for `algorithm`.
+fn random_quota(rng: &mut StdRng, algorithm: Algorithm) -> Quota {
+    let limit = nz(*[1u64, 2, 3, 5, 7, 10, 20].choose(rng).unwrap());
+    if algorithm.is_bucket() {
+        let interval = *[1_000u64, 3_333, 50_000, 333_333, 1_000_000].choose(rng).unwrap();
+        Quota::bucket(algorithm, limit, nz(interval))
+    } else {
+        let window = *[1_000u64, 7_919, 100_000, 1_000_000, 60_000_000, 3_600_000_000]
+            .choose(rng)
+            .unwrap();
+        Quota::window(algorithm, limit, nz(window))
+    }
+}
+
+/// How one sequence spreads its limits over hash tags.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Tags {
+    /// Every limit on one tag (one script call per request).
+    One,
+    /// Limits on two or three tags (several calls, refunds on rejection).
+    Spread,
+}
+
+/// What a test runs.
+struct Plan {
+    /// Algorithms to draw each limit from.
+    algorithms: &'static [Algorithm],
+    /// Limits per sequence (drawn uniformly from this range).
+    limits: std::ops::RangeInclusive<usize>,
+    /// Number of sequences.
+    sequences: u64,
+    /// Requests per sequence.
+    steps: usize,
+    /// Tag layout.
+    tags: Tags,
+    /// Seed of the first sequence (each sequence is reproducible from its own seed).
+    seed: u64,
+}
+
+/// Largest |a - b| seen per field, and the number of non-identical outcomes.
+#[derive(Default, Debug)]
+struct Stats {
+    steps: usize,
+    checks: usize,
+    allowed: usize,
+    not_identical: usize,
+    max_time_diff: u64,
+}
+
+fn close(a: u64, b: u64, tol: u64) -> bool {
+    a.abs_diff(b) <= tol
+}
+
+/// Run one plan against `store`; panics with the reproducing seed on the first difference.
+async fn run(store: &RedisStore, plan: &Plan, label: &str) -> Stats {
+    let mut stats = Stats::default();
+    for s in 0..plan.sequences {
+        let seed = plan.seed + s;
+        let mut rng = StdRng::seed_from_u64(seed);
+        let memory = MemoryStore::new(Arc::new(FakeClock::new(0)), 10_000);
+        let n = rng.gen_range(plan.limits.clone());
+        let tag_count = match plan.tags {
+            Tags::One => 1,
+            Tags::Spread => rng.gen_range(2..=3),
+        };
+        let limits: Vec<(StoreKey, Quota)> = (0..n)
+            .map(|j| {
+                let algorithm = *plan.algorithms.choose(&mut rng).unwrap();
+                let tag = format!("{label}-{seed}-{}", j % tag_count);
+                (
+                    StoreKey(format!("d:{{{tag}}}:{j}:{}", algorithm.as_str())),
+                    random_quota(&mut rng, algorithm),
+                )
+            })
+            .collect();
+        // A random phase in the future (year 2096+): keys expire by this clock (PEXPIREAT), so
+        // none expires in wall-clock time during the test.
+        let mut now: u64 = 4_000_000_000_000_000 + rng.gen_range(0..4_000_000_000_000);
+        for step in 0..plan.steps {
+            // Time step: often none, else up to a fraction, one or three periods of a limit.
+            let (_, q) = limits.choose(&mut rng).unwrap();
+            let period = q.window_us.get();
+            now += match rng.gen_range(0..10) {
+                0 | 1 => 0,
+                2..=5 => rng.gen_range(0..=q.interval_us.get().min(period) / 2 + 1),
+                6..=8 => rng.gen_range(0..=period),
+                _ => rng.gen_range(0..=3 * period),
+            };
+            // The request: a non-empty random subset of the limits, in random order.
+            let mut idx: Vec<usize> = (0..n).filter(|_| rng.gen_bool(0.7)).collect();
+            if idx.is_empty() {
+                idx.push(rng.gen_range(0..n));
+            }
+            idx.shuffle(&mut rng);
+            let checks: Vec<LimitCheck> = idx
+                .iter()
+                .map(|&j| {
+                    let (key, quota) = &limits[j];
+                    let max = quota.limit.get().min(4);
+                    let cost = if rng.gen_bool(0.05) { 0 } else { rng.gen_range(1..=max) };
+                    LimitCheck {
+                        key: key.clone(),
+                        quota: *quota,
+                        cost,
+                        shadow: rng.gen_bool(0.2),
+                    }
+                })
+                .collect();
+            let expected = memory.check_at(&checks, now);
+            let got = tokio::time::timeout(TIMEOUT, store.check_at(&checks, Some(now)))
+                .await
+                .unwrap_or_else(|_| panic!("seed {seed} step {step}: redis timed out"))
+                .unwrap_or_else(|e| panic!("seed {seed} step {step}: redis failed: {e}"));
+            compare(seed, step, now, &checks, &expected, &got, &mut stats);
+        }
+    }
+    eprintln!("{label}: {stats:?}");
+    // Within tolerance is the contract; in fact both stores run the same arithmetic, so any
+    // difference at all is a divergence worth a look.
+    assert_eq!(
+        stats.not_identical, 0,
+        "{label}: outcomes differ within tolerance: {stats:?}"
+    );
+    stats
+}
+
+fn compare(
+    seed: u64,
+    step: usize,
+    now: u64,
+    checks: &[LimitCheck],
+    expected: &[Outcome],
+    got: &[Outcome],
+    stats: &mut Stats,
+) {
+    stats.steps += 1;
+    assert_eq!(expected.len(), got.len());
+    for ((c, e), g) in checks.iter().zip(expected).zip(got) {
+        stats.checks += 1;
+        stats.allowed += usize::from(e.allowed);
+        let tol = if c.quota.algorithm == Algorithm::SlidingWindow {
+            2
+        } else {
+            1
+        };
+        let ctx = || {
+            format!(
+                "seed {seed} step {step} now {now} check {c:?}\n  request {checks:?}\n  \
+                 memory {e:?}\n  redis  {g:?}"
+            )
+        };
+        assert_eq!(e.allowed, g.allowed, "allowed differs: {}", ctx());
+        assert_eq!(e.remaining, g.remaining, "remaining differs: {}", ctx());
+        assert!(
+            close(e.retry_after_us, g.retry_after_us, tol),
+            "retry_after differs: {}",
+            ctx()
+        );
+        assert!(close(e.reset_us, g.reset_us, tol), "reset differs: {}", ctx());
+        assert!(close(e.delay_us, g.delay_us, tol), "delay differs: {}", ctx());
+        if e != g {
+            stats.not_identical += 1;
+        }
+        for (a, b) in [
+            (e.retry_after_us, g.retry_after_us),
+            (e.reset_us, g.reset_us),
+            (e.delay_us, g.delay_us),
+        ] {
+            stats.max_time_diff = stats.max_time_diff.max(a.abs_diff(b));
+        }
+    }
+}
+
+async fn standalone() -> (RedisServer, RedisStore) {
+    let server = RedisServer::start();
+    let store = RedisStore::connect(RedisMode::Single, &[server.url()], TIMEOUT)
+        .await
+        .expect("connect");
+    (server, store)
+}
+
+/// 300 sequences × 30 requests of 1–3 limits of one algorithm on one tag.
+async fn one_algorithm(algorithm: &'static [Algorithm], seed: u64) {
+    let (_server, store) = standalone().await;
+    let plan = Plan {
+        algorithms: algorithm,
+        limits: 1..=3,
+        sequences: 300,
+        steps: 30,
+        tags: Tags::One,
+        seed,
+    };
+    let stats = run(&store, &plan, algorithm[0].as_str()).await;
+    assert_eq!(stats.steps, 300 * 30);
+    // The random plan must exercise both decisions.
+    assert!(
+        stats.allowed > stats.checks / 10 && stats.allowed < stats.checks * 9 / 10,
+        "{stats:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_bucket_matches_memory() {
+    one_algorithm(&[Algorithm::TokenBucket], 1_000_000).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leaky_bucket_matches_memory() {
+    one_algorithm(&[Algorithm::LeakyBucket], 2_000_000).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fixed_window_matches_memory() {
+    one_algorithm(&[Algorithm::FixedWindow], 3_000_000).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sliding_log_matches_memory() {
+    one_algorithm(&[Algorithm::SlidingLog], 4_000_000).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sliding_window_matches_memory() {
+    one_algorithm(&[Algorithm::SlidingWindow], 5_000_000).await;
+}
+
+/// Mixed algorithms, several limits per request on one tag (one script call checks them all).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mixed_algorithms_one_slot_match_memory() {
+    let (_server, store) = standalone().await;
+    let plan = Plan {
+        algorithms: &ALL,
+        limits: 2..=3,
+        sequences: 300,
+        steps: 30,
+        tags: Tags::One,
+        seed: 6_000_000,
+    };
+    run(&store, &plan, "mixed").await;
+}
+
+/// Mixed algorithms on two or three tags: rejected requests are refunded on the other slots,
+/// which must leave exactly the memory store's all-or-nothing state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mixed_algorithms_across_slots_match_memory() {
+    let (_server, store) = standalone().await;
+    let plan = Plan {
+        algorithms: &ALL,
+        limits: 2..=3,
+        sequences: 200,
+        steps: 30,
+        tags: Tags::Spread,
+        seed: 7_000_000,
+    };
+    run(&store, &plan, "spread").await;
+}
+
+/// The same against a Redis Cluster: limits on different slots (usually different masters).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_matches_memory() {
+    let cluster = RedisCluster::start();
+    let store = RedisStore::connect(RedisMode::Cluster, &cluster.seed_urls(), TIMEOUT)
+        .await
+        .expect("connect to the cluster");
+    let plan = Plan {
+        algorithms: &ALL,
+        limits: 1..=3,
+        sequences: 40,
+        steps: 20,
+        tags: Tags::Spread,
+        seed: 8_000_000,
+    };
+    run(&store, &plan, "cluster").await;
+}

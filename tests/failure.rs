@@ -1,0 +1,333 @@
+//! Failure policy end to end, against real `redis-server` processes: kill, freeze (SIGSTOP),
+//! restart and `SCRIPT FLUSH` a standalone server, and kill / freeze a Cluster master under load.
+//! For each policy: the statuses, and the latency bound while the store is down.
+
+mod common;
+mod harness;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{RedisCluster, RedisServer};
+use harness::*;
+
+const RULES: &str = r#"
+rules:
+  - { name: open,   match: { path: "/open/**" },   key: user, limit: 1000000, window: 1h, failure: open }
+  - { name: closed, match: { path: "/closed/**" }, key: user, limit: 1000000, window: 1h, failure: closed }
+  - { name: local,  match: { path: "/local/**" },  key: user, limit: 6, window: 1h, failure: local, local_share: 2 }
+  - { name: exact,  match: { path: "/exact/**" },  key: header:X-Who, algorithm: sliding_log, limit: 5, window: 1h, failure: open }
+"#;
+
+fn store_yaml(kind: &str, urls: &[String]) -> String {
+    let list: Vec<String> = urls.iter().map(|u| format!("\"{u}\"")).collect();
+    format!(
+        "store:\n  kind: {kind}\n  urls: [{}]\n  timeout: 20ms\n  probe_interval: 100ms\n",
+        list.join(", ")
+    )
+}
+
+async fn status(c: &reqwest::Client, url: &str) -> u16 {
+    c.get(url).send().await.map(|r| r.status().as_u16()).unwrap_or(0)
+}
+
+/// p99 of `n` sequential requests' latency, and their statuses.
+async fn p99(c: &reqwest::Client, url: &str, n: usize) -> (Duration, Vec<u16>) {
+    let mut lat = Vec::with_capacity(n);
+    let mut codes = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = Instant::now();
+        codes.push(status(c, url).await);
+        lat.push(t.elapsed());
+    }
+    lat.sort();
+    (lat[(n * 99) / 100], codes)
+}
+
+/// Wait until `url` answers `want`, returning how long it took.
+async fn until_status(c: &reqwest::Client, url: &str, want: u16, limit: Duration) -> Duration {
+    let t0 = Instant::now();
+    loop {
+        if status(c, url).await == want {
+            return t0.elapsed();
+        }
+        assert!(t0.elapsed() < limit, "{url} did not return {want} within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn exactly_n_admitted(c: &reqwest::Client, base: &str, who: &str, tries: usize) -> usize {
+    let mut ok = 0;
+    for _ in 0..tries {
+        if c.get(format!("{base}/exact/x"))
+            .header("x-who", who)
+            .send()
+            .await
+            .unwrap()
+            .status()
+            == 200
+        {
+            ok += 1;
+        }
+    }
+    ok
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standalone_kill_then_restart() {
+    let mut redis = RedisServer::start();
+    let up = echo().await;
+    let gw = gateway(
+        &format!("http://{up}"),
+        &store_yaml("redis", &[redis.url()]),
+        RULES,
+        None,
+    )
+    .await;
+    let c = client();
+    let (baseline, codes) = p99(&c, &format!("{}/open/x", gw.url), 200).await;
+    assert!(codes.iter().all(|s| *s == 200));
+    assert_eq!(
+        c.get(format!("{}/readyz", gw.admin)).send().await.unwrap().status(),
+        200
+    );
+
+    redis.kill();
+    // fail open: forwarded, and after the breaker opens, fast.
+    let (down, codes) = p99(&c, &format!("{}/open/x", gw.url), 500).await;
+    assert!(codes.iter().all(|s| *s == 200), "fail-open must never error: {codes:?}");
+    assert!(
+        down < baseline + Duration::from_millis(5),
+        "p99 {down:?} vs baseline {baseline:?}"
+    );
+    // fail closed: 503 with Retry-After and the JSON error.
+    let r = c.get(format!("{}/closed/x", gw.url)).send().await.unwrap();
+    assert_eq!(r.status(), 503);
+    assert_eq!(r.headers()["retry-after"], "1");
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(v["error"], "rate_limiter_unavailable");
+    assert_eq!(v["rule"], "closed");
+    // local: this node enforces limit / local_share = 3.
+    let mut codes = Vec::new();
+    for _ in 0..5 {
+        codes.push(status(&c, &format!("{}/local/x", gw.url)).await);
+    }
+    assert_eq!(codes, vec![200, 200, 200, 429, 429]);
+    assert_eq!(
+        c.get(format!("{}/readyz", gw.admin)).send().await.unwrap().status(),
+        503
+    );
+    let m = c
+        .get(format!("{}/metrics", gw.admin))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for needle in [
+        "tollgate_requests_total{rule=\"open\",decision=\"fail_open\"}",
+        "tollgate_requests_total{rule=\"closed\",decision=\"fail_closed\"}",
+        "tollgate_requests_total{rule=\"local\",decision=\"local\"}",
+        "tollgate_store_errors_total{kind=\"circuit_open\"}",
+        "tollgate_store_breaker_open 1",
+    ] {
+        let line = m
+            .lines()
+            .find(|l| l.starts_with(needle))
+            .unwrap_or_else(|| panic!("no {needle}"));
+        assert!(!line.ends_with(" 0"), "{line}");
+    }
+
+    redis.restart();
+    let took = until_status(&c, &format!("{}/closed/x", gw.url), 200, Duration::from_secs(3)).await;
+    eprintln!("limits enforced again {took:?} after restart");
+    assert_eq!(exactly_n_admitted(&c, &gw.url, "after-restart", 8).await, 5);
+    assert_eq!(
+        c.get(format!("{}/readyz", gw.admin)).send().await.unwrap().status(),
+        200
+    );
+    gw.running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standalone_freeze_then_thaw() {
+    let redis = RedisServer::start();
+    let up = echo().await;
+    let gw = gateway(
+        &format!("http://{up}"),
+        &store_yaml("redis", &[redis.url()]),
+        RULES,
+        None,
+    )
+    .await;
+    let c = client();
+    let (baseline, _) = p99(&c, &format!("{}/open/x", gw.url), 200).await;
+    redis.stop();
+    let t = Instant::now();
+    let first = status(&c, &format!("{}/open/x", gw.url)).await;
+    assert_eq!(first, 200);
+    assert!(
+        t.elapsed() < Duration::from_millis(200),
+        "one check never waits past store.timeout: {:?}",
+        t.elapsed()
+    );
+    let (down, codes) = p99(&c, &format!("{}/open/x", gw.url), 500).await;
+    assert!(codes.iter().all(|s| *s == 200));
+    assert!(
+        down < baseline + Duration::from_millis(5),
+        "frozen: p99 {down:?} vs baseline {baseline:?}"
+    );
+    assert_eq!(status(&c, &format!("{}/closed/x", gw.url)).await, 503);
+    redis.cont();
+    let took = until_status(&c, &format!("{}/closed/x", gw.url), 200, Duration::from_secs(3)).await;
+    eprintln!("limits enforced again {took:?} after SIGCONT");
+    assert_eq!(exactly_n_admitted(&c, &gw.url, "after-thaw", 8).await, 5);
+    gw.running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn script_flush_is_invisible_to_clients() {
+    let redis = RedisServer::start();
+    let up = echo().await;
+    let gw = gateway(
+        &format!("http://{up}"),
+        &store_yaml("redis", &[redis.url()]),
+        RULES,
+        None,
+    )
+    .await;
+    let c = client();
+    assert_eq!(exactly_n_admitted(&c, &gw.url, "a", 2).await, 2);
+    redis.cli(&["SCRIPT", "FLUSH"]);
+    // EVALSHA gets NOSCRIPT and falls back to EVAL: the count carries on, nothing fails.
+    assert_eq!(exactly_n_admitted(&c, &gw.url, "a", 5).await, 3);
+    assert_eq!(status(&c, &format!("{}/closed/x", gw.url)).await, 200);
+    gw.running.stop().await;
+}
+
+/// Load on fail-open rules; counts any non-200 answer.
+fn spawn_load(
+    url: String,
+    stop: Arc<AtomicBool>,
+    bad: Arc<AtomicU64>,
+    ok: Arc<AtomicU64>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let c = client();
+        let mut i = 0u64;
+        while !stop.load(Ordering::Relaxed) {
+            i += 1;
+            // Many identities, so the load touches every master.
+            let r = c
+                .get(format!("{url}/open/{i}"))
+                .header("x-api-key", format!("k{}", i % 64))
+                .send()
+                .await;
+            match r {
+                Ok(r) if r.status() == 200 => ok.fetch_add(1, Ordering::Relaxed),
+                _ => bad.fetch_add(1, Ordering::Relaxed),
+            };
+        }
+    })
+}
+
+async fn cluster_fault(freeze: bool) {
+    let mut cluster = RedisCluster::start();
+    let up = echo().await;
+    let gw = gateway(
+        &format!("http://{up}"),
+        &store_yaml("redis_cluster", &cluster.seed_urls()),
+        RULES,
+        None,
+    )
+    .await;
+    let c = client();
+    assert_eq!(exactly_n_admitted(&c, &gw.url, "before", 8).await, 5);
+    let stop = Arc::new(AtomicBool::new(false));
+    let bad = Arc::new(AtomicU64::new(0));
+    let ok = Arc::new(AtomicU64::new(0));
+    let load: Vec<_> = (0..4)
+        .map(|_| spawn_load(gw.url.clone(), stop.clone(), bad.clone(), ok.clone()))
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let victim = cluster.masters()[0];
+    let slot = cluster.first_slot_of(victim).unwrap();
+    if freeze {
+        cluster.stop_node(victim);
+    } else {
+        cluster.kill_node(victim);
+    }
+    let promoted = tokio::task::block_in_place(|| cluster.wait_failover(slot, victim, Duration::from_secs(15)));
+    assert!(promoted.is_some(), "no failover");
+    // Give the gateway its 3 s to find the new topology, then check exact limits again.
+    let t0 = Instant::now();
+    let mut n = 0;
+    let mut exact_ok = false;
+    while t0.elapsed() < Duration::from_secs(5) {
+        n += 1;
+        if exactly_n_admitted(&c, &gw.url, &format!("after-{n}"), 7).await == 5 {
+            exact_ok = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!("exact again {:?} after failover (attempt {n})", t0.elapsed());
+    stop.store(true, Ordering::Relaxed);
+    for l in load {
+        l.await.unwrap();
+    }
+    if freeze {
+        cluster.cont_node(victim);
+    }
+    assert_eq!(
+        bad.load(Ordering::Relaxed),
+        0,
+        "fail-open requests errored ({} ok)",
+        ok.load(Ordering::Relaxed)
+    );
+    assert!(ok.load(Ordering::Relaxed) > 100);
+    assert!(exact_ok, "limits not exact within 5 s of the failover");
+    gw.running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_master_killed_under_load() {
+    cluster_fault(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_master_frozen_under_load() {
+    cluster_fault(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn starts_while_redis_is_down_and_picks_it_up_later() {
+    let mut redis = RedisServer::start();
+    redis.kill();
+    let up = echo().await;
+    let gw = gateway(
+        &format!("http://{up}"),
+        &store_yaml("redis", &[redis.url()]),
+        RULES,
+        None,
+    )
+    .await;
+    let c = client();
+    assert_eq!(
+        status(&c, &format!("{}/open/x", gw.url)).await,
+        200,
+        "fail open from the start"
+    );
+    assert_eq!(status(&c, &format!("{}/closed/x", gw.url)).await, 503);
+    assert_eq!(
+        c.get(format!("{}/readyz", gw.admin)).send().await.unwrap().status(),
+        503
+    );
+    redis.restart();
+    let took = until_status(&c, &format!("{}/closed/x", gw.url), 200, Duration::from_secs(3)).await;
+    eprintln!("store picked up {took:?} after it came up");
+    assert_eq!(exactly_n_admitted(&c, &gw.url, "late", 8).await, 5);
+    gw.running.stop().await;
+}

@@ -1,0 +1,526 @@
+//! The Redis store against real `redis-server` processes: script recovery, Redis time, key
+//! expiry, all-or-nothing across slots, peek/reset/probe, and Redis Cluster behaviour (MOVED,
+//! a killed master, a frozen master).
+
+mod common;
+
+use std::num::NonZeroU64;
+use std::time::{Duration, Instant};
+
+use common::{RedisCluster, RedisServer};
+use tollgate::limiter::redis::{RedisMode, RedisStore, SCRIPT_SOURCE};
+use tollgate::limiter::{Algorithm, LimitCheck, Quota, Store, StoreError, StoreKey};
+
+/// Per-call deadline for these tests (generous: debug build, parallel tests, 2 cores).
+const T: Duration = Duration::from_millis(300);
+
+/// A fixed "now" in the future (year 2096): keys written at it expire by that clock, never
+/// during the test.
+const NOW: u64 = 4_000_000_000_000_000;
+
+const ALL: [Algorithm; 5] = [
+    Algorithm::TokenBucket,
+    Algorithm::LeakyBucket,
+    Algorithm::FixedWindow,
+    Algorithm::SlidingLog,
+    Algorithm::SlidingWindow,
+];
+
+fn nz(v: u64) -> NonZeroU64 {
+    NonZeroU64::new(v).unwrap()
+}
+
+/// A limit of `limit` units: buckets refill one unit per `period_us / limit`; windows span
+/// `period_us`.
+fn lc(key: &str, algorithm: Algorithm, limit: u64, period_us: u64, cost: u64) -> LimitCheck {
+    let quota = if algorithm.is_bucket() {
+        Quota::bucket(algorithm, nz(limit), nz(period_us / limit))
+    } else {
+        Quota::window(algorithm, nz(limit), nz(period_us))
+    };
+    LimitCheck {
+        key: StoreKey(key.to_owned()),
+        quota,
+        cost,
+        shadow: false,
+    }
+}
+
+fn shadow(mut c: LimitCheck) -> LimitCheck {
+    c.shadow = true;
+    c
+}
+
+async fn single(s: &RedisServer) -> RedisStore {
+    RedisStore::connect(RedisMode::Single, &[s.url()], T)
+        .await
+        .expect("connect to redis-server")
+}
+
+async fn cluster_store(c: &RedisCluster) -> RedisStore {
+    RedisStore::connect(RedisMode::Cluster, &c.seed_urls(), T)
+        .await
+        .expect("connect to the cluster")
+}
+
+/// The raw state of a key, whatever its type, as text (to compare before/after).
+fn raw_state(port: u16, key: &str) -> String {
+    let ty = common::cli(port, &["TYPE", key]);
+    let body = match ty.as_str() {
+        "string" => common::cli(port, &["GET", key]),
+        "hash" => {
+            let mut v: Vec<String> = common::cli(port, &["HGETALL", key])
+                .lines()
+                .map(str::to_owned)
+                .collect::<Vec<_>>()
+                .chunks(2)
+                .map(|c| c.join("="))
+                .collect();
+            v.sort();
+            v.join(",")
+        }
+        "zset" => common::cli(port, &["ZRANGE", key, "0", "-1", "WITHSCORES"]),
+        _ => String::new(),
+    };
+    format!("{ty}:{body}")
+}
+
+/// Retry `check` until it succeeds (after a restart, failover, ...) or `timeout` passes.
+async fn until_ok(store: &RedisStore, checks: &[LimitCheck], timeout: Duration) -> Vec<tollgate::limiter::Outcome> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        match tokio::time::timeout(T, store.check(checks)).await {
+            Ok(Ok(v)) => return v,
+            Ok(Err(e)) if Instant::now() >= deadline => panic!("store never recovered: {e}"),
+            Err(_) if Instant::now() >= deadline => panic!("store never recovered: timeout"),
+            _ => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn noscript_recovery_after_script_flush_and_restart() {
+    let mut server = RedisServer::start();
+    let store = single(&server).await;
+    let c = [lc("tl:{ns}:r:1s", Algorithm::FixedWindow, 10, 1_000_000, 1)];
+    assert!(store.check(&c).await.unwrap()[0].allowed);
+    assert_eq!(server.cli(&["SCRIPT", "EXISTS", store.script_sha()]), "1");
+
+    assert_eq!(server.cli(&["SCRIPT", "FLUSH"]), "OK");
+    assert_eq!(server.cli(&["SCRIPT", "EXISTS", store.script_sha()]), "0");
+    let o = store.check(&c).await.unwrap();
+    assert!(o[0].allowed);
+    assert_eq!(o[0].remaining, 8, "the count survived the flush");
+    assert_eq!(
+        server.cli(&["SCRIPT", "EXISTS", store.script_sha()]),
+        "1",
+        "EVAL cached it"
+    );
+
+    // A restart loses data and scripts; the connection manager reconnects.
+    server.restart();
+    let o = until_ok(&store, &c, Duration::from_secs(5)).await;
+    assert!(o[0].allowed);
+    assert_eq!(o[0].remaining, 9, "fresh server, fresh counter");
+    assert!(store.probe().await.is_ok());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_time_is_used_when_no_now_is_passed() {
+    let server = RedisServer::start();
+    let store = single(&server).await;
+    let window = 10_000_000u64;
+    let c = [lc("tl:{time}:r:10s", Algorithm::FixedWindow, 5, window, 1)];
+    let sys_now = tollgate::clock::Clock::now_us(&tollgate::clock::SystemClock);
+    let o = store.check(&c).await.unwrap();
+    assert!(o[0].allowed);
+    // reset = end of the epoch-aligned window that Redis' clock is in (same machine clock).
+    let expected = window - sys_now % window;
+    let diff = o[0].reset_us.abs_diff(expected);
+    assert!(
+        diff < 1_000_000 || diff > window - 1_000_000,
+        "reset {} vs {}",
+        o[0].reset_us,
+        expected
+    );
+    let index: u64 = server.cli(&["HGET", "tl:{time}:r:10s", "i"]).parse().unwrap();
+    assert!(index.abs_diff(sys_now / window) <= 1);
+
+    // An explicit now is honoured instead.
+    let o = store.check_at(&c, Some(NOW)).await.unwrap();
+    assert_eq!(o[0].reset_us, window - NOW % window);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sliding_log_counts_requests_in_the_same_microsecond() {
+    let server = RedisServer::start();
+    let store = single(&server).await;
+    let key = "tl:{log}:r:1m";
+    let c = |cost| [lc(key, Algorithm::SlidingLog, 5, 60_000_000, cost)];
+    let a = store.check_at(&c(1), Some(NOW)).await.unwrap();
+    let b = store.check_at(&c(2), Some(NOW)).await.unwrap();
+    assert!(a[0].allowed && b[0].allowed);
+    assert_eq!((a[0].remaining, b[0].remaining), (4, 2));
+    assert_eq!(server.cli(&["ZCARD", key]), "3");
+
+    // A cross-slot rejection at the same microsecond spends and refunds on this key; members
+    // stay unique afterwards.
+    let other = "tl:{log-other}:r:1m";
+    let o = store
+        .check_at(&[lc(other, Algorithm::FixedWindow, 1, 60_000_000, 1)], Some(NOW))
+        .await
+        .unwrap();
+    assert!(o[0].allowed);
+    let blocked = [
+        lc(key, Algorithm::SlidingLog, 5, 60_000_000, 1),
+        lc(other, Algorithm::FixedWindow, 1, 60_000_000, 1),
+    ];
+    let o = store.check_at(&blocked, Some(NOW)).await.unwrap();
+    assert!(o[0].allowed && !o[1].allowed);
+    assert_eq!(server.cli(&["ZCARD", key]), "3", "refunded");
+    let d = store.check_at(&c(2), Some(NOW)).await.unwrap();
+    assert!(d[0].allowed);
+    assert_eq!(d[0].remaining, 0);
+    assert_eq!(server.cli(&["ZCARD", key]), "5", "every unit is its own member");
+    let e = store.check_at(&c(1), Some(NOW)).await.unwrap();
+    assert!(!e[0].allowed);
+    assert_eq!(e[0].retry_after_us, 60_000_000);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cross_slot_rejection_refunds_every_algorithm() {
+    let server = RedisServer::start();
+    let store = single(&server).await;
+    for algo in ALL {
+        let a = format!("tl:{{a-{}}}:r:p", algo.as_str());
+        let b = format!("tl:{{b-{}}}:r:p", algo.as_str());
+        let la = |cost| lc(&a, algo, 10, 10_000_000, cost);
+        let lb = lc(&b, Algorithm::FixedWindow, 1, 10_000_000, 1);
+        // A has one unit spent; B is exhausted.
+        assert!(store.check_at(&[la(1)], Some(NOW)).await.unwrap()[0].allowed);
+        assert!(store.check_at(std::slice::from_ref(&lb), Some(NOW)).await.unwrap()[0].allowed);
+        let before_a = raw_state(server.port(), &a);
+        let before_b = raw_state(server.port(), &b);
+
+        let o = store.check_at(&[la(2), lb.clone()], Some(NOW + 10)).await.unwrap();
+        assert!(o[0].allowed, "{algo:?}: A alone would admit");
+        assert!(!o[1].allowed, "{algo:?}: B denies");
+        assert_eq!(raw_state(server.port(), &a), before_a, "{algo:?}: A refunded exactly");
+        assert_eq!(raw_state(server.port(), &b), before_b, "{algo:?}: B untouched");
+
+        let o = store.check_at(&[la(8)], Some(NOW + 20)).await.unwrap();
+        assert!(o[0].allowed, "{algo:?}: 9 of 10 units still free");
+        assert_eq!(o[0].remaining, 1, "{algo:?}");
+
+        // A denied *shadow* limit on another slot blocks nothing.
+        let o = store
+            .check_at(&[la(1), shadow(lb.clone())], Some(NOW + 30))
+            .await
+            .unwrap();
+        assert!(!o[1].allowed);
+        assert_eq!(o[0].remaining, 0, "{algo:?}: A spent its last unit");
+        assert_eq!(raw_state(server.port(), &b), before_b, "{algo:?}: shadow B untouched");
+
+        // The same with Redis time (other keys: Redis' clock is far from NOW).
+        let a2 = format!("tl:{{a2-{}}}:r:p", algo.as_str());
+        let b2 = format!("tl:{{b2-{}}}:r:p", algo.as_str());
+        let la2 = lc(&a2, algo, 10, 10_000_000, 3);
+        let lb2 = lc(&b2, Algorithm::FixedWindow, 1, 10_000_000, 1);
+        assert!(store.check(std::slice::from_ref(&lb2)).await.unwrap()[0].allowed);
+        let o = store.check(&[la2.clone(), lb2.clone()]).await.unwrap();
+        assert!(o[0].allowed && !o[1].allowed);
+        let p = store.peek(&[la2]).await.unwrap()[0];
+        assert!(p.is_none_or(|p| p.remaining == 10), "{algo:?}: {p:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_slot_rejection_writes_nothing() {
+    let server = RedisServer::start();
+    let store = single(&server).await;
+    let a = "tl:{same}:a";
+    let b = "tl:{same}:b";
+    assert!(
+        store
+            .check_at(&[lc(b, Algorithm::SlidingWindow, 1, 1_000_000, 1)], Some(NOW))
+            .await
+            .unwrap()[0]
+            .allowed
+    );
+    let o = store
+        .check_at(
+            &[
+                lc(a, Algorithm::TokenBucket, 5, 1_000_000, 1),
+                lc(b, Algorithm::SlidingWindow, 1, 1_000_000, 1),
+            ],
+            Some(NOW + 1),
+        )
+        .await
+        .unwrap();
+    assert!(o[0].allowed && !o[1].allowed);
+    assert_eq!(
+        server.cli(&["EXISTS", a]),
+        "0",
+        "nothing written for a rejected request"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_written_key_gets_an_expiry() {
+    let server = RedisServer::start();
+    let store = single(&server).await;
+    let period = 2_000_000;
+    let checks: Vec<LimitCheck> = ALL
+        .iter()
+        .map(|&a| lc(&format!("tl:{{ttl}}:{}", a.as_str()), a, 4, period, 1))
+        .collect();
+    let o = store.check(&checks).await.unwrap();
+    assert!(o.iter().all(|o| o.allowed));
+    for c in &checks {
+        let pttl: i64 = server.cli(&["PTTL", c.key.as_str()]).parse().unwrap();
+        let max = match c.quota.algorithm {
+            Algorithm::TokenBucket | Algorithm::LeakyBucket => 500, // one unit of 4 per 2 s
+            Algorithm::FixedWindow | Algorithm::SlidingLog => 2_000,
+            Algorithm::SlidingWindow => 4_000,
+        };
+        assert!(
+            pttl > 0 && pttl <= max,
+            "{}: PTTL {pttl} not in (0, {max}]",
+            c.key.as_str()
+        );
+    }
+    // Cost 0 on a fresh bucket: its state is "full" already, so it expires at once.
+    let z = lc("tl:{ttl}:zero", Algorithm::TokenBucket, 4, period, 0);
+    store.check(&[z]).await.unwrap();
+    let pttl: i64 = server.cli(&["PTTL", "tl:{ttl}:zero"]).parse().unwrap();
+    assert!(pttl == -2 || (0..=1).contains(&pttl), "PTTL {pttl}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peek_reset_and_trait_refund() {
+    let server = RedisServer::start();
+    let store = single(&server).await;
+    let checks: Vec<LimitCheck> = ALL
+        .iter()
+        .map(|&a| lc(&format!("tl:{{peek}}:{}", a.as_str()), a, 4, 60_000_000, 1))
+        .collect();
+    assert_eq!(store.peek(&checks).await.unwrap(), vec![None; 5]);
+    store.check(&checks).await.unwrap();
+    store.check(&checks).await.unwrap();
+    for (p, c) in store.peek(&checks).await.unwrap().into_iter().zip(&checks) {
+        let p = p.unwrap_or_else(|| panic!("{} exists", c.key.as_str()));
+        assert!(p.allowed);
+        assert_eq!(p.remaining, 2, "{:?}", c.quota.algorithm);
+    }
+    // Peek writes nothing.
+    assert_eq!(store.peek(&checks).await.unwrap()[2].unwrap().remaining, 2);
+
+    // Give one request back (a leaky-bucket client that left while waiting).
+    store.refund(&checks).await.unwrap();
+    for (p, c) in store.peek(&checks).await.unwrap().into_iter().zip(&checks) {
+        assert!(p.unwrap().remaining >= 3, "{:?} refunded", c.quota.algorithm);
+    }
+
+    let keys: Vec<StoreKey> = checks.iter().map(|c| c.key.clone()).collect();
+    store.reset(&keys).await.unwrap();
+    assert_eq!(store.peek(&checks).await.unwrap(), vec![None; 5]);
+    // Keys on several slots reset fine too.
+    let spread: Vec<LimitCheck> = (0..4)
+        .map(|i| lc(&format!("tl:{{r{i}}}:x"), Algorithm::FixedWindow, 3, 60_000_000, 1))
+        .collect();
+    store.check(&spread).await.unwrap();
+    let keys: Vec<StoreKey> = spread.iter().map(|c| c.key.clone()).collect();
+    store.reset(&keys).await.unwrap();
+    assert_eq!(server.cli(&["DBSIZE"]), "0");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_of_another_type_is_replaced_not_an_error() {
+    let server = RedisServer::start();
+    let store = single(&server).await;
+    for algo in ALL {
+        let key = format!("tl:{{type}}:{}", algo.as_str());
+        // Leave a key of a type this algorithm does not use.
+        if algo.is_bucket() {
+            server.cli(&["HSET", &key, "i", "1", "c", "9"]);
+        } else {
+            server.cli(&["SET", &key, "junk"]);
+        }
+        let c = [lc(&key, algo, 3, 1_000_000, 1)];
+        assert!(store.peek(&c).await.unwrap()[0].is_some());
+        let o = store.check(&c).await.unwrap();
+        assert!(o[0].allowed, "{algo:?}");
+        assert_eq!(o[0].remaining, 2, "{algo:?}: starts afresh");
+        let o = store.check(&c).await.unwrap();
+        assert_eq!(o[0].remaining, 1, "{algo:?}: and counts from there");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn probe_and_a_killed_then_restarted_server() {
+    let mut server = RedisServer::start();
+    let store = single(&server).await;
+    store.probe().await.unwrap();
+    assert_eq!(
+        server.cli(&["EXISTS", tollgate::limiter::redis::PROBE_KEY]),
+        "0",
+        "expired in 1 ms"
+    );
+
+    server.kill();
+    let err = store.probe().await.unwrap_err();
+    assert!(matches!(err, StoreError::Redis(_) | StoreError::Timeout), "{err:?}");
+    let c = [lc("tl:{kill}:x", Algorithm::FixedWindow, 3, 1_000_000, 1)];
+    assert!(store.check(&c).await.is_err());
+
+    server.restart();
+    until_ok(&store, &c, Duration::from_secs(5)).await;
+    store.probe().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_server_times_out_then_recovers() {
+    let server = RedisServer::start();
+    let store = single(&server).await;
+    let c = [lc("tl:{frozen}:x", Algorithm::TokenBucket, 100, 1_000_000, 1)];
+    store.check(&c).await.unwrap();
+    server.stop();
+    let started = Instant::now();
+    let err = store.check(&c).await.unwrap_err();
+    assert!(matches!(err, StoreError::Timeout), "{err:?}");
+    assert!(
+        started.elapsed() < T * 3,
+        "bounded by the deadline: {:?}",
+        started.elapsed()
+    );
+    // Piling timeouts start (rate-limited) rebuilds, which fail while it is frozen.
+    for _ in 0..4 {
+        assert!(store.check(&c).await.is_err());
+    }
+    server.cont();
+    let o = until_ok(&store, &c, Duration::from_secs(5)).await;
+    assert!(o[0].allowed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_arguments_are_a_script_error_not_a_panic() {
+    let server = RedisServer::start();
+    // The combined script refuses a wrong argument count with an error reply.
+    let out = server.cli(&["EVAL", SCRIPT_SOURCE, "1", "k", "check", ""]);
+    assert!(out.contains("tollgate: bad arguments"), "{out}");
+    let out = server.cli(&["EVAL", SCRIPT_SOURCE, "1", "k", "check", "", "9", "1", "1", "1", "0"]);
+    assert!(out.contains("bad arguments for key 1"), "{out}");
+    let out = server.cli(&["EVAL", SCRIPT_SOURCE, "0", "nope", ""]);
+    assert!(out.contains("unknown mode"), "{out}");
+    // Probe-style keyless peek answers [now].
+    let out = server.cli(&["EVAL", SCRIPT_SOURCE, "0", "peek", "123"]);
+    assert_eq!(out, "123");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Redis Cluster
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_checks_across_masters_all_or_nothing_and_moved() {
+    let cluster = RedisCluster::start();
+    let masters = cluster.masters();
+    assert_eq!(masters.len(), 3);
+    // Seed with one node only: the client discovers the rest.
+    let store = RedisStore::connect(RedisMode::Cluster, &cluster.seed_urls()[..1], T)
+        .await
+        .unwrap();
+    store.probe().await.unwrap();
+
+    let tags: Vec<String> = masters.iter().map(|&m| cluster.tag_on(m, "m")).collect();
+    let key = |i: usize| format!("tl:{{{}}}:r:1m", tags[i]);
+    let limit = |i: usize, l: u64| lc(&key(i), Algorithm::FixedWindow, l, 60_000_000, 1);
+    // One request, three slots on three masters.
+    let o = store
+        .check_at(&[limit(0, 5), limit(1, 5), limit(2, 1)], Some(NOW))
+        .await
+        .unwrap();
+    assert!(o.iter().all(|o| o.allowed));
+    for (i, &m) in masters.iter().enumerate() {
+        assert_eq!(common::cli(m, &["HGET", &key(i), "c"]), "1", "stored on its master");
+    }
+    // The third denies: the first two are refunded on their masters.
+    let o = store
+        .check_at(&[limit(0, 5), limit(1, 5), limit(2, 1)], Some(NOW + 1))
+        .await
+        .unwrap();
+    assert!(o[0].allowed && o[1].allowed && !o[2].allowed);
+    for (i, &m) in masters.iter().enumerate() {
+        assert_eq!(common::cli(m, &["HGET", &key(i), "c"]), "1", "refunded on master {m}");
+    }
+
+    // Reshard the first key's slot to another master: the store follows MOVED and finds the
+    // migrated counter there.
+    let slot = cluster.keyslot(&key(0));
+    cluster.move_slot(slot, masters[0], masters[1]);
+    let o = store.check_at(&[limit(0, 5)], Some(NOW + 2)).await.unwrap();
+    assert!(o[0].allowed);
+    assert_eq!(o[0].remaining, 3, "count 2 after the move: the migrated key was used");
+    assert_eq!(common::cli(masters[1], &["HGET", &key(0), "c"]), "2");
+
+    // NOSCRIPT everywhere: EVAL fallback per node, and the probe reloads every master.
+    cluster.script_flush_all();
+    let o = store.check_at(&[limit(1, 5)], Some(NOW + 3)).await.unwrap();
+    assert_eq!(o[0].remaining, 3);
+    cluster.script_flush_all();
+    store.probe().await.unwrap();
+    for &m in &masters {
+        assert_eq!(common::cli(m, &["SCRIPT", "EXISTS", store.script_sha()]), "1");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_killed_master_fails_then_recovers_after_failover() {
+    let mut cluster = RedisCluster::start();
+    let store = cluster_store(&cluster).await;
+    let key = "tl:{failover}:r:1m";
+    let c = [lc(key, Algorithm::SlidingWindow, 1000, 60_000_000, 1)];
+    assert!(store.check(&c).await.unwrap()[0].allowed);
+    let slot = cluster.keyslot(key);
+    let old = cluster.master_for_key(key);
+
+    cluster.kill_node(old);
+    let r = tokio::time::timeout(T * 2, store.check(&c)).await;
+    assert!(!matches!(r, Ok(Ok(_))), "a dead master cannot answer");
+
+    let started = Instant::now();
+    let new = cluster
+        .wait_failover(slot, old, Duration::from_secs(15))
+        .expect("a replica took over");
+    assert_ne!(new, old);
+    // The promoted replica never saw the script (scripts are not replicated): NOSCRIPT → EVAL.
+    let o = until_ok(&store, &c, Duration::from_secs(10)).await;
+    assert!(o[0].allowed);
+    eprintln!("failover and recovery took {:?}", started.elapsed());
+    store.probe().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_frozen_master_is_abandoned_after_failover() {
+    let mut cluster = RedisCluster::start();
+    let store = cluster_store(&cluster).await;
+    let key = "tl:{frozen}:r:1m";
+    let c = [lc(key, Algorithm::TokenBucket, 1000, 60_000_000, 1)];
+    assert!(store.check(&c).await.unwrap()[0].allowed);
+    let slot = cluster.keyslot(key);
+    let old = cluster.master_for_key(key);
+
+    cluster.stop_node(old);
+    let err = store.check(&c).await.unwrap_err();
+    assert!(matches!(err, StoreError::Timeout), "{err:?}");
+
+    cluster
+        .wait_failover(slot, old, Duration::from_secs(15))
+        .expect("a replica took over");
+    // The client alone would keep waiting on the frozen node's open socket; the store's
+    // rebuild after repeated timeouts re-reads the topology.
+    let o = until_ok(&store, &c, Duration::from_secs(15)).await;
+    assert!(o[0].allowed);
+    assert!(store.rebuilds() >= 1, "recovered by a connection rebuild");
+    cluster.cont_node(old);
+}
