@@ -97,6 +97,7 @@ async fn standalone_kill_then_restart() {
     // fail open: forwarded, and after the breaker opens, fast.
     let (down, codes) = p99(&c, &format!("{}/open/x", gw.url), 500).await;
     assert!(codes.iter().all(|s| *s == 200), "fail-open must never error: {codes:?}");
+    eprintln!("killed: fail-open p99 {down:?} (baseline p99 {baseline:?})");
     assert!(
         down < baseline + Duration::from_millis(5),
         "p99 {down:?} vs baseline {baseline:?}"
@@ -173,8 +174,10 @@ async fn standalone_freeze_then_thaw() {
         "one check never waits past store.timeout: {:?}",
         t.elapsed()
     );
+    let first_took = t.elapsed();
     let (down, codes) = p99(&c, &format!("{}/open/x", gw.url), 500).await;
     assert!(codes.iter().all(|s| *s == 200));
+    eprintln!("frozen: first request {first_took:?}, fail-open p99 {down:?} (baseline p99 {baseline:?})");
     assert!(
         down < baseline + Duration::from_millis(5),
         "frozen: p99 {down:?} vs baseline {baseline:?}"
@@ -259,7 +262,13 @@ async fn cluster_fault(freeze: bool) {
     } else {
         cluster.kill_node(victim);
     }
+    let fault_at = Instant::now();
     let promoted = tokio::task::block_in_place(|| cluster.wait_failover(slot, victim, Duration::from_secs(15)));
+    eprintln!(
+        "{} master: failover took {:?}",
+        if freeze { "frozen" } else { "killed" },
+        fault_at.elapsed()
+    );
     assert!(promoted.is_some(), "no failover");
     // Give the gateway its 3 s to find the new topology, then check exact limits again.
     let t0 = Instant::now();
