@@ -43,6 +43,9 @@ impl IdentityKind {
 /// The tier of callers that have none.
 pub const ANONYMOUS: &str = "anonymous";
 
+/// [`ANONYMOUS`] as a shared string, so an anonymous request allocates no tier.
+static ANONYMOUS_TIER: std::sync::LazyLock<Arc<str>> = std::sync::LazyLock::new(|| Arc::from(ANONYMOUS));
+
 /// The caller of one request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Identity {
@@ -72,7 +75,7 @@ pub fn identify(
             return Identity {
                 kind: IdentityKind::Jwt,
                 id: c.user,
-                tier: c.tier.unwrap_or_else(|| Arc::from(ANONYMOUS)),
+                tier: c.tier.unwrap_or_else(|| ANONYMOUS_TIER.clone()),
                 org: c.org,
                 ip,
             };
@@ -91,11 +94,25 @@ pub fn identify(
     }
     Identity {
         kind: IdentityKind::Ip,
-        id: Arc::from(ip.to_string()),
-        tier: Arc::from(ANONYMOUS),
+        id: ip_text(ip),
+        tier: ANONYMOUS_TIER.clone(),
         org: None,
         ip,
     }
+}
+
+/// The IP as shared text, formatted on the stack (one allocation, for the `Arc`).
+fn ip_text(ip: IpAddr) -> Arc<str> {
+    use std::io::Write;
+    let mut buf = [0u8; 48];
+    let mut cur = std::io::Cursor::new(&mut buf[..]);
+    if write!(cur, "{ip}").is_ok() {
+        let n = cur.position() as usize;
+        if let Ok(s) = std::str::from_utf8(&buf[..n]) {
+            return Arc::from(s);
+        }
+    }
+    Arc::from(ip.to_string())
 }
 
 fn trusted(ip: IpAddr, nets: &[IpNet]) -> bool {

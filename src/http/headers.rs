@@ -50,8 +50,9 @@ impl Binding<'_> {
     }
 }
 
-fn push(h: &mut HeaderMap, name: &HeaderName, s: &str) {
-    if let Ok(v) = HeaderValue::from_str(s) {
+fn push(h: &mut HeaderMap, name: &HeaderName, s: String) {
+    // `from_maybe_shared` takes the buffer over instead of copying it.
+    if let Ok(v) = HeaderValue::from_maybe_shared(bytes::Bytes::from(s)) {
         h.insert(name.clone(), v);
     }
 }
@@ -61,24 +62,19 @@ pub fn write(h: &mut HeaderMap, b: &Binding<'_>, ietf: bool, legacy: bool, now_s
     let t = b.reset_secs();
     let remaining = if b.outcome.allowed { b.outcome.remaining } else { 0 };
     if ietf {
-        let mut buf = itoa_buf();
-        buf.clear();
         use std::fmt::Write;
+        let mut buf = String::with_capacity(b.rule.len() + 32);
         let _ = write!(buf, "\"{}\";q={};w={}", b.rule, b.quota.limit, b.window_secs());
-        push(h, &RATELIMIT_POLICY, &buf);
-        buf.clear();
+        push(h, &RATELIMIT_POLICY, buf);
+        let mut buf = String::with_capacity(b.rule.len() + 32);
         let _ = write!(buf, "\"{}\";r={};t={}", b.rule, remaining, t);
-        push(h, &RATELIMIT, &buf);
+        push(h, &RATELIMIT, buf);
     }
     if legacy {
         h.insert(X_LIMIT.clone(), HeaderValue::from(b.quota.limit.get()));
         h.insert(X_REMAINING.clone(), HeaderValue::from(remaining));
         h.insert(X_RESET.clone(), HeaderValue::from(now_secs + t));
     }
-}
-
-fn itoa_buf() -> String {
-    String::with_capacity(64)
 }
 
 /// Pick the binding limit: the first denial among non-shadow limits, else the least remaining.

@@ -78,17 +78,7 @@ impl GatewayError {
                 retry_after_us,
             } => {
                 let secs = headers::ceil_secs_min1(*retry_after_us);
-                retry = Some(secs);
-                let reset_at = SystemTime::now() + Duration::from_secs(secs);
-                json!({
-                    "error": "rate_limit_exceeded",
-                    "message": format!("Rate limit of {limit} per {} exceeded for rule {rule}; retry in {secs} s.", crate::rules::window_text(*window_us)),
-                    "rule": rule,
-                    "limit": limit,
-                    "window": crate::rules::window_text(*window_us),
-                    "retry_after": secs,
-                    "reset_at": humantime::format_rfc3339_seconds(reset_at).to_string(),
-                })
+                return limited_response(rate_limited_body(rule, *limit, *window_us, secs), secs);
             }
             GatewayError::LimiterUnavailable { rule, retry_after_secs } => {
                 retry = Some(*retry_after_secs);
@@ -127,15 +117,35 @@ impl GatewayError {
     }
 }
 
+/// The 429 JSON body. Written directly (this is the hot deny path): rule names are validated
+/// to `[A-Za-z0-9_.-]`, so nothing in it needs escaping.
+fn rate_limited_body(rule: &str, limit: u64, window_us: u64, secs: u64) -> String {
+    use std::fmt::Write;
+    let window = crate::rules::WindowText(window_us);
+    let reset_at = humantime::format_rfc3339_seconds(SystemTime::now() + Duration::from_secs(secs));
+    let mut s = String::with_capacity(256);
+    let _ = write!(
+        s,
+        r#"{{"error":"rate_limit_exceeded","message":"Rate limit of {limit} per {window} exceeded for rule {rule}; retry in {secs} s.","rule":"{rule}","limit":{limit},"window":"{window}","retry_after":{secs},"reset_at":"{reset_at}"}}"#
+    );
+    s
+}
+
+/// A 429 with `body` and `Retry-After: secs`.
+fn limited_response(body: String, secs: u64) -> Response<ProxyBody> {
+    let mut resp = Response::new(full(body));
+    *resp.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+    let h = resp.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    h.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    resp
+}
+
 /// A 429 for `b`, with the rate-limit headers of the denying limit.
 pub fn rate_limited(b: &Binding<'_>, ietf: bool, legacy: bool, now_secs: u64) -> Response<ProxyBody> {
-    let mut resp = GatewayError::RateLimited {
-        rule: b.rule.to_string(),
-        limit: b.quota.limit.get(),
-        window_us: b.quota.window_us.get(),
-        retry_after_us: b.outcome.retry_after_us,
-    }
-    .into_response();
+    let secs = headers::ceil_secs_min1(b.outcome.retry_after_us);
+    let mut resp = limited_response(rate_limited_body(b.rule, b.quota.limit.get(), b.quota.window_us.get(), secs), secs);
     headers::write(resp.headers_mut(), b, ietf, legacy, now_secs);
     resp
 }

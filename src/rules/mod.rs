@@ -796,17 +796,27 @@ fn window_suffix(s: &mut String, q: &Quota) {
 
 /// Humantime-ish rendering of a window for headers and bodies (`1m`, `15m`, `1s`, `250ms`).
 pub fn window_text(us: u64) -> String {
-    let ms = us / 1000;
-    if ms % 86_400_000 == 0 {
-        format!("{}d", ms / 86_400_000)
-    } else if ms % 3_600_000 == 0 {
-        format!("{}h", ms / 3_600_000)
-    } else if ms % 60_000 == 0 {
-        format!("{}m", ms / 60_000)
-    } else if ms % 1000 == 0 {
-        format!("{}s", ms / 1000)
-    } else {
-        format!("{ms}ms")
+    WindowText(us).to_string()
+}
+
+/// [`window_text`] without the allocation, for writing into a buffer.
+#[derive(Debug, Clone, Copy)]
+pub struct WindowText(pub u64);
+
+impl std::fmt::Display for WindowText {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ms = self.0 / 1000;
+        if ms != 0 && ms % 86_400_000 == 0 {
+            write!(f, "{}d", ms / 86_400_000)
+        } else if ms != 0 && ms % 3_600_000 == 0 {
+            write!(f, "{}h", ms / 3_600_000)
+        } else if ms != 0 && ms % 60_000 == 0 {
+            write!(f, "{}m", ms / 60_000)
+        } else if ms != 0 && ms % 1000 == 0 {
+            write!(f, "{}s", ms / 1000)
+        } else {
+            write!(f, "{ms}ms")
+        }
     }
 }
 
