@@ -124,7 +124,16 @@ fn main() -> ExitCode {
 }
 
 fn runtime(f: impl std::future::Future<Output = Result<(), String>>) -> ExitCode {
-    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    // One worker (TOKIO_WORKER_THREADS=1): a current-thread runtime has no work-stealing
+    // machinery or cross-thread wake-ups to pay for; otherwise a multi-thread runtime with
+    // TOKIO_WORKER_THREADS (default: one per core) workers.
+    let one = std::env::var("TOKIO_WORKER_THREADS").is_ok_and(|v| v.trim() == "1");
+    let built = if one {
+        tokio::runtime::Builder::new_current_thread().enable_all().build()
+    } else {
+        tokio::runtime::Builder::new_multi_thread().enable_all().build()
+    };
+    let rt = match built {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("tollgate: cannot start runtime: {e}");
