@@ -264,3 +264,15 @@ mod base64_like {
         out
     }
 }
+
+#[test]
+fn jwks_keys_are_chosen_by_kid() {
+    let cfg = config("  jwt:\n    algorithms: [RS256]\n    jwks_file: jwks.json\n");
+    let mut header = Header::new(Algorithm::RS256);
+    header.kid = Some("k1".into());
+    let t = encode(&header, &claims(600), &rsa_key()).unwrap();
+    assert_eq!(who(&bearer(&t), &cfg).kind, IdentityKind::Jwt);
+    header.kid = Some("unknown".into());
+    let t = encode(&header, &claims(600), &rsa_key()).unwrap();
+    assert_eq!(who(&bearer(&t), &cfg).kind, IdentityKind::Ip, "unknown kid");
+}

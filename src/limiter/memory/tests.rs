@@ -77,3 +77,17 @@ fn expired_keys_are_swept_first() {
     }
     assert_eq!(store.check_at(&[hot], later)[0].remaining, 1);
 }
+
+#[tokio::test]
+async fn time_comes_from_the_injected_clock() {
+    let clock = FakeClock::new(T0);
+    let store = MemoryStore::new(Arc::new(clock.clone()), 1000);
+    let c = [check("tl:{a}:r:1s", 2, false)];
+    let mut admitted = 0;
+    for _ in 0..5 {
+        admitted += usize::from(store.check(&c).await.unwrap()[0].allowed);
+    }
+    assert_eq!(admitted, 2);
+    clock.advance_ms(1000);
+    assert!(store.check(&c).await.unwrap()[0].allowed, "a new window after 1 s of fake time");
+}
