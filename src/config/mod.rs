@@ -137,7 +137,7 @@ pub struct StoreConfig {
 }
 
 /// `identity:`, validated.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct IdentityConfig {
     /// Header carrying the API key.
     pub api_key_header: HeaderName,
@@ -184,7 +184,7 @@ pub struct ServerConfig {
 }
 
 /// The validated gateway config.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct GatewayConfig {
     /// The gateway file itself.
     pub path: PathBuf,
@@ -437,3 +437,6 @@ impl GatewayConfig {
         })
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -72,26 +72,47 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap, keep_upgrade: Option<HeaderValue>) {
 
 /// Append this hop to `X-Forwarded-For`, `-Proto`, `-Host` and `Forwarded`.
 pub fn add_forwarded(h: &mut HeaderMap, peer: IpAddr, host: Option<&HeaderValue>) {
-    let ip = peer.to_canonical().to_string();
+    use std::fmt::Write;
+    let peer = peer.to_canonical();
+    let mut ip = String::with_capacity(40);
+    let _ = write!(ip, "{peer}");
     append_list(h, &X_FORWARDED_FOR, &ip);
-    append_list(h, &X_FORWARDED_PROTO, "http");
-    if let Some(host) = host.and_then(|v| v.to_str().ok()) {
-        append_list(h, &X_FORWARDED_HOST, host);
+    append_static(h, &X_FORWARDED_PROTO, "http");
+    if let Some(host) = host {
+        append_value(h, &X_FORWARDED_HOST, host);
     }
-    let node = if peer.is_ipv6() && !peer.to_canonical().is_ipv4() {
-        format!("\"[{ip}]\"")
+    let mut fwd = String::with_capacity(64);
+    if peer.is_ipv6() {
+        let _ = write!(fwd, "for=\"[{ip}]\";proto=http");
     } else {
-        ip
-    };
-    let mut fwd = format!("for={node};proto=http");
+        let _ = write!(fwd, "for={ip};proto=http");
+    }
     if let Some(host) = host.and_then(|v| v.to_str().ok()) {
         if host.bytes().all(|b| b.is_ascii_graphic() && b != b'"' && b != b'\\') {
-            fwd.push_str(";host=\"");
-            fwd.push_str(host);
-            fwd.push('"');
+            let _ = write!(fwd, ";host=\"{host}\"");
         }
     }
     append_list(h, &FORWARDED, &fwd);
+}
+
+/// [`append_list`] for a static item: no allocation when the header is absent.
+fn append_static(h: &mut HeaderMap, name: &HeaderName, item: &'static str) {
+    if h.contains_key(name) {
+        append_list(h, name, item);
+    } else {
+        h.insert(name.clone(), HeaderValue::from_static(item));
+    }
+}
+
+/// [`append_list`] for a header value: shared, not copied, when the header is absent.
+fn append_value(h: &mut HeaderMap, name: &HeaderName, item: &HeaderValue) {
+    if h.contains_key(name) {
+        if let Ok(s) = item.to_str() {
+            append_list(h, name, s);
+        }
+    } else {
+        h.insert(name.clone(), item.clone());
+    }
 }
 
 /// Join every existing value of `name` and `item` into one comma-separated header.
@@ -109,7 +130,7 @@ fn append_list(h: &mut HeaderMap, name: &HeaderName, item: &str) {
         out.push_str(", ");
     }
     out.push_str(item);
-    if let Ok(v) = HeaderValue::from_str(&out) {
+    if let Ok(v) = HeaderValue::from_maybe_shared(bytes::Bytes::from(out)) {
         h.insert(name.clone(), v);
     }
 }

@@ -54,6 +54,19 @@ pub struct JwtVerifier {
     leeway: u64,
 }
 
+impl std::fmt::Debug for JwtVerifier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never prints key material.
+        f.debug_struct("JwtVerifier")
+            .field("header", &self.header)
+            .field("keys", &self.keys.len())
+            .field("issuer", &self.issuer)
+            .field("audience", &self.audience)
+            .field("leeway", &self.leeway)
+            .finish()
+    }
+}
+
 /// Tokens longer than this are not even parsed.
 const MAX_TOKEN_BYTES: usize = 16 * 1024;
 

@@ -251,11 +251,11 @@ impl Limiter {
                     Ok(v)
                 }
                 Ok(Err(e)) => {
-                    self.breaker.failure();
+                    self.note_failure(&e);
                     Err(e)
                 }
                 Err(_) => {
-                    self.breaker.failure();
+                    self.note_failure(&StoreError::Timeout);
                     Err(StoreError::Timeout)
                 }
             }
@@ -275,6 +275,13 @@ impl Limiter {
                 }
             }
             Err(e) => self.on_failure(checks, policies, e).await,
+        }
+    }
+
+    /// Count a failed check; log when it opens the breaker (a store state change).
+    fn note_failure(&self, e: &StoreError) {
+        if self.breaker.failure() {
+            tracing::error!(error = %e, "store failing: circuit breaker opened; rules now follow their failure policy");
         }
     }
 
