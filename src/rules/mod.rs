@@ -1,8 +1,8 @@
 //! The compiled rule set and its matcher: `(request, identity) → limits to check`. Pure: no I/O.
 //!
-//! Rules are compiled once per load: path patterns are parsed, rules are indexed by exact path
-//! and by first path segment, and each rule's key suffix (`:<rule>:<window>`) is built, so the
-//! request path only walks a few candidates and formats one hash per key kind.
+//! Rules are compiled once per load: path patterns are parsed into a trie of segments, so a
+//! request visits only the rules whose path matches (a few, out of thousands) and formats one
+//! hash per key value.
 //!
 //! **Most specific wins, per key kind; all key kinds apply.** Specificity orders by pattern class
 //! (exact > template > prefix), then literal length (longer prefix first), then method-specific,
@@ -129,6 +129,11 @@ impl Rule {
     }
 
     fn matches(&self, req: &RequestInfo<'_>) -> bool {
+        self.matches_conditions(req) && self.pattern.matches(req.path)
+    }
+
+    /// Everything but the path: methods, tier, host, headers.
+    fn matches_conditions(&self, req: &RequestInfo<'_>) -> bool {
         if let Some(m) = &self.methods {
             if !m.iter().any(|x| x == req.method) {
                 return false;
@@ -151,7 +156,7 @@ impl Rule {
                 _ => return false,
             }
         }
-        self.pattern.matches(req.path)
+        true
     }
 }
 
@@ -175,18 +180,62 @@ pub struct RequestInfo<'a> {
 pub struct RuleSet {
     /// Rules in file order.
     pub rules: Vec<Rule>,
-    /// Exact-path rules by path.
-    exact: HashMap<String, Vec<u32>>,
-    /// Other rules whose first segment is a literal, by that segment.
-    by_first: HashMap<String, Vec<u32>>,
-    /// Rules whose first segment is a wildcard (or `/**`).
-    generic: Vec<u32>,
+    /// Path patterns as a trie of segments: a lookup visits only rules whose path matches.
+    trie: Node,
     /// Distinct key kinds, in a fixed order; `Selection` slots follow it.
     pub kinds: Vec<KeyKind>,
     /// Slot of each rule's key kind in `kinds`.
     kind_slot: Vec<u8>,
     /// SHA-256 (hex, 16 chars) of the file content.
     pub version: String,
+}
+
+/// One trie node: the rules whose path pattern reaches this segment.
+#[derive(Debug, Clone, Default)]
+struct Node {
+    /// Children by literal segment.
+    literal: HashMap<Box<str>, Node>,
+    /// The child for `{param}` / `*`.
+    any: Option<Box<Node>>,
+    /// Rules whose pattern ends exactly here.
+    end: Vec<u32>,
+    /// Rules `<here>/**`: they match here and everything below.
+    subtree: Vec<u32>,
+}
+
+impl Node {
+    fn insert(&mut self, p: &Pattern, rule: u32) {
+        let mut n = self;
+        for seg in &p.segments {
+            n = match seg {
+                path::Segment::Literal(l) => n.literal.entry(Box::from(l.as_str())).or_default(),
+                path::Segment::Any => n.any.get_or_insert_with(Box::default),
+            };
+        }
+        if p.subtree {
+            n.subtree.push(rule);
+        } else {
+            n.end.push(rule);
+        }
+    }
+
+    /// Call `f` for every rule whose path pattern matches `rest` (a normalised path suffix).
+    /// Recursion depth is bounded by the trie's depth, not the path's.
+    fn walk(&self, rest: &str, f: &mut impl FnMut(u32)) {
+        self.subtree.iter().for_each(|&i| f(i));
+        let rest = rest.trim_start_matches('/');
+        if rest.is_empty() {
+            self.end.iter().for_each(|&i| f(i));
+            return;
+        }
+        let (seg, tail) = rest.split_once('/').unwrap_or((rest, ""));
+        if let Some(n) = self.literal.get(seg) {
+            n.walk(tail, f);
+        }
+        if let Some(n) = &self.any {
+            n.walk(tail, f);
+        }
+    }
 }
 
 /// The winning rule of each key kind for one request, by rule index.
@@ -594,26 +643,11 @@ impl RuleSet {
             .map(|r| kinds.iter().position(|k| *k == r.key).unwrap_or(0) as u8)
             .collect();
         self.kinds = kinds;
+        let mut trie = Node::default();
         for (i, r) in self.rules.iter().enumerate() {
-            let i = i as u32;
-            if r.pattern.class == PatternClass::Exact {
-                self.exact
-                    .entry(normalize(&r.pattern.source).into_owned())
-                    .or_default()
-                    .push(i);
-            } else if let Some(first) = r.pattern.first_literal() {
-                self.by_first.entry(first.to_string()).or_default().push(i);
-            } else {
-                self.generic.push(i);
-            }
+            trie.insert(&r.pattern, i as u32);
         }
-    }
-
-    fn candidates<'a>(&'a self, path: &str) -> impl Iterator<Item = u32> + 'a {
-        let first = path.split('/').nth(1).unwrap_or("");
-        let exact = self.exact.get(path).map(|v| v.as_slice()).unwrap_or(&[]);
-        let by_first = self.by_first.get(first).map(|v| v.as_slice()).unwrap_or(&[]);
-        exact.iter().chain(by_first).chain(&self.generic).copied()
+        self.trie = trie;
     }
 
     /// The chosen rule of each key kind for `req` (rule indices, one per kind that matched).
@@ -623,24 +657,21 @@ impl RuleSet {
         if self.kinds.len() > best.len() {
             extra = vec![None; self.kinds.len()];
         }
-        for i in self.candidates(req.path) {
+        self.trie.walk(req.path, &mut |i| {
             let slot = self.kind_slot[i as usize] as usize;
-            let cur = if extra.is_empty() {
-                &mut best[slot]
-            } else {
-                &mut extra[slot]
-            };
+            let cur = if extra.is_empty() { &mut best[slot] } else { &mut extra[slot] };
             let r = &self.rules[i as usize];
             if let Some(c) = *cur {
                 let c = &self.rules[c as usize];
                 if c.specificity > r.specificity || (c.specificity == r.specificity && c.index < r.index) {
-                    continue;
+                    return;
                 }
             }
-            if r.matches(req) {
+            // The trie matched the path; check the other conditions.
+            if r.matches_conditions(req) {
                 *cur = Some(i);
             }
-        }
+        });
         if extra.is_empty() {
             best.iter().flatten().copied().collect()
         } else {

@@ -179,3 +179,52 @@ fn validation_fixtures_name_line_column_and_reason() {
     }
     assert!(n >= 13, "only {n} fixtures");
 }
+
+/// The trie finds exactly what a scan of every rule would.
+#[test]
+fn trie_selection_equals_brute_force() {
+    let set = rules(SPEC);
+    let h = HeaderMap::new();
+    let brute = |m: &Method, path: &str, tier: &str| -> Vec<u32> {
+        let info = RequestInfo { method: m, path, host: Some("api.example"), headers: &h, tier };
+        let mut best: HashMap<String, u32> = HashMap::new();
+        for (i, r) in set.rules.iter().enumerate() {
+            if !r.matches(&info) {
+                continue;
+            }
+            let k = r.key.to_text();
+            let better = match best.get(&k) {
+                None => true,
+                Some(&b) => {
+                    let b = &set.rules[b as usize];
+                    r.specificity > b.specificity || (r.specificity == b.specificity && r.index < b.index)
+                }
+            };
+            if better {
+                best.insert(k, i as u32);
+            }
+        }
+        let mut v: Vec<u32> = best.into_values().collect();
+        v.sort();
+        v
+    };
+    let segs = ["api", "v1", "users", "me", "42", "search", "login", "files", "x", "", "v2"];
+    let mut n = 0;
+    for a in segs {
+        for b in segs {
+            for c in segs {
+                for d in ["", "users", "me", "report.pdf"] {
+                    let path = normalize(&format!("/{a}/{b}/{c}/{d}")).into_owned();
+                    for (m, tier) in [(Method::GET, "free"), (Method::POST, "pro"), (Method::PUT, "anonymous")] {
+                        let info = RequestInfo { method: &m, path: &path, host: Some("api.example"), headers: &h, tier };
+                        let mut got = set.select(&info);
+                        got.sort();
+                        assert_eq!(got, brute(&m, &path, tier), "{m} {path} {tier}");
+                        n += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert!(n > 10_000);
+}
