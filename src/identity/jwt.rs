@@ -10,6 +10,7 @@ use std::sync::Arc;
 use http::{HeaderMap, HeaderName};
 use jsonwebtoken::{Algorithm, AlgorithmFamily, DecodingKey, Validation};
 use serde_json::Value;
+use sha2::Digest;
 
 use crate::config::{duration, raw::RawJwt, ConfigError};
 
@@ -52,7 +53,25 @@ pub struct JwtVerifier {
     org_claim: String,
     /// Seconds of clock leeway.
     leeway: u64,
+    /// Verified tokens by SHA-256: signature checks cost ~100 µs (RS256), and a client sends
+    /// the same token many times. Only tokens that verified are kept, with their `exp`/`nbf`,
+    /// which are re-checked against `now` on every hit. Bounded: cleared when full.
+    cache: parking_lot::Mutex<std::collections::HashMap<[u8; 32], Cached>>,
 }
+
+/// A verified token's claims and its validity window.
+#[derive(Debug, Clone)]
+struct Cached {
+    /// The claims the gateway uses.
+    claims: JwtClaims,
+    /// `exp`, seconds.
+    exp: u64,
+    /// `nbf`, seconds (0 when absent).
+    nbf: u64,
+}
+
+/// Verified tokens remembered at most.
+const CACHE_MAX: usize = 10_000;
 
 impl std::fmt::Debug for JwtVerifier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -204,6 +223,7 @@ impl JwtVerifier {
             tier_claim: raw.tier_claim.clone().unwrap_or_else(|| "tier".into()),
             org_claim: raw.org_claim.clone().unwrap_or_else(|| "org".into()),
             leeway,
+            cache: parking_lot::Mutex::new(std::collections::HashMap::new()),
         })
     }
 
@@ -219,6 +239,30 @@ impl JwtVerifier {
         if token.is_empty() || token.len() > MAX_TOKEN_BYTES {
             return None;
         }
+        let digest: [u8; 32] = sha2::Sha256::digest(token.as_bytes()).into();
+        if let Some(c) = self.cache.lock().get(&digest) {
+            return self.current(c, now_secs).then(|| c.claims.clone());
+        }
+        let (claims, exp, nbf) = self.verify_uncached(token)?;
+        let c = Cached { claims, exp, nbf };
+        if !self.current(&c, now_secs) {
+            return None;
+        }
+        let mut cache = self.cache.lock();
+        if cache.len() >= CACHE_MAX {
+            cache.clear();
+        }
+        cache.insert(digest, c.clone());
+        Some(c.claims)
+    }
+
+    /// Is a verified token within `exp`/`nbf` (with leeway) at `now`?
+    fn current(&self, c: &Cached, now_secs: u64) -> bool {
+        now_secs <= c.exp.saturating_add(self.leeway) && c.nbf <= now_secs.saturating_add(self.leeway)
+    }
+
+    /// Signature, algorithm, `iss` and `aud` checks; returns the claims with `exp` and `nbf`.
+    fn verify_uncached(&self, token: &str) -> Option<(JwtClaims, u64, u64)> {
         let header = jsonwebtoken::decode_header(token).ok()?;
         let spec = self.keys.iter().find(|k| {
             k.algorithms.contains(&header.alg)
@@ -238,14 +282,10 @@ impl JwtVerifier {
         let data = jsonwebtoken::decode::<serde_json::Map<String, Value>>(token, &spec.key, &v).ok()?;
         let c = data.claims;
         let exp = c.get("exp")?.as_u64()?;
-        if now_secs > exp.saturating_add(self.leeway) {
-            return None;
-        }
-        if let Some(nbf) = c.get("nbf") {
-            if nbf.as_u64()? > now_secs.saturating_add(self.leeway) {
-                return None;
-            }
-        }
+        let nbf = match c.get("nbf") {
+            Some(n) => n.as_u64()?,
+            None => 0,
+        };
         if let Some(iss) = &self.issuer {
             if c.get("iss")?.as_str()? != iss {
                 return None;
@@ -268,10 +308,7 @@ impl JwtVerifier {
                 _ => None,
             }
         };
-        Some(JwtClaims {
-            user: text(&self.user_claim)?,
-            tier: text(&self.tier_claim),
-            org: text(&self.org_claim),
-        })
+        let claims = JwtClaims { user: text(&self.user_claim)?, tier: text(&self.tier_claim), org: text(&self.org_claim) };
+        Some((claims, exp, nbf))
     }
 }
