@@ -38,6 +38,9 @@ pub struct Snapshot {
     pub rule_metrics: Vec<RuleMetrics>,
     /// When this snapshot was loaded.
     pub loaded_at: SystemTime,
+    /// Per rule: the store keys of a `global` rule's limits (empty for other kinds), built
+    /// once here instead of hashing the rule name on every request.
+    pub global_keys: Vec<Vec<crate::limiter::StoreKey>>,
 }
 
 /// The gateway's shared state.
@@ -70,12 +73,24 @@ pub fn load_snapshot(config: &GatewayConfig, metrics: &Metrics) -> Result<Snapsh
         None => KeyRegistry::empty(),
     };
     let rule_metrics = rules.rules.iter().map(|r| metrics.rule(&r.name)).collect();
-    Ok(Snapshot {
-        rules,
-        keys,
-        rule_metrics,
-        loaded_at: SystemTime::now(),
-    })
+    let kb = key_builder(config);
+    let global_keys = rules
+        .rules
+        .iter()
+        .map(|r| {
+            if r.key != crate::rules::KeyKind::Global {
+                return Vec::new();
+            }
+            let tag = kb.tag(crate::rules::KeyValue::Global, &r.name);
+            r.limits.iter().map(|q| crate::limiter::StoreKey(kb.key(&tag, &r.name, q))).collect()
+        })
+        .collect();
+    Ok(Snapshot { rules, keys, rule_metrics, loaded_at: SystemTime::now(), global_keys })
+}
+
+/// The store-key builder for `config` (prefix and salt).
+pub fn key_builder(config: &GatewayConfig) -> KeyBuilder {
+    KeyBuilder { prefix: config.store.key_prefix.clone(), salt: config.store.key_salt.clone() }
 }
 
 /// Why the gateway could not start.
@@ -141,10 +156,7 @@ impl Gateway {
             .pool_idle_timeout(Duration::from_secs(90))
             .pool_max_idle_per_host(config.upstream.pool_max_idle_per_host)
             .build(connector);
-        let keys = KeyBuilder {
-            prefix: config.store.key_prefix.clone(),
-            salt: config.store.key_salt.clone(),
-        };
+        let keys = key_builder(&config);
         let gw = Arc::new(Gateway {
             snapshot: ArcSwap::from_pointee(snap),
             limiter,
@@ -337,10 +349,21 @@ pub async fn serve(gw: Arc<Gateway>, listener: TcpListener, mut stop: watch::Rec
             let gw = gw2.clone();
             async move { Ok::<_, std::convert::Infallible>(gw.handle(req, peer).await) }
         });
-        let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
-        let conn = graceful.watch(conn.into_owned());
+        let (builder, watcher, mut stop) = (builder.clone(), graceful.watcher(), stop.clone());
+        let first_byte = sc.header_read_timeout;
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
+            // hyper's header timer starts only once protocol detection has a byte: a client that
+            // connects and sends nothing would hold its connection (and permit) forever.
+            let mut b = [0u8; 1];
+            tokio::select! {
+                r = tokio::time::timeout(first_byte, stream.peek(&mut b)) => match r {
+                    Ok(Ok(n)) if n > 0 => {}
+                    _ => return,
+                },
+                _ = stop.changed() => return,
+            }
+            let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
+            if let Err(e) = watcher.watch(conn.into_owned()).await {
                 tracing::debug!(error = %e, %peer, "connection ended with error");
             }
             drop(permit);

@@ -233,10 +233,7 @@ fn explain(config: &std::path::Path, method: &str, path: &str, headers: &[String
         eprintln!("invalid method {method:?}");
         return ExitCode::FAILURE;
     };
-    let keys = tollgate::rules::KeyBuilder {
-        prefix: cfg.store.key_prefix.clone(),
-        salt: cfg.store.key_salt.clone(),
-    };
+    let keys = tollgate::gateway::key_builder(&cfg);
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())

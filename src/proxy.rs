@@ -39,10 +39,12 @@ fn request_host<B>(req: &Request<B>) -> Option<&str> {
         Some(h) => h.to_str().ok()?,
         None => req.uri().host()?,
     };
-    Some(match raw.rfind(':') {
+    let host = match raw.rfind(':') {
         Some(i) if !raw.ends_with(']') && raw[i + 1..].bytes().all(|b| b.is_ascii_digit()) => &raw[..i],
         _ => raw,
-    })
+    };
+    // "api.example." is "api.example" (fully qualified): one name, one rule.
+    Some(host.strip_suffix('.').unwrap_or(host))
 }
 
 /// Refuses requests a proxy must not pass on.
@@ -105,6 +107,18 @@ impl Gateway {
             let Some(value) = key_value(&rule.key, ident, req_headers, &ip_text) else {
                 continue;
             };
+            let limits = rule.limits_for(ident);
+            if let (KeyValue::Global, Some(keys)) = (value, snap.global_keys.get(ri as usize)) {
+                // Global counters have fixed keys, built when the rules loaded.
+                if std::ptr::eq(limits, rule.limits.as_slice()) && keys.len() == limits.len() {
+                    for (q, key) in limits.iter().zip(keys) {
+                        plan.checks.push(LimitCheck { key: key.clone(), quota: *q, cost: rule.cost, shadow: rule.shadow });
+                        plan.policies.push(rule.failure);
+                        plan.owners.push(ri);
+                    }
+                    continue;
+                }
+            }
             let raw: &[u8] = match value {
                 KeyValue::Str(s) => s.as_bytes(),
                 KeyValue::Bytes(b) => b,
@@ -120,7 +134,7 @@ impl Gateway {
                     t
                 }
             };
-            for q in rule.limits_for(ident) {
+            for q in limits {
                 plan.checks.push(LimitCheck {
                     key: StoreKey(self.keys.key(&tag, &rule.name, q)),
                     quota: *q,
@@ -336,6 +350,11 @@ impl Gateway {
                 self.metrics.upstream_status[5].inc();
                 return Err(GatewayError::GatewayTimeout);
             }
+            Ok(Err(e)) if body_over_limit(&e) => {
+                // A body without Content-Length (chunked, HTTP/2) went over `max_body_bytes`
+                // while it streamed: the upstream got an aborted body, never a complete one.
+                return Err(GatewayError::PayloadTooLarge);
+            }
             Ok(Err(e)) => {
                 self.metrics.upstream_status[5].inc();
                 tracing::warn!(error = %e, "upstream request failed");
@@ -367,6 +386,18 @@ impl Gateway {
         }
         Ok(resp.map(|b| b.map_err(|e| -> BoxError { Box::new(e) }).boxed_unsync()))
     }
+}
+
+/// Did the upstream request fail because the client's body went over `max_body_bytes`?
+fn body_over_limit(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if err.is::<http_body_util::LengthLimitError>() {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
 }
 
 /// Gives back a leaky-bucket slot when the waiting request is dropped (client disconnected).

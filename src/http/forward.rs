@@ -48,6 +48,10 @@ pub fn upgrade_of(h: &HeaderMap) -> Option<HeaderValue> {
 /// Remove hop-by-hop headers, and every header named in `Connection`. With `keep_upgrade`,
 /// `Connection: upgrade` and `Upgrade` are re-added (an upgrade passes through).
 pub fn strip_hop_by_hop(h: &mut HeaderMap, keep_upgrade: Option<HeaderValue>) {
+    // Fast path, the common case: one pass over the names, nothing to remove.
+    if keep_upgrade.is_none() && !h.keys().any(|k| *k == header::UPGRADE || HOP_BY_HOP.contains(k)) {
+        return;
+    }
     if h.contains_key(header::CONNECTION) {
         let named: Vec<HeaderName> = h
             .get_all(header::CONNECTION)
@@ -75,7 +79,7 @@ pub fn add_forwarded(h: &mut HeaderMap, peer: IpAddr, host: Option<&HeaderValue>
     use std::fmt::Write;
     let peer = peer.to_canonical();
     let mut ip = String::with_capacity(40);
-    let _ = write!(ip, "{peer}");
+    crate::identity::write_ip(&mut ip, peer);
     append_list(h, &X_FORWARDED_FOR, &ip);
     append_static(h, &X_FORWARDED_PROTO, "http");
     if let Some(host) = host {

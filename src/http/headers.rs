@@ -62,12 +62,22 @@ pub fn write(h: &mut HeaderMap, b: &Binding<'_>, ietf: bool, legacy: bool, now_s
     let t = b.reset_secs();
     let remaining = if b.outcome.allowed { b.outcome.remaining } else { 0 };
     if ietf {
-        use std::fmt::Write;
+        let mut n = itoa::Buffer::new();
         let mut buf = String::with_capacity(b.rule.len() + 32);
-        let _ = write!(buf, "\"{}\";q={};w={}", b.rule, b.quota.limit, b.window_secs());
+        buf.push('"');
+        buf.push_str(b.rule);
+        buf.push_str("\";q=");
+        buf.push_str(n.format(b.quota.limit.get()));
+        buf.push_str(";w=");
+        buf.push_str(n.format(b.window_secs()));
         push(h, &RATELIMIT_POLICY, buf);
         let mut buf = String::with_capacity(b.rule.len() + 32);
-        let _ = write!(buf, "\"{}\";r={};t={}", b.rule, remaining, t);
+        buf.push('"');
+        buf.push_str(b.rule);
+        buf.push_str("\";r=");
+        buf.push_str(n.format(remaining));
+        buf.push_str(";t=");
+        buf.push_str(n.format(t));
         push(h, &RATELIMIT, buf);
     }
     if legacy {
