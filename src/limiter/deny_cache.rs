@@ -20,18 +20,18 @@ const SHARDS: usize = 16;
 /// [`DenyCache::remove`] / [`DenyCache::clear`] (admin reset, rule reload).
 pub struct DenyCache {
     /// key hash → microseconds since the epoch at which the key can pass again.
-    shards: Vec<Mutex<HashMap<u64, u64>>>,
+    shards: Vec<Mutex<HashMap<u64, u64, foldhash::fast::RandomState>>>,
     /// Entries one shard may hold.
     per_shard_cap: usize,
     /// Hashes store keys.
-    hasher: std::collections::hash_map::RandomState,
+    hasher: foldhash::fast::RandomState,
 }
 
 impl DenyCache {
     /// A cache of at most about `max_entries` denials.
     pub fn new(max_entries: usize) -> Self {
         DenyCache {
-            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::default())).collect(),
             per_shard_cap: (max_entries / SHARDS).max(16),
             hasher: Default::default(),
         }

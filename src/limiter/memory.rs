@@ -26,7 +26,11 @@ use crate::clock::SharedClock;
 pub const SHARDS: usize = 64;
 
 /// One locked shard, tagged with its index.
-type Guard<'a> = (usize, MutexGuard<'a, HashMap<Box<str>, Entry>>);
+type Guard<'a> = (usize, MutexGuard<'a, Shard>);
+
+/// One shard's map. foldhash: several times cheaper than SipHash on our ~50-byte keys, and
+/// randomly seeded per map (the keys are hex digests anyway, so callers cannot aim at buckets).
+type Shard = HashMap<Box<str>, Entry, foldhash::fast::RandomState>;
 
 /// One tracked limit.
 #[derive(Debug)]
@@ -40,20 +44,21 @@ struct Entry {
 /// The embedded store. See the module docs for its locking and memory bound.
 pub struct MemoryStore {
     /// The shards, each a map from full store key to state.
-    shards: Vec<Mutex<HashMap<Box<str>, Entry>>>,
+    shards: Vec<Mutex<Shard>>,
     /// Keys one shard may hold.
     per_shard_cap: usize,
     /// Time source (a fake clock in tests).
     clock: SharedClock,
-    /// Hashes keys to shards.
-    hasher: std::collections::hash_map::RandomState,
+    /// Hashes keys to shards (seeded apart from the maps, so a shard's keys still spread
+    /// over its map's buckets).
+    hasher: foldhash::fast::RandomState,
 }
 
 impl MemoryStore {
     /// A store tracking at most about `max_keys` keys.
     pub fn new(clock: SharedClock, max_keys: usize) -> Self {
         MemoryStore {
-            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::default())).collect(),
             per_shard_cap: (max_keys / SHARDS).max(16),
             clock,
             hasher: Default::default(),
@@ -74,9 +79,9 @@ impl MemoryStore {
         (self.hasher.hash_one(key) as usize) % SHARDS
     }
 
-    /// Lock the shards `checks` touch, in ascending order. Returns guards indexed by shard.
-    fn lock_all(&self, checks: &[LimitCheck]) -> Vec<Guard<'_>> {
-        let mut idx: Vec<usize> = checks.iter().map(|c| self.shard_of(c.key.as_str())).collect();
+    /// Lock the shards `checks` touch, in ascending order (`shard[i]` is check `i`'s shard).
+    fn lock_all(&self, shard: &[usize]) -> Vec<Guard<'_>> {
+        let mut idx: Vec<usize> = shard.to_vec();
         idx.sort_unstable();
         idx.dedup();
         idx.into_iter().map(|i| (i, self.shards[i].lock())).collect()
@@ -84,11 +89,11 @@ impl MemoryStore {
 
     /// The decision logic shared by `check`, at an explicit `now` (used by differential tests).
     pub fn check_at(&self, checks: &[LimitCheck], now: u64) -> Vec<Outcome> {
-        let mut guards = self.lock_all(checks);
+        let shard_of: Vec<usize> = checks.iter().map(|c| self.shard_of(c.key.as_str())).collect();
+        let mut guards = self.lock_all(&shard_of);
         let mut outcomes = Vec::with_capacity(checks.len());
         let mut blocked = false;
-        for c in checks {
-            let shard = self.shard_of(c.key.as_str());
+        for (c, &shard) in checks.iter().zip(&shard_of) {
             let map = guard_for(&mut guards, shard);
             let o = match map.get_mut(c.key.as_str()) {
                 Some(e) => algorithm::evaluate(&c.quota, &mut e.state, now, c.cost),
@@ -100,11 +105,10 @@ impl MemoryStore {
         if blocked {
             return outcomes;
         }
-        for (c, o) in checks.iter().zip(&outcomes) {
+        for ((c, o), &shard) in checks.iter().zip(&outcomes).zip(&shard_of) {
             if !o.allowed {
                 continue; // a denied shadow limit spends nothing
             }
-            let shard = self.shard_of(c.key.as_str());
             let cap = self.per_shard_cap;
             let map = guard_for(&mut guards, shard);
             if !map.contains_key(c.key.as_str()) && map.len() >= cap {
@@ -124,9 +128,9 @@ impl MemoryStore {
 
     /// Give back `checks`' spending made at `now` (see [`Store::refund`]).
     pub fn refund_at(&self, checks: &[LimitCheck], _now: u64) {
-        let mut guards = self.lock_all(checks);
-        for c in checks {
-            let shard = self.shard_of(c.key.as_str());
+        let shard_of: Vec<usize> = checks.iter().map(|c| self.shard_of(c.key.as_str())).collect();
+        let mut guards = self.lock_all(&shard_of);
+        for (c, &shard) in checks.iter().zip(&shard_of) {
             let map = guard_for(&mut guards, shard);
             if let Some(e) = map.get_mut(c.key.as_str()) {
                 match &mut e.state {
@@ -145,17 +149,14 @@ impl MemoryStore {
     }
 }
 
-fn guard_for<'a, 'b>(
-    guards: &'a mut [Guard<'b>],
-    shard: usize,
-) -> &'a mut HashMap<Box<str>, Entry> {
+fn guard_for<'a, 'b>(guards: &'a mut [Guard<'b>], shard: usize) -> &'a mut Shard {
     // `guards` holds every shard the checks touch, so the search always finds it.
     let pos = guards.partition_point(|(i, _)| *i < shard);
     &mut guards[pos.min(guards.len() - 1)].1
 }
 
 /// Drop expired entries; if none were, evict the entry nearest its expiry among a sample.
-fn make_room(map: &mut HashMap<Box<str>, Entry>, now: u64, cap: usize) {
+fn make_room(map: &mut Shard, now: u64, cap: usize) {
     map.retain(|_, e| e.expires_at > now);
     if map.len() < cap {
         return;
