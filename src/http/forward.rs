@@ -20,6 +20,9 @@ static HOP_BY_HOP: [HeaderName; 8] = [
     header::TRANSFER_ENCODING,
 ];
 
+/// `Upgrade` (hop-by-hop unless an upgrade passes through).
+static UPGRADE: HeaderName = header::UPGRADE;
+
 /// `X-Forwarded-For`.
 pub static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 /// `X-Forwarded-Proto`.
@@ -48,26 +51,35 @@ pub fn upgrade_of(h: &HeaderMap) -> Option<HeaderValue> {
 /// Remove hop-by-hop headers, and every header named in `Connection`. With `keep_upgrade`,
 /// `Connection: upgrade` and `Upgrade` are re-added (an upgrade passes through).
 pub fn strip_hop_by_hop(h: &mut HeaderMap, keep_upgrade: Option<HeaderValue>) {
-    // Fast path, the common case: one pass over the names, nothing to remove.
-    if keep_upgrade.is_none() && !h.keys().any(|k| *k == header::UPGRADE || HOP_BY_HOP.contains(k)) {
-        return;
+    // One pass over the names; most requests (and many responses) have nothing to remove.
+    let mut present: [Option<&'static HeaderName>; 9] = [None; 9];
+    let mut n = 0;
+    for k in h.keys() {
+        if let Some(hop) = HOP_BY_HOP.iter().chain(std::iter::once(&UPGRADE)).find(|x| *x == k) {
+            if n < present.len() && !present[..n].contains(&Some(hop)) {
+                present[n] = Some(hop);
+                n += 1;
+            }
+        }
     }
-    if h.contains_key(header::CONNECTION) {
+    if n > 0 {
+        // Headers named in `Connection` are hop-by-hop too (RFC 9110 §7.6.1).
         let named: Vec<HeaderName> = h
             .get_all(header::CONNECTION)
             .iter()
             .filter_map(|v| v.to_str().ok())
             .flat_map(|v| v.split(','))
-            .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+            .map(str::trim)
+            .filter(|t| !t.eq_ignore_ascii_case("close") && !t.eq_ignore_ascii_case("keep-alive"))
+            .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
             .collect();
-        for n in named {
-            h.remove(n);
+        for name in named {
+            h.remove(name);
+        }
+        for hop in present[..n].iter().flatten() {
+            h.remove(*hop);
         }
     }
-    for n in &HOP_BY_HOP {
-        h.remove(n);
-    }
-    h.remove(header::UPGRADE);
     if let Some(up) = keep_upgrade {
         h.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
         h.insert(header::UPGRADE, up);
