@@ -48,7 +48,13 @@ fn bench_matching(c: &mut Criterion) {
         g.bench_function(format!("select_1000_rules/{name}"), |b| {
             b.iter(|| {
                 let norm = normalize(black_box(path));
-                let info = RequestInfo { method: &Method::GET, path: &norm, host: None, headers: &h, tier: "free" };
+                let info = RequestInfo {
+                    method: &Method::GET,
+                    path: &norm,
+                    host: None,
+                    headers: &h,
+                    tier: "free",
+                };
                 black_box(set.select(&info))
             })
         });
@@ -61,17 +67,27 @@ fn bench_identity(c: &mut Criterion) {
     let path = dir.join("gateway.yaml");
     let yaml = "upstream: { url: http://127.0.0.1:1 }\nidentity:\n  trusted_proxies: [10.0.0.0/8]\n  jwt:\n    algorithms: [RS256]\n    public_key_file: rsa_public.pem\n";
     let raw: RawGateway = parse_str(&path, yaml).expect("yaml");
-    let cfg = GatewayConfig::compile(&path, raw, &EnvOverrides::default()).expect("config").identity;
+    let cfg = GatewayConfig::compile(&path, raw, &EnvOverrides::default())
+        .expect("config")
+        .identity;
     let key = jsonwebtoken::EncodingKey::from_rsa_pem(&std::fs::read(dir.join("rsa_private.pem")).expect("pem"))
         .expect("key");
     let claims = serde_json::json!({"sub": "alice", "tier": "pro", "exp": 4_000_000_000u64});
-    let token = jsonwebtoken::encode(&jsonwebtoken::Header::new(jsonwebtoken::Algorithm::RS256), &claims, &key)
-        .expect("jwt");
-    let keys_yaml =
-        format!("keys:\n  - {{ id: k, sha256: {}, tier: pro }}\n", tollgate::identity::keys::hash_key("secret"));
-    let keys =
-        KeyRegistry::compile(Path::new("k.yaml"), parse_str(Path::new("k.yaml"), &keys_yaml).expect("keys"))
-            .expect("keys");
+    let token = jsonwebtoken::encode(
+        &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::RS256),
+        &claims,
+        &key,
+    )
+    .expect("jwt");
+    let keys_yaml = format!(
+        "keys:\n  - {{ id: k, sha256: {}, tier: pro }}\n",
+        tollgate::identity::keys::hash_key("secret")
+    );
+    let keys = KeyRegistry::compile(
+        Path::new("k.yaml"),
+        parse_str(Path::new("k.yaml"), &keys_yaml).expect("keys"),
+    )
+    .expect("keys");
     let peer = "10.1.1.1".parse().expect("ip");
     let mut g = c.benchmark_group("identity");
     g.throughput(Throughput::Elements(1));
@@ -82,9 +98,14 @@ fn bench_identity(c: &mut Criterion) {
     });
     let mut api = HeaderMap::new();
     api.insert("x-api-key", HeaderValue::from_static("secret"));
-    g.bench_function("api_key", |b| b.iter(|| black_box(identify(black_box(&api), peer, &keys, &cfg, 1_800_000_000))));
+    g.bench_function("api_key", |b| {
+        b.iter(|| black_box(identify(black_box(&api), peer, &keys, &cfg, 1_800_000_000)))
+    });
     let mut jwt = HeaderMap::new();
-    jwt.insert("authorization", HeaderValue::from_str(&format!("Bearer {token}")).expect("hv"));
+    jwt.insert(
+        "authorization",
+        HeaderValue::from_str(&format!("Bearer {token}")).expect("hv"),
+    );
     g.bench_function("jwt_rs256_verify", |b| {
         b.iter(|| black_box(identify(black_box(&jwt), peer, &keys, &cfg, 1_800_000_000)))
     });
@@ -93,14 +114,30 @@ fn bench_identity(c: &mut Criterion) {
 
 fn bench_memory_store(c: &mut Criterion) {
     let store = MemoryStore::new(Arc::new(SystemClock), 1_000_000);
-    let kb = KeyBuilder { prefix: "tl".into(), salt: String::new() };
+    let kb = KeyBuilder {
+        prefix: "tl".into(),
+        salt: String::new(),
+    };
     let mut g = c.benchmark_group("memory_store");
     g.throughput(Throughput::Elements(1));
-    for alg in [Algorithm::TokenBucket, Algorithm::FixedWindow, Algorithm::SlidingWindow, Algorithm::SlidingLog] {
+    for alg in [
+        Algorithm::TokenBucket,
+        Algorithm::FixedWindow,
+        Algorithm::SlidingWindow,
+        Algorithm::SlidingLog,
+    ] {
         let q = if alg.is_bucket() {
-            Quota::bucket(alg, NonZeroU64::new(1_000_000).expect("nz"), NonZeroU64::new(1).expect("nz"))
+            Quota::bucket(
+                alg,
+                NonZeroU64::new(1_000_000).expect("nz"),
+                NonZeroU64::new(1).expect("nz"),
+            )
         } else {
-            Quota::window(alg, NonZeroU64::new(100).expect("nz"), NonZeroU64::new(1_000_000).expect("nz"))
+            Quota::window(
+                alg,
+                NonZeroU64::new(100).expect("nz"),
+                NonZeroU64::new(1_000_000).expect("nz"),
+            )
         };
         let keys: Vec<LimitCheck> = (0..1024)
             .map(|i| LimitCheck {

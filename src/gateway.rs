@@ -82,15 +82,27 @@ pub fn load_snapshot(config: &GatewayConfig, metrics: &Metrics) -> Result<Snapsh
                 return Vec::new();
             }
             let tag = kb.tag(crate::rules::KeyValue::Global, &r.name);
-            r.limits.iter().map(|q| crate::limiter::StoreKey(kb.key(&tag, &r.name, q))).collect()
+            r.limits
+                .iter()
+                .map(|q| crate::limiter::StoreKey(kb.key(&tag, &r.name, q)))
+                .collect()
         })
         .collect();
-    Ok(Snapshot { rules, keys, rule_metrics, loaded_at: SystemTime::now(), global_keys })
+    Ok(Snapshot {
+        rules,
+        keys,
+        rule_metrics,
+        loaded_at: SystemTime::now(),
+        global_keys,
+    })
 }
 
 /// The store-key builder for `config` (prefix and salt).
 pub fn key_builder(config: &GatewayConfig) -> KeyBuilder {
-    KeyBuilder { prefix: config.store.key_prefix.clone(), salt: config.store.key_salt.clone() }
+    KeyBuilder {
+        prefix: config.store.key_prefix.clone(),
+        salt: config.store.key_salt.clone(),
+    }
 }
 
 /// Why the gateway could not start.

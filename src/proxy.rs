@@ -112,7 +112,12 @@ impl Gateway {
                 // Global counters have fixed keys, built when the rules loaded.
                 if std::ptr::eq(limits, rule.limits.as_slice()) && keys.len() == limits.len() {
                     for (q, key) in limits.iter().zip(keys) {
-                        plan.checks.push(LimitCheck { key: key.clone(), quota: *q, cost: rule.cost, shadow: rule.shadow });
+                        plan.checks.push(LimitCheck {
+                            key: key.clone(),
+                            quota: *q,
+                            cost: rule.cost,
+                            shadow: rule.shadow,
+                        });
                         plan.policies.push(rule.failure);
                         plan.owners.push(ri);
                     }

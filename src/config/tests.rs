@@ -13,22 +13,42 @@ fn compile(yaml: &str, env: &EnvOverrides) -> Result<GatewayConfig, ConfigError>
 #[test]
 fn defaults_are_safe() {
     let c = compile("upstream: { url: http://127.0.0.1:8081 }\n", &EnvOverrides::default()).unwrap();
-    assert!(c.admin_listen.ip().is_loopback(), "the admin API is loopback-only by default");
+    assert!(
+        c.admin_listen.ip().is_loopback(),
+        "the admin API is loopback-only by default"
+    );
     assert_eq!(c.store.kind, StoreKind::Memory);
     assert_eq!(c.store.timeout, Duration::from_millis(20));
     assert_eq!(c.identity.ipv6_prefix, 64);
     assert!(c.limits.deny_cache && c.limits.ietf_headers && c.limits.legacy_headers);
-    assert_eq!(c.rules_file, Path::new("/etc/tollgate/rules.yaml"), "relative to the gateway file");
+    assert_eq!(
+        c.rules_file,
+        Path::new("/etc/tollgate/rules.yaml"),
+        "relative to the gateway file"
+    );
 }
 
 #[test]
 fn env_overrides_apply() {
-    let env = EnvOverrides { listen: Some("127.0.0.1:18080".into()), redis_urls: Some("redis://a:1, redis://b:2".into()) };
-    let c = compile("upstream: { url: http://127.0.0.1:8081 }\nstore: { kind: redis_cluster }\n", &env).unwrap();
+    let env = EnvOverrides {
+        listen: Some("127.0.0.1:18080".into()),
+        redis_urls: Some("redis://a:1, redis://b:2".into()),
+    };
+    let c = compile(
+        "upstream: { url: http://127.0.0.1:8081 }\nstore: { kind: redis_cluster }\n",
+        &env,
+    )
+    .unwrap();
     assert_eq!(c.listen.to_string(), "127.0.0.1:18080");
     assert_eq!(c.store.urls, vec!["redis://a:1", "redis://b:2"]);
-    let bad = EnvOverrides { listen: Some("nope".into()), redis_urls: None };
-    assert!(compile("upstream: { url: http://127.0.0.1:8081 }\n", &bad).unwrap_err().message.contains("TOLLGATE_LISTEN"));
+    let bad = EnvOverrides {
+        listen: Some("nope".into()),
+        redis_urls: None,
+    };
+    assert!(compile("upstream: { url: http://127.0.0.1:8081 }\n", &bad)
+        .unwrap_err()
+        .message
+        .contains("TOLLGATE_LISTEN"));
 }
 
 #[test]

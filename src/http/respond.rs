@@ -145,7 +145,10 @@ fn limited_response(body: String, secs: u64) -> Response<ProxyBody> {
 /// A 429 for `b`, with the rate-limit headers of the denying limit.
 pub fn rate_limited(b: &Binding<'_>, ietf: bool, legacy: bool, now_secs: u64) -> Response<ProxyBody> {
     let secs = headers::ceil_secs_min1(b.outcome.retry_after_us);
-    let mut resp = limited_response(rate_limited_body(b.rule, b.quota.limit.get(), b.quota.window_us.get(), secs), secs);
+    let mut resp = limited_response(
+        rate_limited_body(b.rule, b.quota.limit.get(), b.quota.window_us.get(), secs),
+        secs,
+    );
     headers::write(resp.headers_mut(), b, ietf, legacy, now_secs);
     resp
 }

@@ -308,7 +308,11 @@ impl JwtVerifier {
                 _ => None,
             }
         };
-        let claims = JwtClaims { user: text(&self.user_claim)?, tier: text(&self.tier_claim), org: text(&self.org_claim) };
+        let claims = JwtClaims {
+            user: text(&self.user_claim)?,
+            tier: text(&self.tier_claim),
+            org: text(&self.org_claim),
+        };
         Some((claims, exp, nbf))
     }
 }

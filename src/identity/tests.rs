@@ -281,9 +281,18 @@ fn jwks_keys_are_chosen_by_kid() {
 fn a_cached_token_still_expires() {
     let cfg = rs_config();
     let t = encode(&Header::new(Algorithm::RS256), &claims(600), &rsa_key()).unwrap();
-    assert_eq!(identify(&bearer(&t), peer(), &KeyRegistry::empty(), &cfg, NOW).kind, IdentityKind::Jwt);
+    assert_eq!(
+        identify(&bearer(&t), peer(), &KeyRegistry::empty(), &cfg, NOW).kind,
+        IdentityKind::Jwt
+    );
     // Second use is served from the verified-token cache...
-    assert_eq!(identify(&bearer(&t), peer(), &KeyRegistry::empty(), &cfg, NOW + 60).kind, IdentityKind::Jwt);
+    assert_eq!(
+        identify(&bearer(&t), peer(), &KeyRegistry::empty(), &cfg, NOW + 60).kind,
+        IdentityKind::Jwt
+    );
     // ...which re-checks exp against the clock.
-    assert_eq!(identify(&bearer(&t), peer(), &KeyRegistry::empty(), &cfg, NOW + 3600).kind, IdentityKind::Ip);
+    assert_eq!(
+        identify(&bearer(&t), peer(), &KeyRegistry::empty(), &cfg, NOW + 3600).kind,
+        IdentityKind::Ip
+    );
 }

@@ -659,7 +659,11 @@ impl RuleSet {
         }
         self.trie.walk(req.path, &mut |i| {
             let slot = self.kind_slot[i as usize] as usize;
-            let cur = if extra.is_empty() { &mut best[slot] } else { &mut extra[slot] };
+            let cur = if extra.is_empty() {
+                &mut best[slot]
+            } else {
+                &mut extra[slot]
+            };
             let r = &self.rules[i as usize];
             if let Some(c) = *cur {
                 let c = &self.rules[c as usize];

@@ -186,7 +186,13 @@ fn trie_selection_equals_brute_force() {
     let set = rules(SPEC);
     let h = HeaderMap::new();
     let brute = |m: &Method, path: &str, tier: &str| -> Vec<u32> {
-        let info = RequestInfo { method: m, path, host: Some("api.example"), headers: &h, tier };
+        let info = RequestInfo {
+            method: m,
+            path,
+            host: Some("api.example"),
+            headers: &h,
+            tier,
+        };
         let mut best: HashMap<String, u32> = HashMap::new();
         for (i, r) in set.rules.iter().enumerate() {
             if !r.matches(&info) {
@@ -208,7 +214,9 @@ fn trie_selection_equals_brute_force() {
         v.sort();
         v
     };
-    let segs = ["api", "v1", "users", "me", "42", "search", "login", "files", "x", "", "v2"];
+    let segs = [
+        "api", "v1", "users", "me", "42", "search", "login", "files", "x", "", "v2",
+    ];
     let mut n = 0;
     for a in segs {
         for b in segs {
@@ -216,7 +224,13 @@ fn trie_selection_equals_brute_force() {
                 for d in ["", "users", "me", "report.pdf"] {
                     let path = normalize(&format!("/{a}/{b}/{c}/{d}")).into_owned();
                     for (m, tier) in [(Method::GET, "free"), (Method::POST, "pro"), (Method::PUT, "anonymous")] {
-                        let info = RequestInfo { method: &m, path: &path, host: Some("api.example"), headers: &h, tier };
+                        let info = RequestInfo {
+                            method: &m,
+                            path: &path,
+                            host: Some("api.example"),
+                            headers: &h,
+                            tier,
+                        };
                         let mut got = set.select(&info);
                         got.sort();
                         assert_eq!(got, brute(&m, &path, tier), "{m} {path} {tier}");

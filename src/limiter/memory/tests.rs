@@ -89,5 +89,8 @@ async fn time_comes_from_the_injected_clock() {
     }
     assert_eq!(admitted, 2);
     clock.advance_ms(1000);
-    assert!(store.check(&c).await.unwrap()[0].allowed, "a new window after 1 s of fake time");
+    assert!(
+        store.check(&c).await.unwrap()[0].allowed,
+        "a new window after 1 s of fake time"
+    );
 }
