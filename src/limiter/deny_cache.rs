@@ -57,10 +57,25 @@ impl DenyCache {
         let (s, h) = self.slot(key);
         let mut shard = self.shards[s].lock();
         if shard.len() >= self.per_shard_cap && !shard.contains_key(&h) {
+            // Full: drop expired denials, and if that frees less than an eighth, the ones that
+            // expire soonest (a forgotten denial only costs one store round trip). O(n) per
+            // sweep, at most one sweep per cap/8 inserts.
             let now = crate::clock::Clock::now_us(&crate::clock::SystemClock);
             shard.retain(|_, u| *u > now.min(until));
-            if shard.len() >= self.per_shard_cap {
-                return;
+            let target = self.per_shard_cap - (self.per_shard_cap / 8).max(1);
+            if shard.len() > target {
+                let excess = shard.len() - target;
+                let mut untils: Vec<u64> = shard.values().copied().collect();
+                let cutoff = *untils.select_nth_unstable(excess - 1).1;
+                let mut evicted = 0;
+                shard.retain(|_, u| {
+                    if evicted < excess && *u <= cutoff {
+                        evicted += 1;
+                        false
+                    } else {
+                        true
+                    }
+                });
             }
         }
         shard.insert(h, until);

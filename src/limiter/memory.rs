@@ -155,20 +155,29 @@ fn guard_for<'a, 'b>(guards: &'a mut [Guard<'b>], shard: usize) -> &'a mut Shard
     &mut guards[pos.min(guards.len() - 1)].1
 }
 
-/// Drop expired entries; if none were, evict the entry nearest its expiry among a sample.
+/// Make room in a full shard: drop expired entries, then, if that freed less than an eighth of
+/// the cap, the entries nearest their own expiry (forgetting those gives back the least
+/// quota) until an eighth is free. Each sweep is O(n) but frees at least `cap / 8` slots, so
+/// under key rotation the cost per new key stays O(1) amortised.
 fn make_room(map: &mut Shard, now: u64, cap: usize) {
     map.retain(|_, e| e.expires_at > now);
-    if map.len() < cap {
+    let target = cap - (cap / 8).max(1);
+    if map.len() <= target {
         return;
     }
-    let victim = map
-        .iter()
-        .take(32)
-        .min_by_key(|(_, e)| e.expires_at)
-        .map(|(k, _)| k.clone());
-    if let Some(k) = victim {
-        map.remove(&k);
-    }
+    let excess = map.len() - target;
+    let mut expiries: Vec<u64> = map.values().map(|e| e.expires_at).collect();
+    let (_, cutoff, _) = expiries.select_nth_unstable(excess - 1);
+    let cutoff = *cutoff;
+    let mut evicted = 0;
+    map.retain(|_, e| {
+        if evicted < excess && e.expires_at <= cutoff {
+            evicted += 1;
+            false
+        } else {
+            true
+        }
+    });
 }
 
 impl Store for MemoryStore {
