@@ -207,11 +207,13 @@ impl Gateway {
                     retry_after_secs: 1,
                 });
             }
+            // Shadow limits never bind; nor do limits that went unchecked (store down, fail
+            // open): their quota is unknown, and `r=0` would stall a header-following client.
             let idx = headers::binding_index(
                 plan.checks
                     .iter()
                     .zip(&verdict.outcomes)
-                    .map(|(c, (o, _))| (c.shadow, *o)),
+                    .map(|(c, (o, src))| (c.shadow || *src == Source::FailOpen, *o)),
             );
             if let Some(i) = idx {
                 let (o, _) = verdict.outcomes[i];
