@@ -233,7 +233,7 @@ pub fn explain(
     let host = headers
         .get(http::header::HOST)
         .and_then(|h| h.to_str().ok())
-        .map(|h| h.split(':').next().unwrap_or(h));
+        .map(crate::proxy::host_for_matching);
     let info = RequestInfo {
         method,
         path: &norm,

@@ -39,12 +39,17 @@ fn request_host<B>(req: &Request<B>) -> Option<&str> {
         Some(h) => h.to_str().ok()?,
         None => req.uri().host()?,
     };
+    Some(host_for_matching(raw))
+}
+
+/// A `Host` value as rules match it: without the port, and without a trailing dot
+/// (`api.example.` is `api.example`: one name, one rule).
+pub fn host_for_matching(raw: &str) -> &str {
     let host = match raw.rfind(':') {
         Some(i) if !raw.ends_with(']') && raw[i + 1..].bytes().all(|b| b.is_ascii_digit()) => &raw[..i],
         _ => raw,
     };
-    // "api.example." is "api.example" (fully qualified): one name, one rule.
-    Some(host.strip_suffix('.').unwrap_or(host))
+    host.strip_suffix('.').unwrap_or(host)
 }
 
 /// Refuses requests a proxy must not pass on.
