@@ -9,8 +9,6 @@ use std::time::{Duration, SystemTime};
 use arc_swap::ArcSwap;
 use hyper::body::Incoming;
 use hyper::service::service_fn;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
@@ -18,7 +16,6 @@ use tokio::sync::{watch, Semaphore};
 
 use crate::clock::{SharedClock, SystemClock};
 use crate::config::{ConfigError, GatewayConfig, StoreKind};
-use crate::http::ProxyBody;
 use crate::identity::KeyRegistry;
 use crate::limiter::breaker::Breaker;
 use crate::limiter::deny_cache::DenyCache;
@@ -55,8 +52,8 @@ pub struct Gateway {
     pub metrics: Arc<Metrics>,
     /// Builds store keys.
     pub keys: KeyBuilder,
-    /// Pooled upstream client.
-    pub client: Client<HttpConnector, ProxyBody>,
+    /// Pooled connections to the upstream.
+    pub upstream: crate::http::upstream::Upstream,
     /// Time source.
     pub clock: SharedClock,
     /// Shadow denials seen (for log sampling).
@@ -158,23 +155,18 @@ impl Gateway {
             timeout: sc.timeout,
             clock: clock.clone(),
         };
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(config.upstream.connect_timeout));
-        connector.set_nodelay(true);
-        connector.enforce_http(true);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_timer(TokioTimer::new())
-            .timer(TokioTimer::new())
-            .pool_idle_timeout(Duration::from_secs(90))
-            .pool_max_idle_per_host(config.upstream.pool_max_idle_per_host)
-            .build(connector);
+        let upstream = crate::http::upstream::Upstream::new(
+            config.upstream.authority.as_str().to_string(),
+            config.upstream.connect_timeout,
+            config.upstream.pool_max_idle_per_host,
+        );
         let keys = key_builder(&config);
         let gw = Arc::new(Gateway {
             snapshot: ArcSwap::from_pointee(snap),
             limiter,
             metrics,
             keys,
-            client,
+            upstream,
             clock,
             shadow_seen: AtomicU64::new(0),
             reload_lock: tokio::sync::Mutex::new(()),

@@ -334,8 +334,7 @@ impl Gateway {
                 .boxed_unsync(),
         );
         *out.method_mut() = parts.method;
-        *out.uri_mut() = forward::upstream_uri(&self.config.upstream, parts.uri.path_and_query())
-            .map_err(|_| GatewayError::BadRequest("invalid request target"))?;
+        *out.uri_mut() = forward::origin_form(parts.uri.path_and_query());
         *out.version_mut() = Version::HTTP_11;
         let mut h = parts.headers;
         let host = h.get(header::HOST).cloned().or_else(|| {
@@ -355,7 +354,7 @@ impl Gateway {
         }
 
         let started = Instant::now();
-        let result = tokio::time::timeout(self.config.upstream.request_timeout, self.client.request(out)).await;
+        let result = tokio::time::timeout(self.config.upstream.request_timeout, self.upstream.send(out)).await;
         self.metrics.upstream_latency.observe(started.elapsed().as_secs_f64());
         let mut resp = match result {
             Err(_) => {

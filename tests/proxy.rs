@@ -153,3 +153,40 @@ fn sigterm_drains_in_flight_requests_then_exits_zero() {
     // New connections are refused once it stopped.
     assert!(std::net::TcpStream::connect(gw.url.trim_start_matches("http://")).is_err());
 }
+
+/// An upstream that closes every connection after one response (as servers do with idle
+/// keep-alive connections): pooled connections go stale, and no request may fail for it.
+#[tokio::test]
+async fn stale_pooled_connections_never_fail_a_request() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = l.accept().await else { return };
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let mut got = Vec::new();
+                while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => got.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let _ = s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok").await;
+                // No `Connection: close`: the proxy learns it only from the closed socket.
+            });
+        }
+    });
+    let gw = gateway(&format!("http://{up}"), "", OPEN_RULES, None).await;
+    let c = client();
+    for i in 0..20 {
+        let r = c.get(format!("{}/n{i}", gw.url)).send().await.unwrap();
+        assert_eq!(r.status(), 200, "request {i}");
+        assert_eq!(r.text().await.unwrap(), "ok");
+        if i % 2 == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    gw.running.stop().await;
+}

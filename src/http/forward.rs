@@ -6,8 +6,6 @@ use std::net::IpAddr;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{PathAndQuery, Uri};
 
-use crate::config::UpstreamConfig;
-
 /// The hop-by-hop headers every proxy removes.
 static HOP_BY_HOP: [HeaderName; 8] = [
     header::CONNECTION,
@@ -151,13 +149,9 @@ fn append_list(h: &mut HeaderMap, name: &HeaderName, item: &str) {
     }
 }
 
-/// The upstream URI for a request whose path and query are `pq`.
-pub fn upstream_uri(up: &UpstreamConfig, pq: Option<&PathAndQuery>) -> Result<Uri, http::Error> {
-    Uri::builder()
-        .scheme(up.scheme.clone())
-        .authority(up.authority.clone())
-        .path_and_query(pq.cloned().unwrap_or_else(|| PathAndQuery::from_static("/")))
-        .build()
+/// The origin-form request target (`/path?query`) sent to the upstream.
+pub fn origin_form(pq: Option<&PathAndQuery>) -> Uri {
+    Uri::from(pq.cloned().unwrap_or_else(|| PathAndQuery::from_static("/")))
 }
 
 #[cfg(test)]

@@ -4,6 +4,7 @@
 pub mod forward;
 pub mod headers;
 pub mod respond;
+pub mod upstream;
 
 use bytes::Bytes;
 use http_body_util::{combinators::UnsyncBoxBody, BodyExt, Full};
