@@ -224,3 +224,40 @@ async fn thirty_rewrites_under_concurrent_load_lose_no_request_and_the_final_lim
     assert!(line.ends_with(" 25"), "{line}");
     gw.running.stop().await;
 }
+
+/// SIGHUP reloads even when no file changed (the operator asked for it).
+#[cfg(unix)]
+#[test]
+fn sighup_reloads_the_real_binary() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let up = rt.block_on(echo());
+    let gw = binary(&format!("http://{up}"), "", &rules("r", 5));
+    let metric = || {
+        rt.block_on(async {
+            let m = client()
+                .get(format!("{}/metrics", gw.admin))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            m.lines()
+                .find(|l| l.starts_with("tollgate_reloads_total{result=\"ok\"}"))
+                .map(|l| l.rsplit(' ').next().unwrap().to_string())
+                .unwrap_or_default()
+        })
+    };
+    assert_eq!(metric(), "0");
+    let pid = gw.child.id().to_string();
+    assert!(std::process::Command::new("kill")
+        .args(["-HUP", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let t0 = Instant::now();
+    while metric() != "1" {
+        assert!(t0.elapsed() < Duration::from_secs(2), "SIGHUP did not reload");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
