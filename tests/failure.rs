@@ -105,7 +105,10 @@ async fn standalone_kill_then_restart() {
     // Unchecked limits advertise nothing (an `r=0` would stall header-following clients).
     let r = c.get(format!("{}/open/x", gw.url)).send().await.unwrap();
     assert_eq!(r.status(), 200);
-    assert!(r.headers().get("ratelimit").is_none(), "fail-open response carried RateLimit");
+    assert!(
+        r.headers().get("ratelimit").is_none(),
+        "fail-open response carried RateLimit"
+    );
     // fail closed: 503 with Retry-After and the JSON error.
     let r = c.get(format!("{}/closed/x", gw.url)).send().await.unwrap();
     assert_eq!(r.status(), 503);

@@ -41,7 +41,8 @@ pub fn spawn_watcher(gw: Arc<Gateway>, mut stop: watch::Receiver<bool>) {
     // File-system notifications: watch each parent directory, not the file itself.
     let ntx = tx.clone();
     let watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
-        if res.is_ok() {
+        // Reads (including this module's own polling) are not changes.
+        if res.is_ok_and(|ev| !matches!(ev.kind, notify::EventKind::Access(_))) {
             let _ = ntx.try_send("file change");
         }
     });
@@ -101,17 +102,23 @@ pub fn spawn_watcher(gw: Arc<Gateway>, mut stop: watch::Receiver<bool>) {
                 _ = poll.tick() => None,
                 t = rx.recv() => t,
             };
+            let mut sighup = forced == Some("SIGHUP");
             if forced.is_some() {
-                // Let an editor or kubelet finish its rename/swap.
+                // Let an editor or kubelet finish its rename/swap, then take every queued
+                // trigger at once (remembering whether one was SIGHUP).
                 tokio::time::sleep(Duration::from_millis(50)).await;
-                while rx.try_recv().is_ok() {}
+                while let Ok(t) = rx.try_recv() {
+                    sighup |= t == "SIGHUP";
+                }
             }
             let now = fingerprint(&files);
-            if now == last && forced != Some("SIGHUP") {
+            // SIGHUP reloads even when nothing changed: the operator asked for it.
+            if now == last && !sighup {
                 continue;
             }
             last = now;
-            let _ = gw.reload(forced.unwrap_or("poll")).await;
+            let why = if sighup { "SIGHUP" } else { forced.unwrap_or("poll") };
+            let _ = gw.reload(why).await;
         }
     });
 }
