@@ -42,3 +42,22 @@ local function tg_int(x)
   end
   return x
 end
+
+-- Reads of one key within this script call, so that spending a key reuses the read its
+-- evaluation made (one Redis command fewer per limit). Every write to a key forgets it, so a
+-- key listed twice is read again, and spent twice, like the memory store.
+local TG_SEEN = {}
+
+local function tg_read_key(cmd, key, ...)
+  local e = TG_SEEN[key]
+  if e and e.cmd == cmd then
+    return e.r, e.bad
+  end
+  local r, bad = tg_read(cmd, key, ...)
+  TG_SEEN[key] = { cmd = cmd, r = r, bad = bad }
+  return r, bad
+end
+
+local function tg_forget(key)
+  TG_SEEN[key] = nil
+end

@@ -14,7 +14,7 @@
 
 -- The stored (index, count), or nil (absent, or another type: `bad` is then true).
 local function fw_get(key)
-  local r, bad = tg_read('HMGET', key, 'i', 'c')
+  local r, bad = tg_read_key('HMGET', key, 'i', 'c')
   if not r or not r[1] then
     return nil, 0, bad
   end
@@ -46,6 +46,7 @@ local function fw_spend(key, now, limit, w, cost)
   else
     redis.call('HSET', key, 'i', index, 'c', cost)
   end
+  tg_forget(key)
   redis.call('PEXPIREAT', key, tg_at_ms((index + 1) * w))
 end
 
@@ -55,5 +56,6 @@ local function fw_refund(key, now, limit, w, cost)
   local i, c = fw_get(key)
   if i == index then
     redis.call('HSET', key, 'c', math.max(c - cost, 0))
+    tg_forget(key)
   end
 end

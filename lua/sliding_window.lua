@@ -18,7 +18,7 @@
 -- The state rolled to now's window: index, previous, current (and `bad` for another type).
 local function sw_roll(key, now, w)
   local index = math.floor(now / w)
-  local r, bad = tg_read('HMGET', key, 'i', 'p', 'c')
+  local r, bad = tg_read_key('HMGET', key, 'i', 'p', 'c')
   local i = nil
   if r and r[1] then
     i = tonumber(r[1])
@@ -65,6 +65,7 @@ local function sw_spend(key, now, limit, w, cost)
     redis.call('DEL', key)
   end
   redis.call('HSET', key, 'i', index, 'p', prev, 'c', curr + cost)
+  tg_forget(key)
   redis.call('PEXPIREAT', key, tg_at_ms((index + 2) * w))
 end
 
@@ -79,7 +80,9 @@ local function sw_refund(key, now, limit, w, cost)
   local i = tonumber(r[1])
   if i == index then
     redis.call('HSET', key, 'c', math.max((tonumber(r[3]) or 0) - cost, 0))
+    tg_forget(key)
   elseif i == index + 1 then
     redis.call('HSET', key, 'p', math.max((tonumber(r[2]) or 0) - cost, 0))
+    tg_forget(key)
   end
 end
