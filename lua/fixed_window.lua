@@ -42,12 +42,13 @@ local function fw_spend(key, now, limit, w, cost)
     redis.call('DEL', key)
   end
   if i == index then
+    -- Same window: the key already expires at its end (set when the window began).
     redis.call('HINCRBY', key, 'c', cost)
   else
     redis.call('HSET', key, 'i', index, 'c', cost)
+    redis.call('PEXPIREAT', key, tg_at_ms((index + 1) * w))
   end
   tg_forget(key)
-  redis.call('PEXPIREAT', key, tg_at_ms((index + 1) * w))
 end
 
 -- Give back `cost` units if the window the check counted them in is still the stored one.

@@ -24,7 +24,7 @@ local function sw_roll(key, now, w)
     i = tonumber(r[1])
   end
   if i == index then
-    return index, tonumber(r[2]) or 0, tonumber(r[3]) or 0, bad
+    return index, tonumber(r[2]) or 0, tonumber(r[3]) or 0, bad, true
   elseif i ~= nil and i + 1 == index then
     return index, tonumber(r[3]) or 0, 0, bad
   end
@@ -60,13 +60,18 @@ local function sw_eval(key, now, limit, w, cost)
 end
 
 local function sw_spend(key, now, limit, w, cost)
-  local index, prev, curr, bad = sw_roll(key, now, w)
+  local index, prev, curr, bad, same = sw_roll(key, now, w)
   if bad then
     redis.call('DEL', key)
   end
-  redis.call('HSET', key, 'i', index, 'p', prev, 'c', curr + cost)
+  if same and not bad then
+    -- Same window: only the count moves; the expiry, set when the window began, stands.
+    redis.call('HINCRBY', key, 'c', cost)
+  else
+    redis.call('HSET', key, 'i', index, 'p', prev, 'c', curr + cost)
+    redis.call('PEXPIREAT', key, tg_at_ms((index + 2) * w))
+  end
   tg_forget(key)
-  redis.call('PEXPIREAT', key, tg_at_ms((index + 2) * w))
 end
 
 -- Give back `cost` units counted at `now`: from c if the window has not moved since, from p if
