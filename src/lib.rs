@@ -13,7 +13,7 @@
 //! | [`rules`] | compiled rule set and matcher: (request, identity) → limits; pure, no I/O |
 //! | [`limiter`] | algorithms, the [`limiter::Store`] trait, memory and Redis stores, deny cache, breaker, failure policy |
 //! | [`proxy`] | the request path: identify → match → check → forward / respond |
-//! | [`http`] | responses (the one place errors become HTTP), rate-limit headers, forwarding helpers |
+//! | [`http`] | responses (the one place errors become HTTP), rate-limit headers, forwarding helpers, the upstream connection pool |
 //! | [`gateway`] | shared state, listeners, graceful shutdown, background probe |
 //! | [`admin`] | admin listener: health, readiness, metrics, rules, reload, explain, counters |
 //! | [`metrics`] | Prometheus metrics with handles resolved at rule load |

@@ -1,5 +1,6 @@
 //! HTTP plumbing: the response body type, the one place errors become responses
-//! ([`respond`]), rate-limit headers ([`headers`]) and forwarding helpers ([`forward`]).
+//! ([`respond`]), rate-limit headers ([`headers`]), forwarding helpers ([`forward`]) and the
+//! upstream connection pool ([`upstream`]).
 
 pub mod forward;
 pub mod headers;
