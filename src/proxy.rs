@@ -33,6 +33,22 @@ struct Plan {
     owners: Vec<u32>,
 }
 
+impl Plan {
+    /// The headers' view of check `i` with outcome `o`.
+    fn binding<'a>(
+        &'a self,
+        snap: &'a crate::gateway::Snapshot,
+        i: usize,
+        o: &'a crate::limiter::Outcome,
+    ) -> Binding<'a> {
+        Binding {
+            rule: &snap.rules.rules[self.owners[i] as usize].name,
+            quota: &self.checks[i].quota,
+            outcome: o,
+        }
+    }
+}
+
 /// Host without port, from `Host` or the URI authority (HTTP/2).
 fn request_host<B>(req: &Request<B>) -> Option<&str> {
     let raw = match req.headers().get(header::HOST) {
@@ -223,12 +239,7 @@ impl Gateway {
             if let Some(i) = idx {
                 let (o, _) = verdict.outcomes[i];
                 if !o.allowed {
-                    let rule = &snap.rules.rules[plan.owners[i] as usize];
-                    let b = Binding {
-                        rule: &rule.name,
-                        quota: &plan.checks[i].quota,
-                        outcome: &o,
-                    };
+                    let b = plan.binding(&snap, i, &o);
                     let lim = &self.config.limits;
                     return Ok(respond::rate_limited(
                         &b,
@@ -264,12 +275,7 @@ impl Gateway {
 
         let mut resp = self.forward(req, peer).await?;
         if let Some((i, o)) = binding {
-            let rule = &snap.rules.rules[plan.owners[i] as usize];
-            let b = Binding {
-                rule: &rule.name,
-                quota: &plan.checks[i].quota,
-                outcome: &o,
-            };
+            let b = plan.binding(&snap, i, &o);
             let lim = &self.config.limits;
             headers::write(resp.headers_mut(), &b, lim.ietf_headers, lim.legacy_headers, now_secs);
         }

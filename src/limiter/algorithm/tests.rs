@@ -4,6 +4,15 @@ const SEC: u64 = 1_000_000;
 /// An epoch-aligned start, so window boundaries fall on whole seconds.
 const T0: u64 = 1_700_000_000 * SEC;
 
+/// Every algorithm.
+const ALL: [Algorithm; 5] = [
+    Algorithm::TokenBucket,
+    Algorithm::LeakyBucket,
+    Algorithm::FixedWindow,
+    Algorithm::SlidingLog,
+    Algorithm::SlidingWindow,
+];
+
 fn nz(v: u64) -> NonZeroU64 {
     NonZeroU64::new(v).unwrap()
 }
@@ -56,13 +65,7 @@ fn boundary_burst_per_algorithm() {
 
 #[test]
 fn rejected_requests_change_no_state() {
-    for alg in [
-        Algorithm::TokenBucket,
-        Algorithm::LeakyBucket,
-        Algorithm::FixedWindow,
-        Algorithm::SlidingLog,
-        Algorithm::SlidingWindow,
-    ] {
+    for alg in ALL {
         let q = five_per_second(alg);
         let mut st = None;
         assert_eq!(burst(&q, &mut st, T0, 5), 5);
@@ -76,13 +79,7 @@ fn rejected_requests_change_no_state() {
 
 #[test]
 fn retry_after_is_the_earliest_admission() {
-    for alg in [
-        Algorithm::TokenBucket,
-        Algorithm::LeakyBucket,
-        Algorithm::FixedWindow,
-        Algorithm::SlidingLog,
-        Algorithm::SlidingWindow,
-    ] {
+    for alg in ALL {
         let q = five_per_second(alg);
         let mut st = None;
         let start = T0 + 300_000;
