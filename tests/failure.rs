@@ -126,14 +126,7 @@ async fn standalone_kill_then_restart() {
         c.get(format!("{}/readyz", gw.admin)).send().await.unwrap().status(),
         503
     );
-    let m = c
-        .get(format!("{}/metrics", gw.admin))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = get_text(&c, format!("{}/metrics", gw.admin)).await;
     for needle in [
         "tollgate_requests_total{rule=\"open\",decision=\"fail_open\"}",
         "tollgate_requests_total{rule=\"closed\",decision=\"fail_closed\"}",

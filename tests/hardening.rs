@@ -211,23 +211,21 @@ async fn host_spellings_all_count_against_the_same_host_rule() {
     gw.running.stop().await;
 }
 
+/// Five requests, each claiming a different client in X-Forwarded-For; their statuses.
+async fn rotating_xff_codes(addr: SocketAddr) -> Vec<u16> {
+    let mut codes = Vec::new();
+    for i in 0..5 {
+        codes.push(status(addr, "GET", "/x", &format!("X-Forwarded-For: 198.51.100.{i}\r\n")).await);
+    }
+    codes
+}
+
 #[tokio::test]
 async fn spoofed_x_forwarded_for_is_ignored_unless_the_peer_is_a_trusted_proxy() {
     let up = echo().await;
     // No trusted proxies: rotating X-Forwarded-For from 127.0.0.1 shares the peer's counter.
     let gw = gateway(&format!("http://{up}"), "", PER_IP_RULES, None).await;
-    let mut codes = Vec::new();
-    for i in 0..5 {
-        codes.push(
-            status(
-                gw.running.addr,
-                "GET",
-                "/x",
-                &format!("X-Forwarded-For: 198.51.100.{i}\r\n"),
-            )
-            .await,
-        );
-    }
+    let codes = rotating_xff_codes(gw.running.addr).await;
     assert_eq!(
         codes,
         [200, 200, 200, 429, 429],
@@ -243,18 +241,7 @@ async fn spoofed_x_forwarded_for_is_ignored_unless_the_peer_is_a_trusted_proxy()
         None,
     )
     .await;
-    let mut codes = Vec::new();
-    for i in 0..5 {
-        codes.push(
-            status(
-                gw.running.addr,
-                "GET",
-                "/x",
-                &format!("X-Forwarded-For: 198.51.100.{i}\r\n"),
-            )
-            .await,
-        );
-    }
+    let codes = rotating_xff_codes(gw.running.addr).await;
     assert_eq!(
         codes,
         [200, 200, 200, 429, 429],

@@ -139,14 +139,7 @@ async fn shadow_rules_spend_and_report_but_never_reject() {
     for _ in 0..6 {
         assert_eq!(c.get(format!("{}/x", gw.url)).send().await.unwrap().status(), 200);
     }
-    let m = c
-        .get(format!("{}/metrics", gw.admin))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = get_text(&c, format!("{}/metrics", gw.admin)).await;
     assert!(
         m.contains("tollgate_requests_total{rule=\"dark\",decision=\"would_deny\"} 4"),
         "{m}"
@@ -223,14 +216,7 @@ async fn admin_endpoints() {
         c.get(format!("{}/readyz", gw.admin)).send().await.unwrap().status(),
         200
     );
-    let v: serde_json::Value = c
-        .get(format!("{}/rules", gw.admin))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: serde_json::Value = get_json(&c, format!("{}/rules", gw.admin)).await;
     assert_eq!(v["rules"][0]["name"], "per-user");
     assert_eq!(v["version"].as_str().unwrap().len(), 16);
     assert!(v["loaded_at"].as_str().unwrap().ends_with('Z'));
@@ -257,37 +243,16 @@ async fn admin_endpoints() {
     assert_eq!(v["matches"][0]["limits"][0]["limit"], 7);
     let key = v["matches"][0]["limits"][0]["store_key"].as_str().unwrap();
     assert!(!key.contains("secret") && !key.contains("cust_42"), "{key}");
-    let v: serde_json::Value = c
-        .get(format!("{}/keys/cust_42", gw.admin))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: serde_json::Value = get_json(&c, format!("{}/keys/cust_42", gw.admin)).await;
     assert_eq!(v["counters"][0]["remaining"], 4, "{v}");
     assert!(!v.to_string().contains("secret"));
     let r = c.delete(format!("{}/keys/cust_42", gw.admin)).send().await.unwrap();
     assert_eq!(r.status(), 200);
-    let v: serde_json::Value = c
-        .get(format!("{}/keys/cust_42", gw.admin))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: serde_json::Value = get_json(&c, format!("{}/keys/cust_42", gw.admin)).await;
     assert_eq!(v["counters"][0]["remaining"], 7, "reset restores the full quota: {v}");
     let r = c.post(format!("{}/reload", gw.admin)).send().await.unwrap();
     assert_eq!(r.status(), 200);
-    let m = c
-        .get(format!("{}/metrics", gw.admin))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = get_text(&c, format!("{}/metrics", gw.admin)).await;
     for needle in [
         "tollgate_requests_total{rule=\"per-user\",decision=\"allowed\"} 3",
         "tollgate_reloads_total{result=\"ok\"} 1",

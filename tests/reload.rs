@@ -14,14 +14,7 @@ fn rules(name: &str, limit: u64) -> String {
 }
 
 async fn version(c: &reqwest::Client, admin: &str) -> String {
-    let v: serde_json::Value = c
-        .get(format!("{admin}/rules"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: serde_json::Value = get_json(c, format!("{admin}/rules")).await;
     v["version"].as_str().unwrap().to_string()
 }
 
@@ -75,14 +68,7 @@ async fn a_broken_file_is_refused_and_the_old_rules_stay() {
     assert_eq!(r.status(), 422);
     let body: serde_json::Value = r.json().await.unwrap();
     assert!(body["error"].as_str().unwrap().contains("rules.yaml:2:"), "{body}");
-    let m = c
-        .get(format!("{}/metrics", gw.admin))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = get_text(&c, format!("{}/metrics", gw.admin)).await;
     assert!(m.contains("tollgate_reloads_total{result=\"error\"}"), "{m}");
     assert!(!m.contains("tollgate_reloads_total{result=\"error\"} 0"));
     // The old limit of 2 still applies.
@@ -126,14 +112,7 @@ async fn a_kubernetes_configmap_symlink_swap_is_seen() {
     std::fs::remove_dir_all(&v1).unwrap();
     let took = wait_for_change(&c, &admin, &v0).await;
     assert!(took < Duration::from_secs(1), "{took:?}");
-    let v: serde_json::Value = c
-        .get(format!("{admin}/rules"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: serde_json::Value = get_json(&c, format!("{admin}/rules")).await;
     assert_eq!(v["rules"][0]["name"], "new");
     running.stop().await;
 }
@@ -176,14 +155,7 @@ async fn thirty_rewrites_under_concurrent_load_lose_no_request_and_the_final_lim
     let c = client();
     let t0 = Instant::now();
     loop {
-        let v: serde_json::Value = c
-            .get(format!("{}/rules", gw.admin))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let v: serde_json::Value = get_json(&c, format!("{}/rules", gw.admin)).await;
         if v["rules"][0]["name"] == "final" {
             break;
         }
@@ -209,14 +181,7 @@ async fn thirty_rewrites_under_concurrent_load_lose_no_request_and_the_final_lim
         admitted_after, 0,
         "the final limit of 25 was already used up by the load"
     );
-    let m = c
-        .get(format!("{}/metrics", gw.admin))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = get_text(&c, format!("{}/metrics", gw.admin)).await;
     let line = m
         .lines()
         .find(|l| l.starts_with("tollgate_requests_total{rule=\"final\",decision=\"allowed\"}"))

@@ -160,3 +160,13 @@ pub async fn raw(addr: SocketAddr, bytes: &[u8], wait: Duration) -> String {
 
 /// Rules with one rule that never limits (so requests go upstream with headers).
 pub const OPEN_RULES: &str = "rules:\n  - { name: open, match: { path: \"/**\" }, key: global, algorithm: fixed_window, limit: 1000000000, window: 1h }\n";
+
+/// GET `url` and return the body as text (admin `/metrics`, for instance).
+pub async fn get_text(c: &reqwest::Client, url: impl reqwest::IntoUrl) -> String {
+    c.get(url).send().await.unwrap().text().await.unwrap()
+}
+
+/// GET `url` and parse the body as JSON (admin `/rules`, `/keys/…`, `/explain`).
+pub async fn get_json(c: &reqwest::Client, url: impl reqwest::IntoUrl) -> serde_json::Value {
+    c.get(url).send().await.unwrap().json().await.unwrap()
+}
