@@ -9,16 +9,24 @@
 -- ARGV[1]  mode: "check" | "refund" | "peek"
 -- ARGV[2]  now in microseconds since the epoch, or "" to read Redis TIME (the normal case:
 --          every gateway then agrees on time; tests pass an explicit now)
--- then 5 ARGV per key, in KEYS order:
---   algorithm code (1 token_bucket, 2 leaky_bucket, 3 fixed_window, 4 sliding_log,
---   5 sliding_window), limit, interval_us (buckets: microseconds per unit; windows: the window),
---   cost, shadow (1 = never blocks the request; 0 otherwise)
+-- A limit is described by 5 ARGV: algorithm code (1 token_bucket, 2 leaky_bucket,
+--   3 fixed_window, 4 sliding_log, 5 sliding_window), limit, interval_us (buckets:
+--   microseconds per unit; windows: the window), cost, shadow (1 = never blocks the request).
+--
+-- check: a BATCH of requests, evaluated one after the other exactly as if each had been its
+--   own call (the gateway batches the requests that are waiting for the same slot, so a busy
+--   slot costs one round trip and one script run for many requests):
+--   ARGV[3] = R, the number of requests; then per request: n (its limit count) followed by
+--   5 ARGV per limit. KEYS holds every request's keys, request after request.
+--   Per request: every key is evaluated; the request is blocked when a non-shadow key denies.
+--   When not blocked, every admitted key is spent (a denied shadow key spends nothing) and
+--   gets its expiry; when blocked, nothing is written at all (rejected requests are never
+--   counted). A later request in the batch sees what the earlier ones spent.
+-- peek and refund: 5 ARGV per key, in KEYS order.
 --
 -- Reply, check and peek: a flat array of integers
 --   { now, allowed_1, remaining_1, reset_us_1, retry_after_us_1, delay_us_1, allowed_2, ... }
--- check: every key is evaluated; the request is blocked when a non-shadow key denies. When
---   not blocked, every admitted key is spent (a denied shadow key spends nothing) and gets its
---   expiry; when blocked, nothing is written at all (rejected requests are never counted).
+--   with one 5-tuple per key, in KEYS order (for check: request after request).
 -- peek: as a cost-0 check with cost forced to 0, writing nothing; allowed = -1 where the key
 --   does not exist.
 -- refund: ARGV[2] must be the `now` the check used (or "" for Redis time); gives back `cost`
@@ -41,34 +49,40 @@ else
   now = tonumber(ARGV[2])
 end
 local n = #KEYS
-if now == nil or #ARGV ~= 2 + 5 * n then
-  return redis.error_reply('ERR tollgate: bad arguments (want mode, now, 5 per key)')
+if now == nil then
+  return redis.error_reply('ERR tollgate: bad arguments (now)')
 end
 
--- Parse the 5 arguments of key j.
-local function args(j)
-  local b = 2 + (j - 1) * 5
-  local algo = ALGOS[tonumber(ARGV[b + 1])]
-  local limit = tonumber(ARGV[b + 2])
-  local interval = tonumber(ARGV[b + 3])
-  local cost = tonumber(ARGV[b + 4])
+-- Parse the 5 arguments starting after ARGV[b].
+local function args_at(b)
+  local algo = ALGOS[tg_num(ARGV[b + 1])]
+  local limit = tg_num(ARGV[b + 2])
+  local interval = tg_num(ARGV[b + 3])
+  local cost = tg_num(ARGV[b + 4])
   if algo == nil or limit == nil or interval == nil or interval <= 0 or cost == nil then
     return nil
   end
   return algo, limit, interval, cost, ARGV[b + 5] == '1'
 end
 
+-- Parse the 5 arguments of key j (peek and refund layout).
+local function args(j)
+  return args_at(2 + (j - 1) * 5)
+end
+
 local reply = { now }
 
-if mode == 'check' then
+-- Check one request: its keys are KEYS[k0 + 1 .. k0 + m], its limits' arguments start after
+-- ARGV[b0]. Appends 5 integers per key to `reply`; nil or an error message.
+local function check_request(k0, b0, m)
   local admitted = {}
   local blocked = false
-  for j = 1, n do
-    local algo, limit, interval, cost, shadow = args(j)
+  for j = 1, m do
+    local algo, limit, interval, cost, shadow = args_at(b0 + (j - 1) * 5)
     if algo == nil then
-      return redis.error_reply('ERR tollgate: bad arguments for key ' .. j)
+      return 'ERR tollgate: bad arguments for key ' .. (k0 + j)
     end
-    local ok, remaining, reset, retry, delay = algo.eval(KEYS[j], now, limit, interval, cost)
+    local ok, remaining, reset, retry, delay = algo.eval(KEYS[k0 + j], now, limit, interval, cost)
     admitted[j] = ok
     if not ok and not shadow then
       blocked = true
@@ -82,14 +96,52 @@ if mode == 'check' then
   end
   if not blocked then
     -- Spending re-reads each key, so a key listed twice is spent twice, like the memory store.
-    for j = 1, n do
+    for j = 1, m do
       if admitted[j] then
-        local algo, limit, interval, cost = args(j)
-        algo.spend(KEYS[j], now, limit, interval, cost)
+        local algo, limit, interval, cost = args_at(b0 + (j - 1) * 5)
+        algo.spend(KEYS[k0 + j], now, limit, interval, cost)
       end
     end
   end
+  return nil
+end
+
+if mode == 'check' then
+  local requests = tonumber(ARGV[3])
+  if requests == nil then
+    return redis.error_reply('ERR tollgate: bad arguments (want a request count)')
+  end
+  -- Validate the whole layout before anything is written.
+  local b, k = 3, 0
+  for _ = 1, requests do
+    local m = tg_num(ARGV[b + 1])
+    if m == nil or m < 0 or b + 1 + 5 * m > #ARGV then
+      return redis.error_reply('ERR tollgate: bad arguments (request layout)')
+    end
+    for j = 1, m do
+      if args_at(b + 1 + (j - 1) * 5) == nil then
+        return redis.error_reply('ERR tollgate: bad arguments for key ' .. (k + j))
+      end
+    end
+    b = b + 1 + 5 * m
+    k = k + m
+  end
+  if b ~= #ARGV or k ~= n then
+    return redis.error_reply('ERR tollgate: bad arguments (want R, then n and 5 per key per request)')
+  end
+  b, k = 3, 0
+  for _ = 1, requests do
+    local m = tg_num(ARGV[b + 1])
+    local err = check_request(k, b + 1, m)
+    if err then
+      return redis.error_reply(err)
+    end
+    b = b + 1 + 5 * m
+    k = k + m
+  end
   return reply
+elseif mode ~= 'check' and #ARGV ~= 2 + 5 * n then
+  return redis.error_reply('ERR tollgate: bad arguments (want mode, now, 5 per key)')
 elseif mode == 'peek' then
   for j = 1, n do
     local algo, limit, interval = args(j)

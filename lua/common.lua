@@ -44,20 +44,49 @@ local function tg_int(x)
 end
 
 -- Reads of one key within this script call, so that spending a key reuses the read its
--- evaluation made (one Redis command fewer per limit). Every write to a key forgets it, so a
--- key listed twice is read again, and spent twice, like the memory store.
+-- evaluation made, and the next request of a batch (check.lua) reuses what the previous one
+-- wrote: one Redis command fewer per limit, two per limit for a batched request on a hot key.
+-- An entry is tagged with the algorithm family that read it (`kind`: the same command returns
+-- another shape for another algorithm, e.g. HMGET i c vs HMGET i p c), and every write either
+-- replaces the entry with exactly what a fresh read would now return (tg_remember) or drops it
+-- (tg_forget).
 local TG_SEEN = {}
 
-local function tg_read_key(cmd, key, ...)
+local function tg_read_key(kind, key, cmd, ...)
   local e = TG_SEEN[key]
-  if e and e.cmd == cmd then
+  if e and e.kind == kind then
     return e.r, e.bad
   end
   local r, bad = tg_read(cmd, key, ...)
-  TG_SEEN[key] = { cmd = cmd, r = r, bad = bad }
+  TG_SEEN[key] = { kind = kind, r = r, bad = bad }
   return r, bad
+end
+
+-- After a write: `r` is what `kind`'s read of `key` now returns (numbers where Redis would
+-- return their decimal strings; readers convert with tonumber either way).
+local function tg_remember(kind, key, r)
+  TG_SEEN[key] = { kind = kind, r = r, bad = false }
 end
 
 local function tg_forget(key)
   TG_SEEN[key] = nil
+end
+
+-- tonumber, memoised by string: a batch repeats the same few limit arguments ("1000000" ...)
+-- for every request, and Lua's string-to-number conversion (strtod) is one of the costliest
+-- steps of a script run. Lua interns strings, so the lookup is one hash probe.
+local TG_NUM = {}
+
+local function tg_num(s)
+  if s == nil then
+    return nil
+  end
+  local v = TG_NUM[s]
+  if v == nil then
+    v = tonumber(s)
+    if v ~= nil then
+      TG_NUM[s] = v
+    end
+  end
+  return v
 end

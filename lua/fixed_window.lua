@@ -14,7 +14,7 @@
 
 -- The stored (index, count), or nil (absent, or another type: `bad` is then true).
 local function fw_get(key)
-  local r, bad = tg_read_key('HMGET', key, 'i', 'c')
+  local r, bad = tg_read_key('fw', key, 'HMGET', 'i', 'c')
   if not r or not r[1] then
     return nil, 0, bad
   end
@@ -43,12 +43,12 @@ local function fw_spend(key, now, limit, w, cost)
   end
   if i == index then
     -- Same window: the key already expires at its end (set when the window began).
-    redis.call('HINCRBY', key, 'c', cost)
+    tg_remember('fw', key, { index, redis.call('HINCRBY', key, 'c', cost) })
   else
     redis.call('HSET', key, 'i', index, 'c', cost)
     redis.call('PEXPIREAT', key, tg_at_ms((index + 1) * w))
+    tg_remember('fw', key, { index, cost })
   end
-  tg_forget(key)
 end
 
 -- Give back `cost` units if the window the check counted them in is still the stored one.

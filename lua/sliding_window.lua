@@ -18,7 +18,7 @@
 -- The state rolled to now's window: index, previous, current (and `bad` for another type).
 local function sw_roll(key, now, w)
   local index = math.floor(now / w)
-  local r, bad = tg_read_key('HMGET', key, 'i', 'p', 'c')
+  local r, bad = tg_read_key('sw', key, 'HMGET', 'i', 'p', 'c')
   local i = nil
   if r and r[1] then
     i = tonumber(r[1])
@@ -66,12 +66,12 @@ local function sw_spend(key, now, limit, w, cost)
   end
   if same and not bad then
     -- Same window: only the count moves; the expiry, set when the window began, stands.
-    redis.call('HINCRBY', key, 'c', cost)
+    tg_remember('sw', key, { index, prev, redis.call('HINCRBY', key, 'c', cost) })
   else
     redis.call('HSET', key, 'i', index, 'p', prev, 'c', curr + cost)
     redis.call('PEXPIREAT', key, tg_at_ms((index + 2) * w))
+    tg_remember('sw', key, { index, prev, curr + cost })
   end
-  tg_forget(key)
 end
 
 -- Give back `cost` units counted at `now`: from c if the window has not moved since, from p if

@@ -15,7 +15,7 @@
 
 -- The stored tat, or nil (absent or of another type: `bad` is then true).
 local function bucket_get(key)
-  local v, bad = tg_read_key('GET', key)
+  local v, bad = tg_read_key('bucket', key, 'GET')
   if not v then
     return nil, bad
   end
@@ -55,7 +55,7 @@ local function tb_spend(key, now, limit, t, cost)
   end
   local new_tat = tat + cost * t
   redis.call('SET', key, new_tat, 'PXAT', tg_at_ms(new_tat))
-  tg_forget(key)
+  tg_remember('bucket', key, new_tat)
 end
 
 -- Give back `cost` units: tat -= cost * t (the expiry stays; it is then merely late).

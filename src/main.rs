@@ -6,6 +6,12 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand, ValueEnum};
 use tollgate::config::{EnvOverrides, GatewayConfig};
 
+/// mimalloc instead of the system allocator: hyper allocates a few small buffers per request
+/// and glibc malloc's bookkeeping showed up in the request-path profile (see README,
+/// "Performance"). Only the binary sets it; the library leaves the choice to its embedder.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(name = "tollgate", version, about = "A rate-limiting HTTP reverse proxy")]
 struct Cli {

@@ -408,13 +408,155 @@ async fn bad_arguments_are_a_script_error_not_a_panic() {
     // The combined script refuses a wrong argument count with an error reply.
     let out = server.cli(&["EVAL", SCRIPT_SOURCE, "1", "k", "check", ""]);
     assert!(out.contains("tollgate: bad arguments"), "{out}");
-    let out = server.cli(&["EVAL", SCRIPT_SOURCE, "1", "k", "check", "", "9", "1", "1", "1", "0"]);
+    let out = server.cli(&[
+        "EVAL",
+        SCRIPT_SOURCE,
+        "1",
+        "k",
+        "check",
+        "",
+        "1",
+        "1",
+        "9",
+        "1",
+        "1",
+        "1",
+        "0",
+    ]);
     assert!(out.contains("bad arguments for key 1"), "{out}");
+    // A batch whose layout does not add up is refused before anything is written.
+    let out = server.cli(&[
+        "EVAL",
+        SCRIPT_SOURCE,
+        "1",
+        "k",
+        "check",
+        "",
+        "2",
+        "1",
+        "3",
+        "5",
+        "1000000",
+        "1",
+        "0",
+    ]);
+    assert!(out.contains("request layout"), "{out}");
+    let out = server.cli(&[
+        "EVAL",
+        SCRIPT_SOURCE,
+        "2",
+        "k",
+        "k",
+        "check",
+        "",
+        "1",
+        "1",
+        "3",
+        "5",
+        "1000000",
+        "1",
+        "0",
+    ]);
+    assert!(out.contains("bad arguments"), "{out}");
+    assert_eq!(server.cli(&["EXISTS", "k"]), "0");
     let out = server.cli(&["EVAL", SCRIPT_SOURCE, "0", "nope", ""]);
     assert!(out.contains("unknown mode"), "{out}");
     // Probe-style keyless peek answers [now].
     let out = server.cli(&["EVAL", SCRIPT_SOURCE, "0", "peek", "123"]);
     assert_eq!(out, "123");
+}
+
+/// Run the script's `check` mode on a batch: `requests` are lists of (key, algorithm code,
+/// limit, interval, cost, shadow); returns the reply's integers.
+fn eval_batch(server: &RedisServer, now: u64, requests: &[&[(&str, u8, u64, u64, u64, bool)]]) -> Vec<i64> {
+    let mut args: Vec<String> = vec!["EVAL".into(), SCRIPT_SOURCE.into()];
+    let keys: Vec<&str> = requests.iter().flat_map(|r| r.iter().map(|l| l.0)).collect();
+    args.push(keys.len().to_string());
+    args.extend(keys.iter().map(|k| k.to_string()));
+    args.extend(["check".to_string(), now.to_string(), requests.len().to_string()]);
+    for r in requests {
+        args.push(r.len().to_string());
+        for &(_, algo, limit, interval, cost, shadow) in r.iter() {
+            args.extend([u64::from(algo), limit, interval, cost, u64::from(shadow)].map(|v| v.to_string()));
+        }
+    }
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    server
+        .cli(&refs)
+        .lines()
+        .map(|l| l.parse().unwrap_or_else(|_| panic!("not an integer: {l}")))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_is_evaluated_request_by_request() {
+    let server = RedisServer::start();
+    // Fixed window (code 3), 2 per minute: three one-key requests in one call are admitted,
+    // admitted, denied, each seeing what the earlier ones spent.
+    let fw = |k| (k, 3u8, 2u64, 60_000_000u64, 1u64, false);
+    let r = eval_batch(&server, NOW, &[&[fw("{b}a")], &[fw("{b}a")], &[fw("{b}a")]]);
+    assert_eq!(r.len(), 1 + 3 * 5);
+    let allowed: Vec<i64> = (0..3).map(|i| r[1 + 5 * i]).collect();
+    let remaining: Vec<i64> = (0..3).map(|i| r[2 + 5 * i]).collect();
+    assert_eq!(allowed, [1, 1, 0]);
+    assert_eq!(remaining, [1, 0, 0]);
+    assert_eq!(
+        server.cli(&["HGET", "{b}a", "c"]),
+        "2",
+        "the denied request spent nothing"
+    );
+
+    // All-or-nothing per request inside a batch: request 1 has a free key and a full one, so
+    // it spends nothing; request 2 uses only the free key and is admitted; request 3 is a
+    // token bucket (code 1) that the others do not touch.
+    let free = |k| (k, 3u8, 5u64, 60_000_000u64, 1u64, false);
+    let tb = (("{b}t"), 1u8, 3u64, 1_000_000u64, 1u64, false);
+    let r = eval_batch(&server, NOW, &[&[free("{b}f"), fw("{b}a")], &[free("{b}f")], &[tb]]);
+    assert_eq!(r.len(), 1 + 4 * 5);
+    assert_eq!([r[1], r[6], r[11], r[16]], [1, 0, 1, 1], "allowed flags");
+    assert_eq!(r[12], 4, "request 2 saw nothing spent by the blocked request 1");
+    assert_eq!(server.cli(&["HGET", "{b}f", "c"]), "1");
+    assert_eq!(r[17], 2, "token bucket remaining");
+
+    // The same requests as separate calls give the same answers: a batch changes nothing.
+    let r1 = eval_batch(&server, NOW, &[&[fw("{b}s")]]);
+    let r2 = eval_batch(&server, NOW, &[&[fw("{b}s")]]);
+    let r3 = eval_batch(&server, NOW, &[&[fw("{b}s")]]);
+    let batched = eval_batch(&server, NOW, &[&[fw("{b}z")], &[fw("{b}z")], &[fw("{b}z")]]);
+    assert_eq!([&r1[1..], &r2[1..], &r3[1..]].concat(), batched[1..]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_checks_are_batched_and_exact() {
+    let server = RedisServer::start();
+    let store = std::sync::Arc::new(single(&server).await);
+    for algorithm in ALL {
+        let key = format!("tl:{{c}}:{algorithm:?}");
+        let limit = lc(&key, algorithm, 100, 3_600_000_000, 1);
+        let (calls0, reqs0) = store.batch_stats();
+        let tasks: Vec<_> = (0..300)
+            .map(|_| {
+                let store = std::sync::Arc::clone(&store);
+                let limit = limit.clone();
+                tokio::spawn(async move { store.check(&[limit]).await.expect("check")[0].allowed })
+            })
+            .collect();
+        let mut admitted = 0;
+        for t in tasks {
+            admitted += usize::from(t.await.unwrap());
+        }
+        assert_eq!(admitted, 100, "{algorithm:?}: exactly the limit is admitted");
+        let (calls, reqs) = store.batch_stats();
+        assert!(
+            reqs - reqs0 >= 300,
+            "{algorithm:?}: every request went through the batch task"
+        );
+        assert!(
+            calls - calls0 < reqs - reqs0,
+            "{algorithm:?}: 300 concurrent requests were sent in fewer calls ({} calls)",
+            calls - calls0
+        );
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -63,6 +63,8 @@ use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
 use redis::io::tcp::TcpSettings;
 use redis::{Cmd, ErrorKind, IntoConnectionInfo, RedisError, ServerErrorKind, Value};
 
+pub use batch::MAX_BATCH;
+
 use super::algorithm::{Algorithm, Quota};
 use super::{LimitCheck, Outcome, Store, StoreError, StoreKey};
 
@@ -180,12 +182,19 @@ struct Inner {
     rebuilds: AtomicU64,
     /// Origin of `last_rebuild_ms`.
     epoch: Instant,
+    /// Batched `check` calls sent so far (see [`batch`]).
+    batch_calls: AtomicU64,
+    /// Requests those calls carried.
+    batch_requests: AtomicU64,
 }
 
 /// A store on Redis or Redis Cluster. See the module docs.
 pub struct RedisStore {
-    /// Shared with the rebuild and refund tasks.
+    /// Shared with the rebuild, refund and batch tasks.
     inner: Arc<Inner>,
+    /// The batch task that sends every production check (see [`batch`]). Dropping the store
+    /// drops this sender, which ends the task.
+    batches: batch::Batches,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -351,25 +360,29 @@ impl Inner {
         });
     }
 
-    /// Run the limit script on `checks` (all on one slot) and return the raw reply. EVALSHA
-    /// first; EVAL with the source on NOSCRIPT.
-    async fn run_script<'c, I>(&self, mode: Mode, now: Option<u64>, checks: I) -> Result<Value, RedisError>
-    where
-        I: Iterator<Item = &'c LimitCheck> + Clone,
-    {
+    /// Run the limit script built by `build` (given the SHA for `EVALSHA`, or `None` for
+    /// `EVAL` with the source) and return the raw reply: `EVALSHA` first, `EVAL` on NOSCRIPT.
+    async fn run_script(&self, build: impl Fn(Option<&str>) -> Cmd) -> Result<Value, RedisError> {
         let mut conn = self.conn()?;
-        let cmd = script_cmd(Some(&self.sha), mode, now, checks.clone());
+        let cmd = build(Some(&self.sha));
         match conn.query(&cmd).await {
             Err(e) if is_noscript(&e) => {
                 drop(cmd);
-                conn.query(&script_cmd(None, mode, now, checks)).await
+                conn.query(&build(None)).await
             }
             r => r,
         }
     }
 
-    /// One script call with health accounting: returns Redis' `now` and one entry per check,
-    /// built by `map` from the reply's `allowed` integer and the outcome.
+    /// One script call with health accounting and the deadline; the raw reply.
+    async fn script(self: &Arc<Self>, build: impl Fn(Option<&str>) -> Cmd) -> Result<Value, StoreError> {
+        let guard = CallGuard::new(self);
+        let res = tokio::time::timeout(self.timeout, self.run_script(build)).await;
+        guard.finish(res)
+    }
+
+    /// A `peek` or `refund` call on `checks` (all on one slot): Redis' `now` and one entry per
+    /// check, built by `map` from the reply's `allowed` integer and the outcome.
     async fn call<'c, I, T>(
         self: &Arc<Self>,
         mode: Mode,
@@ -381,10 +394,23 @@ impl Inner {
         I: Iterator<Item = &'c LimitCheck> + Clone + ExactSizeIterator,
     {
         let n = checks.len();
-        let guard = CallGuard::new(self);
-        let res = tokio::time::timeout(self.timeout, self.run_script(mode, now, checks)).await;
-        let value = guard.finish(res)?;
+        let value = self.script(|sha| script_cmd(sha, mode, now, checks.clone())).await?;
         parse_reply(value, if mode == Mode::Refund { 0 } else { n }, map)
+    }
+
+    /// A `check` call on a batch of requests (all on one slot): Redis' `now` and one outcome
+    /// per limit, request after request.
+    async fn check_batch<'c, R>(
+        self: &Arc<Self>,
+        now: Option<u64>,
+        requests: R,
+    ) -> Result<(u64, Vec<Outcome>), StoreError>
+    where
+        R: Iterator<Item = &'c [LimitCheck]> + Clone,
+    {
+        let n = requests.clone().map(<[LimitCheck]>::len).sum();
+        let value = self.script(|sha| check_cmd(sha, now, requests.clone())).await?;
+        parse_reply(value, n, checked)
     }
 
     /// Any command with health accounting and the deadline.
@@ -455,14 +481,9 @@ impl Drop for CallGuard<'_> {
     }
 }
 
-/// Build `EVALSHA sha` (or `EVAL source` when `sha` is `None`) for `checks`.
-fn script_cmd<'c>(
-    sha: Option<&str>,
-    mode: Mode,
-    now: Option<u64>,
-    checks: impl Iterator<Item = &'c LimitCheck> + Clone,
-) -> Cmd {
-    let mut cmd = match sha {
+/// `EVALSHA sha` (or `EVAL source` when `sha` is `None`), before the key count.
+fn script_head(sha: Option<&str>) -> Cmd {
+    match sha {
         Some(sha) => {
             let mut c = redis::cmd("EVALSHA");
             c.arg(sha);
@@ -473,22 +494,68 @@ fn script_cmd<'c>(
             c.arg(SCRIPT_SOURCE);
             c
         }
+    }
+}
+
+/// Append the 5 script arguments of one limit.
+fn limit_args(cmd: &mut Cmd, c: &LimitCheck) {
+    cmd.arg(c.quota.algorithm.code())
+        .arg(c.quota.limit.get())
+        .arg(c.quota.interval_us.get())
+        .arg(c.cost)
+        .arg(if c.shadow { "1" } else { "0" });
+}
+
+/// The script's `now` argument: explicit, or "" for Redis `TIME`.
+fn now_arg(cmd: &mut Cmd, now: Option<u64>) {
+    match now {
+        Some(now) => cmd.arg(now),
+        None => cmd.arg(""),
     };
+}
+
+/// Build the `check` call for a batch of `requests` (each one request's limits, all on one
+/// slot), in the script's batch layout: keys of every request, then `check`, `now`, the
+/// request count, and per request its limit count and 5 arguments per limit.
+fn check_cmd<'c, R>(sha: Option<&str>, now: Option<u64>, requests: R) -> Cmd
+where
+    R: Iterator<Item = &'c [LimitCheck]> + Clone,
+{
+    let mut cmd = script_head(sha);
+    cmd.arg(requests.clone().map(<[LimitCheck]>::len).sum::<usize>());
+    for r in requests.clone() {
+        for c in r {
+            cmd.arg(c.key.as_str());
+        }
+    }
+    cmd.arg(Mode::Check.as_str());
+    now_arg(&mut cmd, now);
+    cmd.arg(requests.clone().count());
+    for r in requests {
+        cmd.arg(r.len());
+        for c in r {
+            limit_args(&mut cmd, c);
+        }
+    }
+    cmd
+}
+
+/// Build a `peek` or `refund` call for `checks` (all on one slot): 5 arguments per key.
+fn script_cmd<'c>(
+    sha: Option<&str>,
+    mode: Mode,
+    now: Option<u64>,
+    checks: impl Iterator<Item = &'c LimitCheck> + Clone,
+) -> Cmd {
+    let mut cmd = script_head(sha);
     cmd.arg(checks.clone().count());
     for c in checks.clone() {
         cmd.arg(c.key.as_str());
     }
     cmd.arg(mode.as_str());
-    match now {
-        Some(now) => cmd.arg(now),
-        None => cmd.arg(""),
-    };
+    now_arg(&mut cmd, now);
     for c in checks {
-        cmd.arg(c.quota.algorithm.code())
-            .arg(c.quota.limit.get())
-            .arg(c.quota.interval_us.get())
-            .arg(c.cost)
-            .arg(if c.shadow { "1" } else { "0" });
+        limit_args(&mut cmd, c);
     }
     cmd
 }
@@ -585,20 +652,22 @@ impl RedisStore {
             Err(e) => return Err(e),
         };
         let sha = redis::Script::new(SCRIPT_SOURCE).get_hash().to_owned();
-        Ok(RedisStore {
-            inner: Arc::new(Inner {
-                mode,
-                urls: urls.to_vec(),
-                timeout,
-                conn: ArcSwapOption::new(conn),
-                sha,
-                failures: AtomicU32::new(0),
-                last_rebuild_ms: AtomicU64::new(0),
-                rebuilding: AtomicBool::new(false),
-                rebuilds: AtomicU64::new(0),
-                epoch: Instant::now(),
-            }),
-        })
+        let inner = Arc::new(Inner {
+            mode,
+            urls: urls.to_vec(),
+            timeout,
+            conn: ArcSwapOption::new(conn),
+            sha,
+            failures: AtomicU32::new(0),
+            last_rebuild_ms: AtomicU64::new(0),
+            rebuilding: AtomicBool::new(false),
+            rebuilds: AtomicU64::new(0),
+            epoch: Instant::now(),
+            batch_calls: AtomicU64::new(0),
+            batch_requests: AtomicU64::new(0),
+        });
+        let batches = batch::Batches::spawn(Arc::clone(&inner));
+        Ok(RedisStore { inner, batches })
     }
 
     /// Standalone or cluster.
@@ -621,6 +690,15 @@ impl RedisStore {
         self.inner.rebuilds.load(Ordering::Relaxed)
     }
 
+    /// Batched `check` calls sent so far and the requests they carried: under load there are
+    /// fewer calls than requests (see [`batch`]).
+    pub fn batch_stats(&self) -> (u64, u64) {
+        (
+            self.inner.batch_calls.load(Ordering::Relaxed),
+            self.inner.batch_requests.load(Ordering::Relaxed),
+        )
+    }
+
     /// [`Store::check`] at an explicit `now` (microseconds since the epoch) instead of Redis
     /// `TIME` when `now` is `Some` — differential tests drive Redis and the memory store with
     /// the same clock. `None` is the production path.
@@ -628,16 +706,15 @@ impl RedisStore {
         if checks.is_empty() {
             return Ok(Vec::new());
         }
-        let inner = &self.inner;
         if one_tag(checks.iter().map(|c| &c.key)) {
             // Fast path: one slot, one script call, no grouping.
-            return Ok(inner.call(Mode::Check, now, checks.iter(), checked).await?.1);
+            return Ok(self.check_slot(now, checks.to_vec()).await?.1);
         }
         let start = Instant::now();
         let groups = group_by_tag(checks.iter().map(|c| &c.key));
         let calls = groups
             .iter()
-            .map(|g| inner.call(Mode::Check, now, g.iter().map(|&i| &checks[i]), checked));
+            .map(|g| self.check_slot(now, g.iter().map(|&i| checks[i].clone()).collect()));
         let results = futures_util::future::join_all(calls).await;
         let mut outcomes = vec![Outcome::default(); checks.len()];
         let mut nows = Vec::with_capacity(groups.len());
@@ -671,6 +748,15 @@ impl RedisStore {
             self.spawn_refunds(refunds, start).await;
         }
         Ok(outcomes)
+    }
+
+    /// Check one request's limits on one slot: through the batch task in production
+    /// (`now == None`); as a call of its own when a test drives time.
+    async fn check_slot(&self, now: Option<u64>, checks: Vec<LimitCheck>) -> batch::Answer {
+        match now {
+            None => self.batches.check(&self.inner, checks).await,
+            Some(_) => self.inner.check_batch(now, std::iter::once(checks.as_slice())).await,
+        }
     }
 
     /// Refund `(now, checks)` groups in a spawned task, so they complete even if the caller
@@ -803,6 +889,8 @@ impl Store for RedisStore {
         Ok(())
     }
 }
+
+mod batch;
 
 #[cfg(test)]
 mod tests;

@@ -65,22 +65,35 @@ fn evalsha_command_layout() {
         check("tl:{a}:r1:1s", Algorithm::FixedWindow, false),
         check("tl:{a}:r2:b", Algorithm::LeakyBucket, true),
     ];
-    let cmd = script_cmd(Some("abc"), Mode::Check, Some(1_700_000_000_000_000), cs.iter());
+    let cmd = check_cmd(
+        Some("abc"),
+        Some(1_700_000_000_000_000),
+        [&cs[..], &cs[1..]].into_iter(),
+    );
     assert_eq!(
         args(&cmd),
         [
             "EVALSHA",
             "abc",
-            "2",
+            "3",
             "tl:{a}:r1:1s",
+            "tl:{a}:r2:b",
             "tl:{a}:r2:b",
             "check",
             "1700000000000000",
+            "2",
+            "2",
             "3",
             "10",
             "1000000",
             "2",
             "0",
+            "2",
+            "10",
+            "100000",
+            "2",
+            "1",
+            "1",
             "2",
             "10",
             "100000",
