@@ -466,9 +466,11 @@ async fn bad_arguments_are_a_script_error_not_a_panic() {
     assert_eq!(out, "123");
 }
 
-/// Run the script's `check` mode on a batch: `requests` are lists of (key, algorithm code,
-/// limit, interval, cost, shadow); returns the reply's integers.
-fn eval_batch(server: &RedisServer, now: u64, requests: &[&[(&str, u8, u64, u64, u64, bool)]]) -> Vec<i64> {
+/// One limit as the script takes it: (key, algorithm code, limit, interval, cost, shadow).
+type RawLimit<'a> = (&'a str, u8, u64, u64, u64, bool);
+
+/// Run the script's `check` mode on a batch of requests; returns the reply's integers.
+fn eval_batch(server: &RedisServer, now: u64, requests: &[&[RawLimit<'_>]]) -> Vec<i64> {
     let mut args: Vec<String> = vec!["EVAL".into(), SCRIPT_SOURCE.into()];
     let keys: Vec<&str> = requests.iter().flat_map(|r| r.iter().map(|l| l.0)).collect();
     args.push(keys.len().to_string());
