@@ -72,72 +72,64 @@ end
 
 local reply = { now }
 
--- Check one request: its keys are KEYS[k0 + 1 .. k0 + m], its limits' arguments start after
--- ARGV[b0]. Appends 5 integers per key to `reply`; nil or an error message.
-local function check_request(k0, b0, m)
-  local admitted = {}
-  local blocked = false
-  for j = 1, m do
-    local algo, limit, interval, cost, shadow = args_at(b0 + (j - 1) * 5)
-    if algo == nil then
-      return 'ERR tollgate: bad arguments for key ' .. (k0 + j)
-    end
-    local ok, remaining, reset, retry, delay = algo.eval(KEYS[k0 + j], now, limit, interval, cost)
-    admitted[j] = ok
-    if not ok and not shadow then
-      blocked = true
-    end
-    local o = #reply
-    reply[o + 1] = ok and 1 or 0
-    reply[o + 2] = remaining
-    reply[o + 3] = reset
-    reply[o + 4] = retry
-    reply[o + 5] = delay
-  end
-  if not blocked then
-    -- Spending re-reads each key, so a key listed twice is spent twice, like the memory store.
-    for j = 1, m do
-      if admitted[j] then
-        local algo, limit, interval, cost = args_at(b0 + (j - 1) * 5)
-        algo.spend(KEYS[k0 + j], now, limit, interval, cost)
-      end
-    end
-  end
-  return nil
-end
-
 if mode == 'check' then
+  local argc = #ARGV
   local requests = tonumber(ARGV[3])
   if requests == nil then
     return redis.error_reply('ERR tollgate: bad arguments (want a request count)')
   end
-  -- Validate the whole layout before anything is written.
+  -- Parse and validate the whole batch before anything is written. Key i's limit goes to
+  -- ALGO[i], LIMIT[i], ... (parsed once, used by evaluation and spending); request r owns
+  -- keys FIRST[r] + 1 .. FIRST[r] + COUNT[r].
+  local ALGO, LIMIT, INTERVAL, COST, SHADOW, FIRST, COUNT = {}, {}, {}, {}, {}, {}, {}
   local b, k = 3, 0
-  for _ = 1, requests do
+  for r = 1, requests do
     local m = tg_num(ARGV[b + 1])
-    if m == nil or m < 0 or b + 1 + 5 * m > #ARGV then
+    if m == nil or m < 0 or b + 1 + 5 * m > argc then
       return redis.error_reply('ERR tollgate: bad arguments (request layout)')
     end
-    for j = 1, m do
-      if args_at(b + 1 + (j - 1) * 5) == nil then
-        return redis.error_reply('ERR tollgate: bad arguments for key ' .. (k + j))
+    FIRST[r], COUNT[r] = k, m
+    b = b + 1
+    for _ = 1, m do
+      k = k + 1
+      local algo, limit, interval, cost, shadow = args_at(b)
+      if algo == nil then
+        return redis.error_reply('ERR tollgate: bad arguments for key ' .. k)
       end
+      ALGO[k], LIMIT[k], INTERVAL[k], COST[k], SHADOW[k] = algo, limit, interval, cost, shadow
+      b = b + 5
     end
-    b = b + 1 + 5 * m
-    k = k + m
   end
-  if b ~= #ARGV or k ~= n then
+  if b ~= argc or k ~= n then
     return redis.error_reply('ERR tollgate: bad arguments (want R, then n and 5 per key per request)')
   end
-  b, k = 3, 0
-  for _ = 1, requests do
-    local m = tg_num(ARGV[b + 1])
-    local err = check_request(k, b + 1, m)
-    if err then
-      return redis.error_reply(err)
+  -- Each request in turn, exactly as if it were a call of its own.
+  local admitted = {}
+  local o = 1
+  for r = 1, requests do
+    local k0, m = FIRST[r], COUNT[r]
+    local blocked = false
+    for i = k0 + 1, k0 + m do
+      local ok, remaining, reset, retry, delay = ALGO[i].eval(KEYS[i], now, LIMIT[i], INTERVAL[i], COST[i])
+      admitted[i] = ok
+      if not ok and not SHADOW[i] then
+        blocked = true
+      end
+      reply[o + 1] = ok and 1 or 0
+      reply[o + 2] = remaining
+      reply[o + 3] = reset
+      reply[o + 4] = retry
+      reply[o + 5] = delay
+      o = o + 5
     end
-    b = b + 1 + 5 * m
-    k = k + m
+    if not blocked then
+      -- Spending re-reads each key, so a key listed twice is spent twice, like the memory store.
+      for i = k0 + 1, k0 + m do
+        if admitted[i] then
+          ALGO[i].spend(KEYS[i], now, LIMIT[i], INTERVAL[i], COST[i])
+        end
+      end
+    end
   end
   return reply
 elseif mode ~= 'check' and #ARGV ~= 2 + 5 * n then
