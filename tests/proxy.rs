@@ -125,6 +125,45 @@ async fn http2_cleartext_is_served() {
     gw.running.stop().await;
 }
 
+#[tokio::test]
+async fn the_protocol_is_told_apart_even_when_the_first_bytes_trickle_in() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = echo().await;
+    let gw = gateway(&format!("http://{up}"), "", OPEN_RULES, None).await;
+    // "P" and "PR" could still be the HTTP/2 preface ("PRI * HTTP/2.0..."): the gateway waits
+    // for the byte that decides, then serves HTTP/1.
+    for (first, rest) in [("P", "OST /t1 HTTP/1.1\r\n"), ("PR", "OPFIND /t2 HTTP/1.1\r\n")] {
+        let mut s = tokio::net::TcpStream::connect(gw.running.addr).await.unwrap();
+        s.write_all(first.as_bytes()).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        s.write_all(rest.as_bytes()).await.unwrap();
+        s.write_all(b"Host: a\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut out = Vec::new();
+        tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut out))
+            .await
+            .unwrap()
+            .unwrap();
+        let out = String::from_utf8_lossy(&out);
+        assert!(out.starts_with("HTTP/1.1 200"), "{first}+{rest}: {out}");
+    }
+    // The HTTP/2 preface split in two: still HTTP/2 (the server's SETTINGS frame comes back,
+    // not an HTTP/1 400).
+    let mut s = tokio::net::TcpStream::connect(gw.running.addr).await.unwrap();
+    s.write_all(b"PRI * HTTP/2").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    s.write_all(b".0\r\n\r\nSM\r\n\r\n").await.unwrap();
+    s.write_all(&[0, 0, 0, 4, 0, 0, 0, 0, 0]).await.unwrap(); // an empty SETTINGS frame
+    let mut head = [0u8; 9];
+    tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut head))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(head[3], 4, "a SETTINGS frame (type 4) first: {head:?}");
+    gw.running.stop().await;
+}
+
 #[test]
 fn sigterm_drains_in_flight_requests_then_exits_zero() {
     let rt = tokio::runtime::Runtime::new().unwrap();

@@ -3,6 +3,7 @@
 
 use std::net::IpAddr;
 
+use bytes::{BufMut, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{PathAndQuery, Uri};
 
@@ -84,68 +85,75 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap, keep_upgrade: Option<HeaderValue>) {
     }
 }
 
-/// Append this hop to `X-Forwarded-For`, `-Proto`, `-Host` and `Forwarded`.
+/// Append this hop to `X-Forwarded-For`, `-Proto`, `-Host` and `Forwarded`. The new values are
+/// cut from one buffer (see [`append_list`]).
 pub fn add_forwarded(h: &mut HeaderMap, peer: IpAddr, host: Option<&HeaderValue>) {
-    use std::fmt::Write;
     let peer = peer.to_canonical();
     let mut ip = String::with_capacity(40);
     crate::identity::write_ip(&mut ip, peer);
-    append_list(h, &X_FORWARDED_FOR, &ip);
-    append_static(h, &X_FORWARDED_PROTO, "http");
+    let host_len = host.map_or(0, HeaderValue::len);
+    let mut buf = BytesMut::with_capacity(2 * ip.len() + host_len + 64);
+    append_list(h, &X_FORWARDED_FOR, ip.as_bytes(), &mut buf);
+    append_static(h, &X_FORWARDED_PROTO, "http", &mut buf);
     if let Some(host) = host {
-        append_value(h, &X_FORWARDED_HOST, host);
+        append_value(h, &X_FORWARDED_HOST, host, &mut buf);
     }
-    let mut fwd = String::with_capacity(64);
+    let mut fwd = String::with_capacity(ip.len() + host_len + 32);
     if peer.is_ipv6() {
-        let _ = write!(fwd, "for=\"[{ip}]\";proto=http");
+        fwd.push_str("for=\"[");
+        fwd.push_str(&ip);
+        fwd.push_str("]\";proto=http");
     } else {
-        let _ = write!(fwd, "for={ip};proto=http");
+        fwd.push_str("for=");
+        fwd.push_str(&ip);
+        fwd.push_str(";proto=http");
     }
     if let Some(host) = host.and_then(|v| v.to_str().ok()) {
         if host.bytes().all(|b| b.is_ascii_graphic() && b != b'"' && b != b'\\') {
-            let _ = write!(fwd, ";host=\"{host}\"");
+            fwd.push_str(";host=\"");
+            fwd.push_str(host);
+            fwd.push('"');
         }
     }
-    append_list(h, &FORWARDED, &fwd);
+    append_list(h, &FORWARDED, fwd.as_bytes(), &mut buf);
 }
 
 /// [`append_list`] for a static item: no allocation when the header is absent.
-fn append_static(h: &mut HeaderMap, name: &HeaderName, item: &'static str) {
+fn append_static(h: &mut HeaderMap, name: &HeaderName, item: &'static str, buf: &mut BytesMut) {
     if h.contains_key(name) {
-        append_list(h, name, item);
+        append_list(h, name, item.as_bytes(), buf);
     } else {
         h.insert(name.clone(), HeaderValue::from_static(item));
     }
 }
 
 /// [`append_list`] for a header value: shared, not copied, when the header is absent.
-fn append_value(h: &mut HeaderMap, name: &HeaderName, item: &HeaderValue) {
+fn append_value(h: &mut HeaderMap, name: &HeaderName, item: &HeaderValue, buf: &mut BytesMut) {
     if h.contains_key(name) {
-        if let Ok(s) = item.to_str() {
-            append_list(h, name, s);
-        }
+        append_list(h, name, item.as_bytes(), buf);
     } else {
         h.insert(name.clone(), item.clone());
     }
 }
 
-/// Join every existing value of `name` and `item` into one comma-separated header.
-fn append_list(h: &mut HeaderMap, name: &HeaderName, item: &str) {
-    let mut out = String::new();
+/// Join every existing value of `name` and `item` into one comma-separated header, written
+/// into `buf` (empty on entry and on return: the value is split off, sharing its allocation).
+fn append_list(h: &mut HeaderMap, name: &HeaderName, item: &[u8], buf: &mut BytesMut) {
     for v in h.get_all(name) {
-        if let Ok(s) = v.to_str() {
-            if !out.is_empty() {
-                out.push_str(", ");
-            }
-            out.push_str(s);
+        if !buf.is_empty() {
+            buf.put_slice(b", ");
         }
+        buf.put_slice(v.as_bytes());
     }
-    if !out.is_empty() {
-        out.push_str(", ");
+    if !buf.is_empty() {
+        buf.put_slice(b", ");
     }
-    out.push_str(item);
-    if let Ok(v) = HeaderValue::from_maybe_shared(bytes::Bytes::from(out)) {
-        h.insert(name.clone(), v);
+    buf.put_slice(item);
+    match HeaderValue::from_maybe_shared(buf.split().freeze()) {
+        Ok(v) => {
+            h.insert(name.clone(), v);
+        }
+        Err(_) => buf.clear(),
     }
 }
 

@@ -3,6 +3,7 @@
 //! `X-RateLimit-Limit` / `-Remaining` / `-Reset`. Both describe the *binding* limit: on a deny
 //! the limit that denied, on an allow the one with the least remaining.
 
+use bytes::{BufMut, BytesMut};
 use http::header::{HeaderMap, HeaderName, HeaderValue};
 
 use crate::limiter::{Outcome, Quota};
@@ -50,40 +51,50 @@ impl Binding<'_> {
     }
 }
 
-fn push(h: &mut HeaderMap, name: &HeaderName, s: String) {
-    // `from_maybe_shared` takes the buffer over instead of copying it.
-    if let Ok(v) = HeaderValue::from_maybe_shared(bytes::Bytes::from(s)) {
-        h.insert(name.clone(), v);
-    }
+/// Take what `buf` holds as one header value. Every value of a response is cut from one
+/// buffer: `split` shares its allocation and `from_maybe_shared` takes the bytes without a copy.
+fn take(buf: &mut BytesMut) -> Option<HeaderValue> {
+    HeaderValue::from_maybe_shared(buf.split().freeze()).ok()
 }
 
 /// Write the selected header families for `b` into `h`. `now_secs` is Unix time.
 pub fn write(h: &mut HeaderMap, b: &Binding<'_>, ietf: bool, legacy: bool, now_secs: u64) {
     let t = b.reset_secs();
     let remaining = if b.outcome.allowed { b.outcome.remaining } else { 0 };
+    let mut n = itoa::Buffer::new();
+    let mut buf = BytesMut::with_capacity(2 * b.rule.len() + 112);
+    h.reserve(usize::from(ietf) * 2 + usize::from(legacy) * 3);
     if ietf {
-        let mut n = itoa::Buffer::new();
-        let mut buf = String::with_capacity(b.rule.len() + 32);
-        buf.push('"');
-        buf.push_str(b.rule);
-        buf.push_str("\";q=");
-        buf.push_str(n.format(b.quota.limit.get()));
-        buf.push_str(";w=");
-        buf.push_str(n.format(b.window_secs()));
-        push(h, &RATELIMIT_POLICY, buf);
-        let mut buf = String::with_capacity(b.rule.len() + 32);
-        buf.push('"');
-        buf.push_str(b.rule);
-        buf.push_str("\";r=");
-        buf.push_str(n.format(remaining));
-        buf.push_str(";t=");
-        buf.push_str(n.format(t));
-        push(h, &RATELIMIT, buf);
+        buf.put_u8(b'"');
+        buf.put_slice(b.rule.as_bytes());
+        buf.put_slice(b"\";q=");
+        buf.put_slice(n.format(b.quota.limit.get()).as_bytes());
+        buf.put_slice(b";w=");
+        buf.put_slice(n.format(b.window_secs()).as_bytes());
+        if let Some(v) = take(&mut buf) {
+            h.insert(RATELIMIT_POLICY.clone(), v);
+        }
+        buf.put_u8(b'"');
+        buf.put_slice(b.rule.as_bytes());
+        buf.put_slice(b"\";r=");
+        buf.put_slice(n.format(remaining).as_bytes());
+        buf.put_slice(b";t=");
+        buf.put_slice(n.format(t).as_bytes());
+        if let Some(v) = take(&mut buf) {
+            h.insert(RATELIMIT.clone(), v);
+        }
     }
     if legacy {
-        h.insert(X_LIMIT.clone(), HeaderValue::from(b.quota.limit.get()));
-        h.insert(X_REMAINING.clone(), HeaderValue::from(remaining));
-        h.insert(X_RESET.clone(), HeaderValue::from(now_secs + t));
+        for (name, value) in [
+            (&X_LIMIT, b.quota.limit.get()),
+            (&X_REMAINING, remaining),
+            (&X_RESET, now_secs + t),
+        ] {
+            buf.put_slice(n.format(value).as_bytes());
+            if let Some(v) = take(&mut buf) {
+                h.insert(name.clone(), v);
+            }
+        }
     }
 }
 

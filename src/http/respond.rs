@@ -120,15 +120,59 @@ impl GatewayError {
 /// The 429 JSON body. Written directly (this is the hot deny path): rule names are validated
 /// to `[A-Za-z0-9_.-]`, so nothing in it needs escaping.
 fn rate_limited_body(rule: &str, limit: u64, window_us: u64, secs: u64) -> String {
-    use std::fmt::Write;
-    let window = crate::rules::WindowText(window_us);
-    let reset_at = humantime::format_rfc3339_seconds(SystemTime::now() + Duration::from_secs(secs));
-    let mut s = String::with_capacity(256);
-    let _ = write!(
-        s,
-        r#"{{"error":"rate_limit_exceeded","message":"Rate limit of {limit} per {window} exceeded for rule {rule}; retry in {secs} s.","rule":"{rule}","limit":{limit},"window":"{window}","retry_after":{secs},"reset_at":"{reset_at}"}}"#
-    );
+    let (wn, unit) = crate::rules::WindowText(window_us).parts();
+    let mut wbuf = itoa::Buffer::new();
+    let mut window = String::with_capacity(24);
+    window.push_str(wbuf.format(wn));
+    window.push_str(unit);
+    let mut n = itoa::Buffer::new();
+    let limit = n.format(limit).to_owned();
+    let secs_text = n.format(secs);
+    let mut s = String::with_capacity(230 + 2 * rule.len());
+    for part in [
+        r#"{"error":"rate_limit_exceeded","message":"Rate limit of "#,
+        &limit,
+        " per ",
+        &window,
+        " exceeded for rule ",
+        rule,
+        "; retry in ",
+        secs_text,
+        r#" s.","rule":""#,
+        rule,
+        r#"","limit":"#,
+        &limit,
+        r#","window":""#,
+        &window,
+        r#"","retry_after":"#,
+        secs_text,
+        r#","reset_at":""#,
+    ] {
+        s.push_str(part);
+    }
+    push_rfc3339(&mut s, SystemTime::now() + Duration::from_secs(secs));
+    s.push_str("\"}");
     s
+}
+
+/// Append `t` as RFC 3339 UTC seconds (`2026-11-30T08:00:00Z`). Denials come in bursts, so the
+/// text of the last second formatted is kept per thread and reused while it matches.
+fn push_rfc3339(s: &mut String, t: SystemTime) {
+    use std::cell::RefCell;
+    thread_local! {
+        static LAST: RefCell<(u64, String)> = const { RefCell::new((u64::MAX, String::new())) };
+    }
+    let secs = t.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    LAST.with(|last| {
+        let mut last = last.borrow_mut();
+        if last.0 != secs {
+            use std::fmt::Write;
+            last.1.clear();
+            let _ = write!(last.1, "{}", humantime::format_rfc3339_seconds(t));
+            last.0 = secs;
+        }
+        s.push_str(&last.1);
+    });
 }
 
 /// A 429 with `body` and `Retry-After: secs`.
@@ -136,6 +180,8 @@ fn limited_response(body: String, secs: u64) -> Response<ProxyBody> {
     let mut resp = Response::new(full(body));
     *resp.status_mut() = StatusCode::TOO_MANY_REQUESTS;
     let h = resp.headers_mut();
+    // Room for these and the rate-limit headers, so the map never regrows on the deny path.
+    h.reserve(12);
     h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     h.insert(header::RETRY_AFTER, HeaderValue::from(secs));
@@ -168,4 +214,24 @@ pub fn text(status: StatusCode, body: impl Into<bytes::Bytes>, content_type: &'s
     resp.headers_mut()
         .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
     resp
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_429_body_is_json_with_every_field() {
+        let body = super::rate_limited_body("api.v1-x", 100, 60_000_000, 7);
+        let v: serde_json::Value = serde_json::from_str(&body).expect("valid JSON");
+        assert_eq!(v["error"], "rate_limit_exceeded");
+        assert_eq!(
+            v["message"],
+            "Rate limit of 100 per 1m exceeded for rule api.v1-x; retry in 7 s."
+        );
+        assert_eq!(v["rule"], "api.v1-x");
+        assert_eq!(v["limit"], 100);
+        assert_eq!(v["window"], "1m");
+        assert_eq!(v["retry_after"], 7);
+        let reset_at = v["reset_at"].as_str().expect("reset_at");
+        assert!(reset_at.ends_with('Z') && reset_at.len() == 20, "{reset_at}");
+    }
 }

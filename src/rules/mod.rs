@@ -838,20 +838,29 @@ pub fn window_text(us: u64) -> String {
 #[derive(Debug, Clone, Copy)]
 pub struct WindowText(pub u64);
 
-impl std::fmt::Display for WindowText {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+impl WindowText {
+    /// The number and unit of the text: `(90, "s")` for 90 seconds. The largest unit that
+    /// divides the window evenly (d, h, m, s, else ms).
+    pub fn parts(&self) -> (u64, &'static str) {
         let ms = self.0 / 1000;
         if ms != 0 && ms % 86_400_000 == 0 {
-            write!(f, "{}d", ms / 86_400_000)
+            (ms / 86_400_000, "d")
         } else if ms != 0 && ms % 3_600_000 == 0 {
-            write!(f, "{}h", ms / 3_600_000)
+            (ms / 3_600_000, "h")
         } else if ms != 0 && ms % 60_000 == 0 {
-            write!(f, "{}m", ms / 60_000)
+            (ms / 60_000, "m")
         } else if ms != 0 && ms % 1000 == 0 {
-            write!(f, "{}s", ms / 1000)
+            (ms / 1000, "s")
         } else {
-            write!(f, "{ms}ms")
+            (ms, "ms")
         }
+    }
+}
+
+impl std::fmt::Display for WindowText {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (n, unit) = self.parts();
+        write!(f, "{n}{unit}")
     }
 }
 
