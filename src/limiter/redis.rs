@@ -754,7 +754,7 @@ impl RedisStore {
     /// (`now == None`); as a call of its own when a test drives time.
     async fn check_slot(&self, now: Option<u64>, checks: Vec<LimitCheck>) -> batch::Answer {
         match now {
-            None => self.batches.check(&self.inner, checks).await,
+            None => self.batches.check(checks).await,
             Some(_) => self.inner.check_batch(now, std::iter::once(checks.as_slice())).await,
         }
     }

@@ -68,9 +68,13 @@ impl Batches {
         Batches { mode, tx }
     }
 
-    /// Queue `checks` (one request's limits, all on one slot) and wait for the answer, at most
-    /// `inner.timeout` (queueing included). A wait that runs out counts as a failed call.
-    pub(super) async fn check(&self, inner: &Arc<Inner>, checks: Vec<LimitCheck>) -> Answer {
+    /// Queue `checks` (one request's limits, all on one slot) and wait for the answer.
+    ///
+    /// No timer of its own: the wait is bounded by the call in flight for the slot (its
+    /// `store.timeout`) plus this request's own call, and the limiter's deadline around every
+    /// check bounds it to `store.timeout` on the request path. A call that fails or times out
+    /// is counted (towards a connection rebuild) by the batch task, once per call.
+    pub(super) async fn check(&self, checks: Vec<LimitCheck>) -> Answer {
         let slot = match (self.mode, checks.first()) {
             (RedisMode::Cluster, Some(c)) => Slot::for_key(c.key.as_str()),
             _ => Slot::new(0).unwrap_or_else(|| Slot::for_key("")),
@@ -79,14 +83,9 @@ impl Batches {
         if self.tx.send((slot, Pending { checks, reply })).is_err() {
             return Err(StoreError::Redis("the Redis batch task has stopped".to_owned()));
         }
-        match tokio::time::timeout(inner.timeout, answer).await {
-            Ok(Ok(answer)) => answer,
-            Ok(Err(_)) => Err(StoreError::Redis("the Redis batch task dropped the request".to_owned())),
-            Err(_) => {
-                inner.failure();
-                Err(StoreError::Timeout)
-            }
-        }
+        answer
+            .await
+            .unwrap_or_else(|_| Err(StoreError::Redis("the Redis batch task dropped the request".to_owned())))
     }
 }
 
