@@ -11,7 +11,7 @@
 //! | [`config`] | raw serde structs, validation into typed config, live reload of rules and keys |
 //! | [`identity`] | request → [`identity::Identity`] (JWT, API key, client IP); pure, no I/O |
 //! | [`rules`] | compiled rule set and matcher: (request, identity) → limits; pure, no I/O |
-//! | [`limiter`] | algorithms, the [`limiter::Store`] trait, memory and Redis stores, deny cache, breaker, failure policy |
+//! | [`limiter`] | algorithms, the [`limiter::Store`] trait, memory and Redis stores (Redis checks batched per slot by one task), deny cache, breaker, failure policy |
 //! | [`proxy`] | the request path: identify → match → check → forward / respond |
 //! | [`http`] | responses (the one place errors become HTTP), rate-limit headers, forwarding helpers, the upstream connection pool |
 //! | [`gateway`] | shared state, listeners, graceful shutdown, background probe |

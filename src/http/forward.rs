@@ -86,7 +86,7 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap, keep_upgrade: Option<HeaderValue>) {
 }
 
 /// Append this hop to `X-Forwarded-For`, `-Proto`, `-Host` and `Forwarded`. The new values are
-/// cut from one buffer (see [`append_list`]).
+/// cut from one buffer.
 pub fn add_forwarded(h: &mut HeaderMap, peer: IpAddr, host: Option<&HeaderValue>) {
     let peer = peer.to_canonical();
     let mut ip = String::with_capacity(40);

@@ -30,6 +30,13 @@
 //! rule's failure policy then decides the request; if it forwards the request, the spend was
 //! right; if it rejects it, that is a bounded under-admission).
 //!
+//! # Batching
+//! Production checks (`now` from Redis) do not call Redis themselves: they go to the store's
+//! batch task (module `batch`), which keeps at most one call in flight per slot and sends what
+//! queued meanwhile as one `check` call (the script's batch layout, see `lua/check.lua`). Tests
+//! that pass an explicit `now` send a batch of one directly. Peek, refund and reset are rare and
+//! not batched.
+//!
 //! # Connections and concurrency
 //! * Standalone: one [`ConnectionManager`] (a multiplexed, pipelined connection that reconnects
 //!   by itself when the TCP connection drops) with connection and response timeouts and
@@ -39,7 +46,7 @@
 //!   `MOVED`/`ASK`/`TRYAGAIN`/`READONLY` are retried by the client within the deadline.
 //!
 //! Both are cheap to clone (an `Arc` or a channel sender). The current connection sits in an
-//! [`ArcSwap`]: each call loads it, clones it out and drops the guard *before* awaiting, so no
+//! [`ArcSwapOption`]: each call loads it, clones it out and drops the guard *before* awaiting, so no
 //! lock or guard is ever held across an `.await` and requests never contend on it.
 //!
 //! # A frozen node
@@ -691,7 +698,7 @@ impl RedisStore {
     }
 
     /// Batched `check` calls sent so far and the requests they carried: under load there are
-    /// fewer calls than requests (see [`batch`]).
+    /// fewer calls than requests (see the module docs, "Batching").
     pub fn batch_stats(&self) -> (u64, u64) {
         (
             self.inner.batch_calls.load(Ordering::Relaxed),
