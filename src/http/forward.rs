@@ -130,7 +130,9 @@ fn append_static(h: &mut HeaderMap, name: &HeaderName, item: &'static str, buf: 
 /// [`append_list`] for a header value: shared, not copied, when the header is absent.
 fn append_value(h: &mut HeaderMap, name: &HeaderName, item: &HeaderValue, buf: &mut BytesMut) {
     if h.contains_key(name) {
-        append_list(h, name, item.as_bytes(), buf);
+        if item.to_str().is_ok() {
+            append_list(h, name, item.as_bytes(), buf);
+        }
     } else {
         h.insert(name.clone(), item.clone());
     }
@@ -139,7 +141,9 @@ fn append_value(h: &mut HeaderMap, name: &HeaderName, item: &HeaderValue, buf: &
 /// Join every existing value of `name` and `item` into one comma-separated header, written
 /// into `buf` (empty on entry and on return: the value is split off, sharing its allocation).
 fn append_list(h: &mut HeaderMap, name: &HeaderName, item: &[u8], buf: &mut BytesMut) {
-    for v in h.get_all(name) {
+    // Values that are not visible ASCII (obs-text) are dropped: the joined header must stay
+    // readable text that ends with this hop.
+    for v in h.get_all(name).iter().filter(|v| v.to_str().is_ok()) {
         if !buf.is_empty() {
             buf.put_slice(b", ");
         }
