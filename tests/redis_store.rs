@@ -469,24 +469,27 @@ async fn bad_arguments_are_a_script_error_not_a_panic() {
 /// One limit as the script takes it: (key, algorithm code, limit, interval, cost, shadow).
 type RawLimit<'a> = (&'a str, u8, u64, u64, u64, bool);
 
-/// Run the script's `check` mode on a batch of requests; returns the reply's integers.
+/// Run the script's `check` mode on a batch of requests; returns the reply's numbers (the
+/// script packs them as little-endian doubles in one string).
 fn eval_batch(server: &RedisServer, now: u64, requests: &[&[RawLimit<'_>]]) -> Vec<i64> {
-    let mut args: Vec<String> = vec!["EVAL".into(), SCRIPT_SOURCE.into()];
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(SCRIPT_SOURCE);
     let keys: Vec<&str> = requests.iter().flat_map(|r| r.iter().map(|l| l.0)).collect();
-    args.push(keys.len().to_string());
-    args.extend(keys.iter().map(|k| k.to_string()));
-    args.extend(["check".to_string(), now.to_string(), requests.len().to_string()]);
+    cmd.arg(keys.len()).arg(&keys).arg("check").arg(now).arg(requests.len());
     for r in requests {
-        args.push(r.len().to_string());
+        cmd.arg(r.len());
         for &(_, algo, limit, interval, cost, shadow) in r.iter() {
-            args.extend([u64::from(algo), limit, interval, cost, u64::from(shadow)].map(|v| v.to_string()));
+            cmd.arg(algo).arg(limit).arg(interval).arg(cost).arg(u8::from(shadow));
         }
     }
-    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-    server
-        .cli(&refs)
-        .lines()
-        .map(|l| l.parse().unwrap_or_else(|_| panic!("not an integer: {l}")))
+    let mut con = redis::Client::open(server.url())
+        .and_then(|c| c.get_connection())
+        .expect("connect to redis-server");
+    let packed: Vec<u8> = cmd.query(&mut con).expect("EVAL check");
+    assert_eq!(packed.len() % 8, 0, "a whole number of doubles");
+    packed
+        .chunks_exact(8)
+        .map(|c| f64::from_le_bytes(c.try_into().unwrap()) as i64)
         .collect()
 }
 
@@ -526,6 +529,17 @@ async fn a_batch_is_evaluated_request_by_request() {
     let r3 = eval_batch(&server, NOW, &[&[fw("{b}s")]]);
     let batched = eval_batch(&server, NOW, &[&[fw("{b}z")], &[fw("{b}z")], &[fw("{b}z")]]);
     assert_eq!([&r1[1..], &r2[1..], &r3[1..]].concat(), batched[1..]);
+
+    // A batch bigger than one packing chunk (1,000 numbers): 300 requests, limit 250.
+    let big = (("{b}big"), 3u8, 250u64, 60_000_000u64, 1u64, false);
+    let one = [big];
+    let requests: Vec<&[RawLimit<'_>]> = (0..300).map(|_| &one[..]).collect();
+    let r = eval_batch(&server, NOW, &requests);
+    assert_eq!(r.len(), 1 + 300 * 5);
+    let admitted = (0..300).filter(|i| r[1 + 5 * i] == 1).count();
+    assert_eq!(admitted, 250);
+    assert_eq!(r[1 + 5 * 249 + 1], 0, "the 250th sees nothing remaining");
+    assert_eq!(r[1 + 5 * 299 + 3], r[1 + 5 * 299 + 2], "denied: retry after = reset");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -417,7 +417,7 @@ impl Inner {
     {
         let n = requests.clone().map(<[LimitCheck]>::len).sum();
         let value = self.script(|sha| check_cmd(sha, now, requests.clone())).await?;
-        parse_reply(value, n, checked)
+        parse_packed(value, n)
     }
 
     /// Any command with health accounting and the deadline.
@@ -567,11 +567,6 @@ fn script_cmd<'c>(
     cmd
 }
 
-/// A check reply entry as is.
-fn checked(_allowed: i64, o: Outcome) -> Outcome {
-    o
-}
-
 /// A peek reply entry: `allowed == -1` marks a key that does not exist.
 fn peeked(allowed: i64, o: Outcome) -> Option<Outcome> {
     (allowed >= 0).then_some(o)
@@ -609,6 +604,44 @@ fn parse_reply<T>(value: Value, n: usize, map: fn(i64, Outcome) -> T) -> Result<
             delay_us: field()?,
         };
         out.push(map(allowed, outcome));
+    }
+    Ok((now, out))
+}
+
+/// Parse a `check` reply: `[now, (allowed, remaining, reset, retry, delay) * n]` packed as
+/// little-endian doubles in one bulk string (see `lua/check.lua`).
+fn parse_packed(value: Value, n: usize) -> Result<(u64, Vec<Outcome>), StoreError> {
+    let bytes = match value {
+        Value::BulkString(b) => b,
+        other => return Err(StoreError::Protocol(format!("expected a packed reply, got {other:?}"))),
+    };
+    if bytes.len() != 8 * (1 + 5 * n) {
+        return Err(StoreError::Protocol(format!(
+            "expected {} packed numbers, got {} bytes",
+            1 + 5 * n,
+            bytes.len()
+        )));
+    }
+    // Every value is an integer in 0 ..= 2^53; anything else (never sent) reads as 0.
+    let mut nums = bytes.chunks_exact(8).map(|c| {
+        let f = c.try_into().map_or(0.0, f64::from_le_bytes);
+        if (0.0..=9_007_199_254_740_992.0).contains(&f) {
+            f as u64
+        } else {
+            0
+        }
+    });
+    let mut next = || nums.next().unwrap_or(0);
+    let now = next();
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        out.push(Outcome {
+            allowed: next() == 1,
+            remaining: next(),
+            reset_us: next(),
+            retry_after_us: next(),
+            delay_us: next(),
+        });
     }
     Ok((now, out))
 }

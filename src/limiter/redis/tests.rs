@@ -151,7 +151,7 @@ fn parse_reply_rejects_bad_shapes() {
         Err(StoreError::Protocol(_))
     ));
     assert!(matches!(
-        parse_reply(Value::Array(vec![Value::Int(1), Value::Int(1)]), 1, checked),
+        parse_reply(Value::Array(vec![Value::Int(1), Value::Int(1)]), 1, peeked),
         Err(StoreError::Protocol(_))
     ));
     let bad = Value::Array(vec![
@@ -162,7 +162,50 @@ fn parse_reply_rejects_bad_shapes() {
         Value::Int(0),
         Value::Int(0),
     ]);
-    assert!(matches!(parse_reply(bad, 1, checked), Err(StoreError::Protocol(_))));
+    assert!(matches!(parse_reply(bad, 1, peeked), Err(StoreError::Protocol(_))));
+}
+
+/// A packed `check` reply as the script builds it.
+fn packed(nums: &[f64]) -> Value {
+    Value::BulkString(nums.iter().flat_map(|f| f.to_le_bytes()).collect())
+}
+
+#[test]
+fn parse_packed_reads_doubles_and_rejects_bad_shapes() {
+    let now = 1_796_025_623_586_863.0; // 16 digits: exact as a double
+    let (t, outs) = parse_packed(packed(&[now, 1.0, 4.0, 1e6, 0.0, 0.0, 0.0, 0.0, 5e5, 5e5, 0.0]), 2).unwrap();
+    assert_eq!(t, 1_796_025_623_586_863);
+    assert_eq!(
+        outs,
+        [
+            Outcome {
+                allowed: true,
+                remaining: 4,
+                reset_us: 1_000_000,
+                retry_after_us: 0,
+                delay_us: 0
+            },
+            Outcome {
+                allowed: false,
+                remaining: 0,
+                reset_us: 500_000,
+                retry_after_us: 500_000,
+                delay_us: 0
+            }
+        ]
+    );
+    // Out-of-range values (never sent) read as 0 rather than wrapping.
+    let (_, outs) = parse_packed(packed(&[1.0, 1.0, -5.0, f64::NAN, 1e300, 0.0]), 1).unwrap();
+    assert_eq!((outs[0].remaining, outs[0].reset_us, outs[0].retry_after_us), (0, 0, 0));
+    // Wrong length, or not a bulk string.
+    assert!(matches!(
+        parse_packed(packed(&[1.0, 1.0]), 1),
+        Err(StoreError::Protocol(_))
+    ));
+    assert!(matches!(
+        parse_packed(Value::Array(vec![Value::Int(1)]), 0),
+        Err(StoreError::Protocol(_))
+    ));
 }
 
 #[test]
