@@ -405,65 +405,27 @@ async fn a_frozen_server_times_out_then_recovers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_arguments_are_a_script_error_not_a_panic() {
     let server = RedisServer::start();
+    // `EVAL <the script> <args>`, the args split on spaces, `''` standing for an empty one.
+    let eval = |args: &str| {
+        let mut all = vec!["EVAL", SCRIPT_SOURCE];
+        all.extend(args.split(' ').map(|a| if a == "''" { "" } else { a }));
+        server.cli(&all)
+    };
     // The combined script refuses a wrong argument count with an error reply.
-    let out = server.cli(&["EVAL", SCRIPT_SOURCE, "1", "k", "check", ""]);
+    let out = eval("1 k check ''");
     assert!(out.contains("tollgate: bad arguments"), "{out}");
-    let out = server.cli(&[
-        "EVAL",
-        SCRIPT_SOURCE,
-        "1",
-        "k",
-        "check",
-        "",
-        "1",
-        "1",
-        "9",
-        "1",
-        "1",
-        "1",
-        "0",
-    ]);
+    let out = eval("1 k check '' 1 1 9 1 1 1 0");
     assert!(out.contains("bad arguments for key 1"), "{out}");
     // A batch whose layout does not add up is refused before anything is written.
-    let out = server.cli(&[
-        "EVAL",
-        SCRIPT_SOURCE,
-        "1",
-        "k",
-        "check",
-        "",
-        "2",
-        "1",
-        "3",
-        "5",
-        "1000000",
-        "1",
-        "0",
-    ]);
+    let out = eval("1 k check '' 2 1 3 5 1000000 1 0");
     assert!(out.contains("request layout"), "{out}");
-    let out = server.cli(&[
-        "EVAL",
-        SCRIPT_SOURCE,
-        "2",
-        "k",
-        "k",
-        "check",
-        "",
-        "1",
-        "1",
-        "3",
-        "5",
-        "1000000",
-        "1",
-        "0",
-    ]);
+    let out = eval("2 k k check '' 1 1 3 5 1000000 1 0");
     assert!(out.contains("bad arguments"), "{out}");
     assert_eq!(server.cli(&["EXISTS", "k"]), "0");
-    let out = server.cli(&["EVAL", SCRIPT_SOURCE, "0", "nope", ""]);
+    let out = eval("0 nope ''");
     assert!(out.contains("unknown mode"), "{out}");
     // Probe-style keyless peek answers [now].
-    let out = server.cli(&["EVAL", SCRIPT_SOURCE, "0", "peek", "123"]);
-    assert_eq!(out, "123");
+    assert_eq!(eval("0 peek 123"), "123");
 }
 
 /// One limit as the script takes it: (key, algorithm code, limit, interval, cost, shadow).
