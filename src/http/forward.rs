@@ -153,11 +153,8 @@ fn append_list(h: &mut HeaderMap, name: &HeaderName, item: &[u8], buf: &mut Byte
         buf.put_slice(b", ");
     }
     buf.put_slice(item);
-    match HeaderValue::from_maybe_shared(buf.split().freeze()) {
-        Ok(v) => {
-            h.insert(name.clone(), v);
-        }
-        Err(_) => buf.clear(),
+    if let Some(v) = super::headers::take(buf) {
+        h.insert(name.clone(), v);
     }
 }
 

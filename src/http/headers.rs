@@ -53,7 +53,7 @@ impl Binding<'_> {
 
 /// Take what `buf` holds as one header value. Every value of a response is cut from one
 /// buffer: `split` shares its allocation and `from_maybe_shared` takes the bytes without a copy.
-fn take(buf: &mut BytesMut) -> Option<HeaderValue> {
+pub(crate) fn take(buf: &mut BytesMut) -> Option<HeaderValue> {
     HeaderValue::from_maybe_shared(buf.split().freeze()).ok()
 }
 
