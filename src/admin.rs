@@ -1,7 +1,13 @@
 //! The admin listener (`admin_listen`, loopback by default): `/healthz`, `/readyz`, `/metrics`,
 //! `/rules`, `/reload`, `/explain`, `/keys/{identity}`.
+//!
+//! `/healthz`, `/readyz` and `/metrics` are open; every other endpoint needs the admin token when
+//! one is configured ([`auth`]). Mutations (reload, counter reset) are written to the audit log
+//! (tracing target `tollgate::audit`) with the caller's address, never with the token.
 
-use std::net::IpAddr;
+pub mod auth;
+
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 use http::{HeaderMap, Method, Request, Response, StatusCode};
@@ -24,7 +30,7 @@ use crate::rules::{key_value, normalize, window_text, KeyBuilder, KeyKind, KeyVa
 /// Serve the admin API until `stop`.
 pub async fn serve(gw: Arc<Gateway>, listener: TcpListener, mut stop: watch::Receiver<bool>) {
     loop {
-        let (stream, _) = tokio::select! {
+        let (stream, peer) = tokio::select! {
             r = listener.accept() => match r { Ok(x) => x, Err(_) => continue },
             _ = stop.changed() => return,
         };
@@ -32,7 +38,7 @@ pub async fn serve(gw: Arc<Gateway>, listener: TcpListener, mut stop: watch::Rec
         tokio::spawn(async move {
             let svc = service_fn(move |req| {
                 let gw = gw.clone();
-                async move { Ok::<_, std::convert::Infallible>(route(gw, req).await) }
+                async move { Ok::<_, std::convert::Infallible>(route(gw, req, peer).await) }
             });
             let _ = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
@@ -50,16 +56,28 @@ fn query_param<'a>(q: &'a str, name: &str) -> Option<std::borrow::Cow<'a, str>> 
     })
 }
 
-async fn route(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<ProxyBody> {
+async fn route(gw: Arc<Gateway>, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
     let path = req.uri().path().to_string();
     let query = req.uri().query().unwrap_or("").to_string();
+    if !auth::is_open(req.method(), &path) && !auth::allowed(gw.config.admin.token.as_ref(), req.headers()) {
+        if req.headers().contains_key(http::header::AUTHORIZATION) {
+            tracing::warn!(target: "tollgate::audit", caller = %peer, method = %req.method(), path = %path, "admin request with a wrong token refused");
+        }
+        return GatewayError::Unauthorized.into_response();
+    }
     match (req.method().clone(), path.as_str()) {
         (Method::GET, "/healthz") => respond::text(StatusCode::OK, "ok\n", "text/plain"),
-        (Method::GET, "/readyz") => match gw.ready().await {
-            Ok(()) => respond::text(StatusCode::OK, "ready\n", "text/plain"),
+        // Readiness is "config loaded and listeners up": this listener only runs once both are
+        // bound. It never depends on the store, or a store outage would take every replica out
+        // of its Service and undo fail-open. `?store=1` asks about the store instead.
+        (Method::GET, "/readyz") if query_param(&query, "store").is_none_or(|v| v == "0") => {
+            respond::text(StatusCode::OK, "ready\n", "text/plain")
+        }
+        (Method::GET, "/readyz") => match gw.store_ready().await {
+            Ok(()) => respond::text(StatusCode::OK, "store ok\n", "text/plain"),
             Err(e) => respond::text(
                 StatusCode::SERVICE_UNAVAILABLE,
-                format!("not ready: {e}\n"),
+                format!("store unavailable: {e}\n"),
                 "text/plain",
             ),
         },
@@ -71,7 +89,16 @@ async fn route(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<ProxyBody> 
         (Method::GET, "/rules") => respond::json_ok(&rules_json(&gw.snapshot.load())),
         (Method::POST, "/reload") => {
             let _ = req.into_body().collect().await;
-            match gw.reload("admin").await {
+            let result = gw.reload("admin").await;
+            tracing::info!(
+                target: "tollgate::audit",
+                caller = %peer,
+                action = "reload",
+                ok = result.is_ok(),
+                version = result.as_deref().unwrap_or(""),
+                "admin: POST /reload"
+            );
+            match result {
                 Ok(v) => respond::json_ok(&json!({"result": "ok", "version": v})),
                 Err(e) => {
                     let mut r = respond::json_ok(&json!({"result": "error", "error": e.to_string()}));
@@ -117,7 +144,14 @@ async fn route(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<ProxyBody> 
                 let keys: Vec<StoreKey> = checks.iter().map(|c| c.key.clone()).collect();
                 return match gw.limiter.reset(&keys).await {
                     Ok(()) => {
-                        tracing::info!(identity = %gw.keys.tag(KeyValue::Str(&who), ""), counters = keys.len(), "counters reset by admin");
+                        tracing::info!(
+                            target: "tollgate::audit",
+                            caller = %peer,
+                            action = "reset",
+                            identity_hash = %gw.keys.tag(KeyValue::Str(&who), ""),
+                            counters = keys.len(),
+                            "admin: DELETE /keys: counters reset"
+                        );
                         respond::json_ok(&json!({"result": "reset", "counters": keys.len()}))
                     }
                     Err(e) => {
@@ -184,6 +218,17 @@ fn identity_checks(keys: &KeyBuilder, snap: &Snapshot, who: &str) -> (Vec<LimitC
     (checks, meta)
 }
 
+/// A limit as it is written: `{rate, capacity}` for a bucket, `{limit, window}` for a window.
+fn quota_json(q: &crate::limiter::Quota) -> Value {
+    use crate::limiter::Algorithm;
+    match q.algorithm {
+        Algorithm::TokenBucket | Algorithm::LeakyBucket => {
+            json!({"rate": crate::describe::rate(q.interval_us.get()), "capacity": q.limit.get()})
+        }
+        _ => json!({"limit": q.limit.get(), "window": window_text(q.window_us.get())}),
+    }
+}
+
 fn rule_json(r: &Rule) -> Value {
     json!({
         "name": &*r.name,
@@ -196,9 +241,9 @@ fn rule_json(r: &Rule) -> Value {
         },
         "key": r.key.to_text(),
         "algorithm": r.limits.first().map(|q| q.algorithm.as_str()),
-        "limits": r.limits.iter().map(|q| json!({"limit": q.limit.get(), "window": window_text(q.window_us.get())})).collect::<Vec<_>>(),
+        "limits": r.limits.iter().map(quota_json).collect::<Vec<_>>(),
         "cost": r.cost,
-        "failure": format!("{:?}", r.failure).to_lowercase(),
+        "failure": crate::describe::failure(&r.failure),
         "shadow": r.shadow,
         "overrides": r.overrides.keys().collect::<Vec<_>>(),
     })

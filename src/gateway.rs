@@ -199,8 +199,10 @@ impl Gateway {
         }
     }
 
-    /// Is the gateway ready: config loaded and the store answering the script path?
-    pub async fn ready(&self) -> Result<(), StoreError> {
+    /// Does the store answer the real script path (within a short deadline)? `/readyz?store=1`
+    /// and the breaker probe ask this; `/readyz` itself does not (readiness never depends on
+    /// the store).
+    pub async fn store_ready(&self) -> Result<(), StoreError> {
         match tokio::time::timeout(
             self.config.store.timeout.max(Duration::from_millis(200)),
             self.limiter.store.probe(),
@@ -231,7 +233,7 @@ impl Gateway {
                 if !open {
                     continue;
                 }
-                match gw.ready().await {
+                match gw.store_ready().await {
                     Ok(()) => {
                         if gw.limiter.breaker.close() {
                             gw.metrics.breaker_open.set(0);
@@ -298,7 +300,18 @@ pub async fn start_with(gw: Arc<Gateway>) -> Result<Running, StartError> {
     crate::config::reload::spawn_watcher(gw.clone(), rx.clone());
     tokio::spawn(crate::admin::serve(gw.clone(), admin, rx.clone()));
     let done = tokio::spawn(serve(gw.clone(), listener, rx));
-    tracing::info!(%addr, %admin_addr, store = ?gw.config.store.kind, upstream = %gw.config.upstream.url, "tollgate listening");
+    tracing::info!(
+        %addr,
+        %admin_addr,
+        store = crate::describe::store_kind(gw.config.store.kind),
+        upstream = %gw.config.upstream.url,
+        admin_token = gw.config.admin.token.is_some(),
+        "tollgate listening"
+    );
+    // Every start, not only the first: `admin.insecure`, ignored overrides, risky timeouts.
+    for note in &gw.config.notes {
+        tracing::warn!("{note}");
+    }
     Ok(Running {
         addr,
         admin_addr,

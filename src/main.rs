@@ -163,17 +163,19 @@ fn load_all(config: &std::path::Path) -> Result<(GatewayConfig, tollgate::gatewa
 }
 
 fn check(config: &std::path::Path) -> ExitCode {
+    use tollgate::describe;
     match load_all(config) {
         Ok((cfg, snap)) => {
             println!("{}: ok", config.display());
+            println!("  listen {}", cfg.listen);
+            println!("  admin  {}", cfg.admin_listen);
             println!(
-                "  listen {} (admin {}), upstream {}",
-                cfg.listen, cfg.admin_listen, cfg.upstream.url
+                "  upstream {} (connect timeout {}, request timeout {})",
+                cfg.upstream.url,
+                humantime::format_duration(cfg.upstream.connect_timeout),
+                humantime::format_duration(cfg.upstream.request_timeout)
             );
-            println!(
-                "  store {:?} {:?}, timeout {:?}",
-                cfg.store.kind, cfg.store.urls, cfg.store.timeout
-            );
+            println!("  store {}", describe::store(&cfg));
             println!(
                 "  rules {} ({} rules, version {})",
                 cfg.rules_file.display(),
@@ -181,23 +183,14 @@ fn check(config: &std::path::Path) -> ExitCode {
                 snap.rules.version
             );
             for r in &snap.rules.rules {
-                let lim: Vec<String> = r
-                    .limits
-                    .iter()
-                    .map(|q| format!("{}/{}", q.limit, tollgate::rules::window_text(q.window_us.get())))
-                    .collect();
-                println!(
-                    "    {:<24} {:<10} {:<15} {:<14} {}",
-                    r.name,
-                    r.key.to_text(),
-                    r.limits[0].algorithm.as_str(),
-                    lim.join(","),
-                    r.pattern.source
-                );
+                println!("    {}", describe::rule(r));
             }
             match &cfg.keys_file {
                 Some(k) => println!("  keys {} ({} keys)", k.display(), snap.keys.len()),
                 None => println!("  keys: none"),
+            }
+            for n in &cfg.notes {
+                println!("  note: {n}");
             }
             ExitCode::SUCCESS
         }

@@ -122,8 +122,18 @@ async fn standalone_kill_then_restart() {
         codes.push(status(&c, &format!("{}/local/x", gw.url)).await);
     }
     assert_eq!(codes, vec![200, 200, 200, 429, 429]);
+    // Readiness never depends on the store (fail-open keeps serving, so the pod stays in its
+    // Service); the store's own health is `/readyz?store=1` and the breaker gauge.
     assert_eq!(
         c.get(format!("{}/readyz", gw.admin)).send().await.unwrap().status(),
+        200
+    );
+    assert_eq!(
+        c.get(format!("{}/readyz?store=1", gw.admin))
+            .send()
+            .await
+            .unwrap()
+            .status(),
         503
     );
     let m = get_text(&c, format!("{}/metrics", gw.admin)).await;
@@ -146,7 +156,11 @@ async fn standalone_kill_then_restart() {
     eprintln!("limits enforced again {took:?} after restart");
     assert_eq!(exactly_n_admitted(&c, &gw.url, "after-restart", 8).await, 5);
     assert_eq!(
-        c.get(format!("{}/readyz", gw.admin)).send().await.unwrap().status(),
+        c.get(format!("{}/readyz?store=1", gw.admin))
+            .send()
+            .await
+            .unwrap()
+            .status(),
         200
     );
     gw.running.stop().await;
@@ -332,6 +346,15 @@ async fn starts_while_redis_is_down_and_picks_it_up_later() {
     assert_eq!(status(&c, &format!("{}/closed/x", gw.url)).await, 503);
     assert_eq!(
         c.get(format!("{}/readyz", gw.admin)).send().await.unwrap().status(),
+        200,
+        "ready without Redis: the listener is up and fail-open rules serve"
+    );
+    assert_eq!(
+        c.get(format!("{}/readyz?store=1", gw.admin))
+            .send()
+            .await
+            .unwrap()
+            .status(),
         503
     );
     redis.restart();

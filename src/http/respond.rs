@@ -50,6 +50,9 @@ pub enum GatewayError {
     /// The gateway is shutting down or at its connection cap.
     #[error("service unavailable: {0}")]
     Unavailable(&'static str),
+    /// A protected admin endpoint without the right token.
+    #[error("unauthorized")]
+    Unauthorized,
 }
 
 impl GatewayError {
@@ -63,6 +66,7 @@ impl GatewayError {
             GatewayError::BadRequest(_) => StatusCode::BAD_REQUEST,
             GatewayError::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             GatewayError::NotFound => StatusCode::NOT_FOUND,
+            GatewayError::Unauthorized => StatusCode::UNAUTHORIZED,
         }
     }
 
@@ -104,6 +108,10 @@ impl GatewayError {
                 retry = Some(1);
                 json!({"error": "unavailable", "message": why})
             }
+            GatewayError::Unauthorized => json!({
+                "error": "unauthorized",
+                "message": "This admin endpoint needs the admin token: Authorization: Bearer <token>, or HTTP Basic with the token as the password.",
+            }),
         };
         let mut resp = Response::new(full(body.to_string()));
         *resp.status_mut() = status;
@@ -112,6 +120,16 @@ impl GatewayError {
         h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
         if let Some(s) = retry {
             h.insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        if status == StatusCode::UNAUTHORIZED {
+            h.append(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer realm=\"tollgate admin\""),
+            );
+            h.append(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Basic realm=\"tollgate admin\", charset=\"UTF-8\""),
+            );
         }
         resp
     }

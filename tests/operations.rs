@@ -1,0 +1,436 @@
+//! Operator readiness, against the real `tollgate` binary: readiness without Redis, start-up
+//! refusals that `tollgate check` reports the same way, `check` output, reload reporting,
+//! the admin token and the admin audit log.
+
+mod common;
+mod harness;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::Duration;
+
+use common::{wait_for, RedisServer};
+use harness::*;
+
+/// Every variable the binary reads from the environment, so a developer's shell never leaks in.
+const ENV_VARS: &[&str] = &[
+    "TOLLGATE_CONFIG",
+    "TOLLGATE_LISTEN",
+    "TOLLGATE_REDIS_URL",
+    "TOLLGATE_REDIS_URLS",
+    "TOLLGATE_ADMIN_TOKEN",
+    "TOLLGATE_TEST_SALT",
+];
+
+/// A `tollgate` command with a clean environment plus `env`.
+fn tollgate(env: &[(&str, &str)]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tollgate"));
+    for v in ENV_VARS {
+        c.env_remove(v);
+    }
+    c.env("RUST_LOG", "info");
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c
+}
+
+/// `tollgate check --config <p>`.
+fn check(p: &Path, env: &[(&str, &str)]) -> Output {
+    tollgate(env)
+        .args(["check", "--config"])
+        .arg(p)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// Write gateway.yaml (`body` is everything after `admin_listen`) and rules.yaml into `dir`.
+fn write(dir: &Path, port: u16, admin: &str, body: &str, rules: &str) -> PathBuf {
+    std::fs::write(dir.join("rules.yaml"), rules).unwrap();
+    let p = dir.join("gateway.yaml");
+    std::fs::write(
+        &p,
+        format!("listen: 127.0.0.1:{port}\nadmin_listen: {admin}\n{body}rules_file: rules.yaml\n"),
+    )
+    .unwrap();
+    p
+}
+
+/// The binary running `run`, stderr (the log) captured in a file. Killed on drop.
+struct Proc {
+    child: Child,
+    log: PathBuf,
+}
+
+impl Proc {
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Start `run --config p` with `env`; wait until both ports accept connections.
+fn run(p: &Path, env: &[(&str, &str)], port: u16, admin_port: u16) -> Proc {
+    let log = p.with_file_name("tollgate.log");
+    let child = tollgate(env)
+        .args(["--log-format", "json", "run", "--config"])
+        .arg(p)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let mut proc = Proc { child, log };
+    let up = wait_for(Duration::from_secs(10), Duration::from_millis(20), || {
+        if let Ok(Some(s)) = proc.child.try_wait() {
+            panic!("tollgate exited early ({s}): {}", proc.log());
+        }
+        (std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+            && std::net::TcpStream::connect(("127.0.0.1", admin_port)).is_ok())
+        .then_some(())
+    });
+    assert!(up.is_some(), "tollgate did not start: {}", proc.log());
+    proc
+}
+
+/// `run` must exit with failure within 10 s; returns its stderr.
+fn run_refused(p: &Path, env: &[(&str, &str)]) -> String {
+    let mut child = tollgate(env)
+        .args(["run", "--config"])
+        .arg(p)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let status = wait_for(Duration::from_secs(10), Duration::from_millis(20), || {
+        child.try_wait().unwrap()
+    });
+    let Some(status) = status else {
+        let _ = child.kill();
+        panic!("tollgate started, it should have refused");
+    };
+    assert!(!status.success());
+    let mut err = String::new();
+    use std::io::Read;
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    err
+}
+
+fn upstream_yaml(up: &str) -> String {
+    format!("upstream:\n  url: {up}\n  connect_timeout: 500ms\n  request_timeout: 2s\n")
+}
+
+const RULES: &str = "rules:\n  - { name: open, match: { path: \"/open/**\" }, key: ip, limit: 1000, window: 1m, failure: open }\n  - { name: closed, match: { path: \"/closed/**\" }, key: ip, limit: 1000, window: 1m, failure: closed }\n";
+
+fn status_of(url: &str) -> u16 {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async { client().get(url).send().await.map(|r| r.status().as_u16()).unwrap_or(0) })
+}
+
+fn echo_upstream(rt: &tokio::runtime::Runtime) -> String {
+    format!("http://{}", rt.block_on(echo()))
+}
+
+#[test]
+fn readiness_does_not_depend_on_redis_but_store_readiness_does() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let up = echo_upstream(&rt);
+    let mut redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (port, admin_port) = (free_port(), free_port());
+    let body = format!(
+        "{}store:\n  kind: redis\n  urls: [\"{}\"]\n  timeout: 50ms\n  probe_interval: 100ms\n",
+        upstream_yaml(&up),
+        redis.url()
+    );
+    let p = write(dir.path(), port, &format!("127.0.0.1:{admin_port}"), &body, RULES);
+    let _gw = run(&p, &[], port, admin_port);
+    let admin = format!("http://127.0.0.1:{admin_port}");
+    let base = format!("http://127.0.0.1:{port}");
+    let store_up = wait_for(Duration::from_secs(5), Duration::from_millis(20), || {
+        (status_of(&format!("{admin}/readyz?store=1")) == 200).then_some(())
+    });
+    assert!(store_up.is_some(), "the store never became ready");
+    assert_eq!(status_of(&format!("{admin}/readyz")), 200);
+
+    redis.kill();
+    // The proxy keeps serving (fail open) and stays ready, so its Service keeps it.
+    assert_eq!(status_of(&format!("{base}/open/x")), 200);
+    let store_down = wait_for(Duration::from_secs(5), Duration::from_millis(20), || {
+        (status_of(&format!("{admin}/readyz?store=1")) == 503).then_some(())
+    });
+    assert!(store_down.is_some(), "/readyz?store=1 did not report the dead store");
+    assert_eq!(status_of(&format!("{admin}/readyz")), 200, "readiness followed Redis");
+    assert_eq!(status_of(&format!("{base}/open/x")), 200);
+    assert_eq!(status_of(&format!("{base}/closed/x")), 503);
+}
+
+#[test]
+fn an_unset_or_empty_key_salt_env_refuses_start_and_check_names_the_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let body = "upstream: { url: http://127.0.0.1:9 }\nstore:\n  key_prefix: tl\n  key_salt_env: TOLLGATE_TEST_SALT\n";
+    let p = write(dir.path(), free_port(), "127.0.0.1:0", body, RULES);
+    let at = format!("{}:6:17: store.key_salt_env", p.display());
+    for env in [&[][..], &[("TOLLGATE_TEST_SALT", "")][..]] {
+        let out = check(&p, env);
+        assert_eq!(out.status.code(), Some(1));
+        let err = text(&out.stderr);
+        assert!(err.contains(&at), "{err} (want {at})");
+        let err = run_refused(&p, env);
+        assert!(err.contains(&at), "run: {err} (want {at})");
+    }
+    let out = check(&p, &[("TOLLGATE_TEST_SALT", "pepper")]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(!text(&out.stdout).contains("pepper"), "the salt is a secret");
+}
+
+#[test]
+fn check_refuses_what_run_refuses_with_file_line_col() {
+    let cases = [
+        (
+            "store:\n  kind: redis\n  urls: [127.0.0.1:6379]\n",
+            "6:10:",
+            "needs a scheme",
+        ),
+        ("store:\n  timeout: 0ms\n", "5:12:", "store.timeout"),
+        (
+            "store:\n  breaker_threshold: 0\n",
+            "5:22:",
+            "store.breaker_threshold: 0",
+        ),
+        ("server:\n  max_connections: 0\n", "5:20:", "server.max_connections: 0"),
+    ];
+    for (extra, pos, what) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let body = format!("upstream: {{ url: http://127.0.0.1:9 }}\n{extra}");
+        let p = write(dir.path(), free_port(), "127.0.0.1:0", &body, RULES);
+        let at = format!("{}:{pos}", p.display());
+        let out = check(&p, &[]);
+        assert_eq!(out.status.code(), Some(1), "check passed {extra}");
+        let err = text(&out.stderr);
+        assert!(
+            err.contains(&at) && err.contains(what),
+            "check: {err} (want {at} {what})"
+        );
+        let err = run_refused(&p, &[]);
+        assert!(err.contains(&at) && err.contains(what), "run: {err} (want {at} {what})");
+    }
+}
+
+#[test]
+fn check_output_never_shows_a_redis_password() {
+    let dir = tempfile::tempdir().unwrap();
+    let body = "upstream: { url: http://127.0.0.1:9 }\nstore:\n  kind: redis\n  urls: [\"redis://default:s3cr3t-pw@127.0.0.1:6379/0\"]\n";
+    let p = write(dir.path(), free_port(), "127.0.0.1:0", body, RULES);
+    let out = check(&p, &[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let all = text(&out.stdout) + &text(&out.stderr);
+    assert!(!all.contains("s3cr3t-pw"), "{all}");
+    assert!(all.contains("redis://default:***@127.0.0.1:6379/0"), "{all}");
+    // The same through the environment override.
+    let out = check(&p, &[("TOLLGATE_REDIS_URL", "redis://u:env-pw@127.0.0.1:6380")]);
+    let all = text(&out.stdout) + &text(&out.stderr);
+    assert!(out.status.success(), "{all}");
+    assert!(
+        !all.contains("env-pw") && all.contains("redis://u:***@127.0.0.1:6380"),
+        "{all}"
+    );
+    // A bad URL's error message is redacted too.
+    let body = "upstream: { url: http://127.0.0.1:9 }\nstore:\n  kind: redis\n  urls: [\"default:s3cr3t-pw@127.0.0.1:6379\"]\n";
+    let p = write(dir.path(), free_port(), "127.0.0.1:0", body, RULES);
+    let out = check(&p, &[]);
+    let all = text(&out.stdout) + &text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(!all.contains("s3cr3t-pw"), "{all}");
+}
+
+/// One admin request with an optional `Authorization` value; returns (status, body).
+fn admin_call(method: &str, url: &str, auth: Option<&str>) -> (u16, String) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let c = client();
+        let m = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+        let mut r = c.request(m, url);
+        if let Some(a) = auth {
+            r = r.header("authorization", a);
+        }
+        let resp = r.send().await.unwrap();
+        let status = resp.status().as_u16();
+        (status, resp.text().await.unwrap())
+    })
+}
+
+fn basic(user: &str, password: &str) -> String {
+    use base64::Engine;
+    format!(
+        "Basic {}",
+        base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"))
+    )
+}
+
+const TOKEN: &str = "tg-admin-7f3a9c0e5b1d";
+const KEYS: &str =
+    "keys:\n  - { id: cust_42, sha256: 2bb80d537b1da3e38bd30361aa855686bde0eacd7162fef6a25fe97bf527a25b, tier: pro }\n";
+const USER_RULES: &str = "rules:\n  - { name: per-user, match: { path: \"/**\" }, key: user, limit: 5, window: 1m }\n";
+
+#[test]
+fn the_admin_token_guards_every_endpoint_but_health_readiness_and_metrics() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let up = echo_upstream(&rt);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("keys.yaml"), KEYS).unwrap();
+    let (port, admin_port) = (free_port(), free_port());
+    let body = format!(
+        "{}keys_file: keys.yaml\nadmin:\n  token_env: TOLLGATE_ADMIN_TOKEN\n",
+        upstream_yaml(&up)
+    );
+    let p = write(dir.path(), port, &format!("127.0.0.1:{admin_port}"), &body, USER_RULES);
+    let gw = run(&p, &[("TOLLGATE_ADMIN_TOKEN", TOKEN)], port, admin_port);
+    let admin = format!("http://127.0.0.1:{admin_port}");
+
+    for open in ["/healthz", "/readyz", "/metrics"] {
+        assert_eq!(admin_call("GET", &format!("{admin}{open}"), None).0, 200, "{open}");
+    }
+    let wrong = [
+        None,
+        Some("Bearer wrong".to_string()),
+        Some(format!("Bearer {}", &TOKEN[..TOKEN.len() - 1])),
+        Some(format!("Bearer {TOKEN}x")),
+        Some(basic("admin", "wrong")),
+        Some(format!("Token {TOKEN}")),
+    ];
+    let right = [format!("Bearer {TOKEN}"), basic("admin", TOKEN), basic("", TOKEN)];
+    let protected = [
+        ("GET", "/rules"),
+        ("GET", "/explain?method=GET&path=/x"),
+        ("GET", "/keys/cust_42"),
+        ("DELETE", "/keys/cust_42"),
+        ("POST", "/reload"),
+        ("GET", "/no-such-endpoint"),
+    ];
+    for (m, path) in protected {
+        let url = format!("{admin}{path}");
+        for w in &wrong {
+            let (s, body) = admin_call(m, &url, w.as_deref());
+            assert_eq!(s, 401, "{m} {path} with {w:?}: {body}");
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+            assert_eq!(v["error"], "unauthorized");
+        }
+        for r in &right {
+            let (s, body) = admin_call(m, &url, Some(r));
+            let want = if path == "/no-such-endpoint" { 404 } else { 200 };
+            assert_eq!(s, want, "{m} {path} with the right token ({r}): {body}");
+        }
+    }
+    // The audit log names the caller and what changed, never the token.
+    let log = wait_for(Duration::from_secs(5), Duration::from_millis(20), || {
+        let l = gw.log();
+        (l.contains("\"action\":\"reset\"") && l.contains("\"action\":\"reload\"")).then_some(l)
+    })
+    .unwrap_or_else(|| panic!("no audit lines: {}", gw.log()));
+    let audit: Vec<&str> = log.lines().filter(|l| l.contains("tollgate::audit")).collect();
+    assert!(
+        audit
+            .iter()
+            .any(|l| l.contains("\"action\":\"reload\"") && l.contains("\"caller\":\"127.0.0.1:")),
+        "{audit:?}"
+    );
+    assert!(
+        audit
+            .iter()
+            .any(|l| l.contains("\"action\":\"reset\"") && l.contains("\"caller\":\"127.0.0.1:")),
+        "{audit:?}"
+    );
+    assert!(
+        !log.contains(TOKEN) && !log.contains(&TOKEN[..TOKEN.len() - 1]),
+        "a token reached the log"
+    );
+    let (_, metrics) = admin_call("GET", &format!("{admin}/metrics"), None);
+    assert!(!metrics.contains(TOKEN));
+}
+
+#[test]
+fn an_exposed_admin_listener_needs_a_token_or_insecure_true() {
+    let dir = tempfile::tempdir().unwrap();
+    let (port, admin_port) = (free_port(), free_port());
+    let admin = format!("0.0.0.0:{admin_port}");
+    let p = write(
+        dir.path(),
+        port,
+        &admin,
+        "upstream: { url: http://127.0.0.1:9 }\n",
+        RULES,
+    );
+    let at = format!(
+        "{}:2:15: admin_listen 0.0.0.0:{admin_port} is not a loopback address",
+        p.display()
+    );
+    let out = check(&p, &[]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains(&at), "{} (want {at})", text(&out.stderr));
+    let err = run_refused(&p, &[]);
+    assert!(err.contains(&at), "run: {err} (want {at})");
+
+    // A token_env naming an unset variable is refused too (never "no token").
+    let p = write(
+        dir.path(),
+        port,
+        &admin,
+        "upstream: { url: http://127.0.0.1:9 }\nadmin: { token_env: TOLLGATE_ADMIN_TOKEN }\n",
+        RULES,
+    );
+    let err = run_refused(&p, &[]);
+    assert!(
+        err.contains(&format!("{}:4:21: admin.token_env", p.display())) && err.contains("not set"),
+        "{err}"
+    );
+    let out = check(&p, &[("TOLLGATE_ADMIN_TOKEN", TOKEN)]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+
+    // insecure: true starts, open, and says so at every start.
+    let p = write(
+        dir.path(),
+        port,
+        &admin,
+        "upstream: { url: http://127.0.0.1:9 }\nadmin: { insecure: true }\n",
+        RULES,
+    );
+    let out = check(&p, &[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("admin.insecure: true"),
+        "{}",
+        text(&out.stdout)
+    );
+    for _ in 0..2 {
+        let gw = run(&p, &[], port, admin_port);
+        let warned = wait_for(Duration::from_secs(5), Duration::from_millis(20), || {
+            gw.log()
+                .lines()
+                .any(|l| l.contains("\"level\":\"WARN\"") && l.contains("admin.insecure: true"))
+                .then_some(())
+        });
+        assert!(warned.is_some(), "no warning: {}", gw.log());
+        let (s, _) = admin_call("GET", &format!("http://127.0.0.1:{admin_port}/rules"), None);
+        assert_eq!(s, 200);
+        drop(gw);
+    }
+}
