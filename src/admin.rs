@@ -95,11 +95,19 @@ async fn route(gw: Arc<Gateway>, req: Request<Incoming>, peer: SocketAddr) -> Re
                 caller = %peer,
                 action = "reload",
                 ok = result.is_ok(),
-                version = result.as_deref().unwrap_or(""),
+                version = result.as_ref().map_or("", |r| r.version.as_str()),
+                changed = result.as_ref().is_ok_and(|r| r.changed),
                 "admin: POST /reload"
             );
             match result {
-                Ok(v) => respond::json_ok(&json!({"result": "ok", "version": v})),
+                Ok(r) => respond::json_ok(&json!({
+                    "result": "ok",
+                    "version": r.version,
+                    "changed": r.changed,
+                    "rules": r.rules,
+                    "keys": r.keys,
+                    "config_file_changed": gw.metrics.config_file_changed.get() == 1,
+                })),
                 Err(e) => {
                     let mut r = respond::json_ok(&json!({"result": "error", "error": e.to_string()}));
                     *r.status_mut() = StatusCode::UNPROCESSABLE_ENTITY;

@@ -1,6 +1,7 @@
 //! The running gateway: shared state, the proxy and admin listeners, graceful shutdown, and the
 //! background tasks (store probe, file watching).
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
@@ -59,6 +60,82 @@ pub struct Gateway {
     pub shadow_seen: AtomicU64,
     /// Serialises reloads (never held across request handling).
     reload_lock: tokio::sync::Mutex<()>,
+    /// SHA-256 of the gateway config file as it was read at start (`None`: not readable then).
+    config_digest: Option<[u8; 32]>,
+}
+
+/// What one successful reload changed.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct ReloadReport {
+    /// The rules version now in force.
+    pub version: String,
+    /// Did anything change (rules or keys)?
+    pub changed: bool,
+    /// Rules added, removed, changed (by name).
+    pub rules: Changes,
+    /// API keys added, removed, changed (by key hash).
+    pub keys: Changes,
+}
+
+/// Counts of added, removed and changed entries.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Changes {
+    /// New entries.
+    pub added: u64,
+    /// Entries gone.
+    pub removed: u64,
+    /// Entries present before and after, but different.
+    pub changed: u64,
+}
+
+impl Changes {
+    /// Compare two maps of name → comparable value.
+    fn between<K: Ord, V: PartialEq>(old: &BTreeMap<K, V>, new: &BTreeMap<K, V>) -> Self {
+        let mut c = Changes::default();
+        for (k, v) in new {
+            match old.get(k) {
+                None => c.added += 1,
+                Some(o) if o != v => c.changed += 1,
+                Some(_) => {}
+            }
+        }
+        c.removed = old.keys().filter(|k| !new.contains_key(k)).count() as u64;
+        c
+    }
+
+    fn any(&self) -> bool {
+        *self != Changes::default()
+    }
+}
+
+/// Each rule's name → everything that decides its behaviour, as comparable text.
+fn rule_signatures(rules: &RuleSet) -> BTreeMap<String, String> {
+    rules
+        .rules
+        .iter()
+        .map(|r| {
+            let overrides: BTreeMap<&String, String> = r.overrides.iter().map(|(k, v)| (k, format!("{v:?}"))).collect();
+            let sig = format!(
+                "{}|{:?}|{:?}|{:?}|{overrides:?}",
+                crate::describe::rule(r),
+                r.limits,
+                r.headers,
+                r.host
+            );
+            (r.name.to_string(), sig)
+        })
+        .collect()
+}
+
+/// Each key hash → its entry.
+fn key_entries(keys: &KeyRegistry) -> BTreeMap<[u8; 32], crate::identity::keys::KeyEntry> {
+    keys.entries().map(|(h, e)| (*h, e.clone())).collect()
+}
+
+/// SHA-256 of a file's bytes, `None` if it cannot be read.
+fn file_digest(path: &std::path::Path) -> Option<[u8; 32]> {
+    use sha2::{Digest, Sha256};
+    std::fs::read(path).ok().map(|b| Sha256::digest(&b).into())
 }
 
 /// Load rules and keys into a snapshot, resolving metric handles.
@@ -131,6 +208,8 @@ impl Gateway {
         let metrics = Metrics::new();
         let snap = load_snapshot(&config, &metrics)?;
         metrics.set_rules_version(&snap.rules.version);
+        metrics.reload_succeeded(snap.loaded_at);
+        let config_digest = file_digest(&config.path);
         let sc = &config.store;
         let store = match sc.kind {
             StoreKind::Memory => Backend::Memory(Arc::new(MemoryStore::new(clock.clone(), sc.memory_max_keys))),
@@ -169,34 +248,83 @@ impl Gateway {
             clock,
             shadow_seen: AtomicU64::new(0),
             reload_lock: tokio::sync::Mutex::new(()),
+            config_digest,
             config,
         });
         Ok(gw)
     }
 
-    /// Reload rules and keys. On error the old snapshot stays in force.
-    pub async fn reload(&self, why: &str) -> Result<String, ConfigError> {
+    /// Reload rules and keys. On error the old snapshot stays in force. Also notices (warning
+    /// and `tollgate_config_file_changed`) when the gateway config file itself was edited: its
+    /// settings (listeners, store, identity) need a restart.
+    pub async fn reload(&self, why: &str) -> Result<ReloadReport, ConfigError> {
         let _guard = self.reload_lock.lock().await;
+        self.check_config_file();
         match load_snapshot(&self.config, &self.metrics) {
             Ok(snap) => {
+                let old = self.snapshot.load();
+                let rules = Changes::between(&rule_signatures(&old.rules), &rule_signatures(&snap.rules));
+                let keys = Changes::between(&key_entries(&old.keys), &key_entries(&snap.keys));
                 let version = snap.rules.version.clone();
-                let changed = self.snapshot.load().rules.version != version;
+                let changed = rules.any() || keys.any() || old.rules.version != version;
+                drop(old);
                 self.metrics.set_rules_version(&version);
+                self.metrics.reload_succeeded(snap.loaded_at);
+                self.metrics
+                    .reload_changed("rules", rules.added, rules.removed, rules.changed);
+                self.metrics
+                    .reload_changed("keys", keys.added, keys.removed, keys.changed);
                 self.snapshot.store(Arc::new(snap));
                 if let Some(d) = &self.limiter.deny {
                     // Limits may have changed: cached denials may no longer be true.
                     d.clear();
                 }
                 self.metrics.reload_ok.inc();
-                tracing::info!(trigger = why, version = %version, changed, "rules reloaded");
-                Ok(version)
+                tracing::info!(
+                    trigger = why,
+                    version = %version,
+                    changed,
+                    rules_added = rules.added,
+                    rules_removed = rules.removed,
+                    rules_changed = rules.changed,
+                    keys_added = keys.added,
+                    keys_removed = keys.removed,
+                    keys_changed = keys.changed,
+                    "rules and keys reloaded"
+                );
+                Ok(ReloadReport {
+                    version,
+                    changed,
+                    rules,
+                    keys,
+                })
             }
             Err(e) => {
                 self.metrics.reload_error.inc();
+                self.metrics.last_reload_success.set(0);
                 tracing::error!(trigger = why, error = %e, "reload refused; previous rules stay in force");
                 Err(e)
             }
         }
+    }
+
+    /// Compare the gateway config file with the one read at start. Its settings are not applied
+    /// live (listeners, store and identity are built once), so an edit is reported: a warning
+    /// when the file starts to differ, and the `tollgate_config_file_changed` gauge while it does.
+    pub fn check_config_file(&self) -> bool {
+        let now = file_digest(&self.config.path);
+        let differs = now != self.config_digest;
+        let was = self.metrics.config_file_changed.get() == 1;
+        if differs && !was {
+            tracing::warn!(
+                file = %self.config.path.display(),
+                "the gateway config file changed on disk; its settings are not reloaded live: restart tollgate to apply them (rules and keys files do reload)"
+            );
+        } else if !differs && was {
+            tracing::info!(file = %self.config.path.display(), "the gateway config file matches the running config again");
+        }
+        self.metrics.config_file_changed.set(i64::from(differs));
+        differs
     }
 
     /// Does the store answer the real script path (within a short deadline)? `/readyz?store=1`

@@ -3,6 +3,7 @@
 //! when rules load ([`Metrics::rule`]), so the request path only increments atomics.
 
 use std::sync::Arc;
+use std::time::SystemTime;
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
 use prometheus_client::metrics::counter::Counter;
@@ -48,6 +49,12 @@ struct ResultLabels {
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StatusLabels {
     status: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ChangeLabels {
+    file: &'static str,
+    change: &'static str,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -100,6 +107,14 @@ pub struct Metrics {
     pub reload_ok: Counter,
     /// Reloads refused.
     pub reload_error: Counter,
+    /// 1 when the last reload succeeded (and at start), 0 after a refused one.
+    pub last_reload_success: Gauge,
+    /// Unix time of the last successful load (start or reload).
+    pub last_reload_success_timestamp: Gauge,
+    /// `tollgate_reload_changes_total{file,change}`.
+    reload_changes: Family<ChangeLabels, Counter>,
+    /// 1 while gateway.yaml on disk differs from the one this process started with.
+    pub config_file_changed: Gauge,
     /// `tollgate_rules_info{version}`.
     rules_info: Family<VersionLabels, Gauge>,
     /// Responses the gateway itself produced for bad requests and errors.
@@ -162,6 +177,30 @@ impl Metrics {
         registry.register("reloads", "Rule/key reloads by result", reloads.clone());
         let reload_ok = reloads.get_or_create(&ResultLabels { result: "ok".into() }).clone();
         let reload_error = reloads.get_or_create(&ResultLabels { result: "error".into() }).clone();
+        let last_reload_success = Gauge::default();
+        registry.register(
+            "last_reload_success",
+            "1 if the last load of the rules and keys (start or reload) succeeded, 0 if it was refused",
+            last_reload_success.clone(),
+        );
+        let last_reload_success_timestamp = Gauge::default();
+        registry.register(
+            "last_reload_success_timestamp_seconds",
+            "Unix time of the last successful load of the rules and keys",
+            last_reload_success_timestamp.clone(),
+        );
+        let reload_changes = Family::<ChangeLabels, Counter>::default();
+        registry.register(
+            "reload_changes",
+            "Rules and API keys added, removed or changed by reloads",
+            reload_changes.clone(),
+        );
+        let config_file_changed = Gauge::default();
+        registry.register(
+            "config_file_changed",
+            "1 while the gateway config file differs from the one running (restart to apply it)",
+            config_file_changed.clone(),
+        );
         let rules_info = Family::<VersionLabels, Gauge>::default();
         registry.register(
             "rules_info",
@@ -188,6 +227,10 @@ impl Metrics {
             upstream_latency,
             reload_ok,
             reload_error,
+            last_reload_success,
+            last_reload_success_timestamp,
+            reload_changes,
+            config_file_changed,
             rules_info,
             local_errors,
         })
@@ -221,6 +264,25 @@ impl Metrics {
                 version: version.to_string(),
             })
             .set(1);
+    }
+
+    /// Count what one reload changed in `file` (`rules` or `keys`).
+    pub fn reload_changed(&self, file: &'static str, added: u64, removed: u64, changed: u64) {
+        for (change, n) in [("added", added), ("removed", removed), ("changed", changed)] {
+            if n > 0 {
+                self.reload_changes
+                    .get_or_create(&ChangeLabels { file, change })
+                    .inc_by(n);
+            }
+        }
+    }
+
+    /// Record a successful load (start or reload) at unix time `now`.
+    pub fn reload_succeeded(&self, now: SystemTime) {
+        self.last_reload_success.set(1);
+        let secs = now.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        self.last_reload_success_timestamp
+            .set(i64::try_from(secs).unwrap_or(i64::MAX));
     }
 
     /// Count a response the gateway made itself.

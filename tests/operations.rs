@@ -434,3 +434,87 @@ fn an_exposed_admin_listener_needs_a_token_or_insecure_true() {
         drop(gw);
     }
 }
+
+/// The value of the metric line starting with `name` (labels included), if present.
+fn metric(body: &str, name: &str) -> Option<String> {
+    body.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+        .map(|l| l.rsplit(' ').next().unwrap_or("").to_string())
+}
+
+#[test]
+fn reloads_report_key_changes_success_and_a_stale_gateway_file() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let up = echo_upstream(&rt);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("keys.yaml"), KEYS).unwrap();
+    let (port, admin_port) = (free_port(), free_port());
+    let body = format!("{}keys_file: keys.yaml\n", upstream_yaml(&up));
+    let p = write(dir.path(), port, &format!("127.0.0.1:{admin_port}"), &body, USER_RULES);
+    let gw = run(&p, &[], port, admin_port);
+    let admin = format!("http://127.0.0.1:{admin_port}");
+    let m = admin_call("GET", &format!("{admin}/metrics"), None).1;
+    assert_eq!(metric(&m, "tollgate_last_reload_success").as_deref(), Some("1"), "{m}");
+    let t0: u64 = metric(&m, "tollgate_last_reload_success_timestamp_seconds")
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(t0 > 1_700_000_000, "{t0}");
+
+    // Adding a key (rules untouched) is a change.
+    let two_keys = format!("{KEYS}  - {{ id: cust_43, sha256: {}, tier: free }}\n", "a".repeat(64));
+    atomic_write(&dir.path().join("keys.yaml"), &two_keys);
+    let (s, body) = admin_call("POST", &format!("{admin}/reload"), None);
+    assert_eq!(s, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["changed"], true, "{v}");
+    assert_eq!(v["keys"]["added"], 1, "{v}");
+    assert_eq!(v["rules"]["added"], 0, "{v}");
+    let logged = wait_for(Duration::from_secs(5), Duration::from_millis(20), || {
+        gw.log()
+            .lines()
+            .any(|l| {
+                l.contains("rules and keys reloaded")
+                    && l.contains("\"changed\":true")
+                    && l.contains("\"keys_added\":1")
+            })
+            .then_some(())
+    });
+    assert!(logged.is_some(), "{}", gw.log());
+    let m = admin_call("GET", &format!("{admin}/metrics"), None).1;
+    assert_eq!(
+        metric(&m, "tollgate_reload_changes_total{file=\"keys\",change=\"added\"}").as_deref(),
+        Some("1"),
+        "{m}"
+    );
+
+    // A refused reload flips the success gauge.
+    atomic_write(&dir.path().join("rules.yaml"), "rules: [ {");
+    let (s, _) = admin_call("POST", &format!("{admin}/reload"), None);
+    assert_eq!(s, 422);
+    let m = admin_call("GET", &format!("{admin}/metrics"), None).1;
+    assert_eq!(metric(&m, "tollgate_last_reload_success").as_deref(), Some("0"), "{m}");
+    atomic_write(&dir.path().join("rules.yaml"), USER_RULES);
+    let (s, body) = admin_call("POST", &format!("{admin}/reload"), None);
+    assert_eq!(s, 200, "{body}");
+    let m = admin_call("GET", &format!("{admin}/metrics"), None).1;
+    assert_eq!(metric(&m, "tollgate_last_reload_success").as_deref(), Some("1"), "{m}");
+
+    // Editing gateway.yaml is not applied live, and says so.
+    let m = admin_call("GET", &format!("{admin}/metrics"), None).1;
+    assert_eq!(metric(&m, "tollgate_config_file_changed").as_deref(), Some("0"), "{m}");
+    let text = std::fs::read_to_string(&p).unwrap() + "limits: { deny_cache: false }\n";
+    atomic_write(&p, &text);
+    let stale = wait_for(Duration::from_secs(5), Duration::from_millis(50), || {
+        let m = admin_call("GET", &format!("{admin}/metrics"), None).1;
+        (metric(&m, "tollgate_config_file_changed").as_deref() == Some("1")).then_some(())
+    });
+    assert!(stale.is_some(), "an edited gateway.yaml went unnoticed");
+    assert!(
+        gw.log()
+            .lines()
+            .any(|l| l.contains("\"level\":\"WARN\"") && l.contains("gateway config file changed on disk")),
+        "{}",
+        gw.log()
+    );
+}

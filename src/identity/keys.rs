@@ -90,6 +90,16 @@ impl KeyRegistry {
         self.by_hash.get(&h)
     }
 
+    /// Every registered key: its SHA-256 and entry (for reload diffs and the admin API).
+    pub fn entries(&self) -> impl Iterator<Item = (&[u8; 32], &KeyEntry)> {
+        self.by_hash.iter()
+    }
+
+    /// Is `id` a registered key id?
+    pub fn has_id(&self, id: &str) -> bool {
+        self.by_hash.values().any(|e| &*e.id == id)
+    }
+
     /// Number of registered keys.
     pub fn len(&self) -> usize {
         self.by_hash.len()
