@@ -90,6 +90,11 @@ impl KeyRegistry {
         self.by_hash.get(&h)
     }
 
+    /// True when a registered key has the id `id` (admin lookups; a linear scan).
+    pub fn has_id(&self, id: &str) -> bool {
+        self.by_hash.values().any(|e| &*e.id == id)
+    }
+
     /// Number of registered keys.
     pub fn len(&self) -> usize {
         self.by_hash.len()
