@@ -11,9 +11,10 @@ use http::{HeaderMap, HeaderValue, Method};
 use tollgate::clock::SystemClock;
 use tollgate::config::{parse_str, raw::RawGateway, EnvOverrides, GatewayConfig};
 use tollgate::identity::{identify, KeyRegistry};
+use tollgate::limiter::keys::{KeyBuilder, Namespace};
 use tollgate::limiter::memory::MemoryStore;
-use tollgate::limiter::{Algorithm, LimitCheck, Quota, StoreKey};
-use tollgate::rules::{normalize, KeyBuilder, KeyValue, RequestInfo, RuleSet};
+use tollgate::limiter::{Algorithm, LimitCheck, Quota};
+use tollgate::rules::{normalize, RequestInfo, RuleSet};
 
 fn thousand_rules() -> RuleSet {
     let mut y = String::from("rules:\n");
@@ -141,7 +142,7 @@ fn bench_memory_store(c: &mut Criterion) {
         };
         let keys: Vec<LimitCheck> = (0..1024)
             .map(|i| LimitCheck {
-                key: StoreKey(kb.key(&kb.tag(KeyValue::Str(&format!("user{i}")), ""), "r", &q)),
+                key: kb.key(&kb.tag(Namespace::Jwt, format!("user{i}").as_bytes()), "r", 0),
                 quota: q,
                 cost: 1,
                 shadow: false,
@@ -158,14 +159,9 @@ fn bench_memory_store(c: &mut Criterion) {
         });
     }
     g.bench_function("store_key_build", |b| {
-        let q = Quota::window(
-            Algorithm::SlidingWindow,
-            NonZeroU64::new(5).expect("nz"),
-            NonZeroU64::new(60_000_000).expect("nz"),
-        );
         b.iter(|| {
-            let tag = kb.tag(KeyValue::Str(black_box("203.0.113.9")), "");
-            black_box(kb.key(&tag, "search", &q))
+            let tag = kb.tag(Namespace::Ip, black_box(b"203.0.113.9"));
+            black_box(kb.key(&tag, "search", 0))
         })
     });
     g.finish();

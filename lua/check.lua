@@ -31,8 +31,12 @@
 --   little-endian IEEE doubles, 8 bytes per number (exact: every value is an integer in
 --   0 .. 2^53). A client then parses one bulk string instead of 1 + 5 n integers, which for the
 --   gateway's Redis client was the costliest part of a batched request.
--- peek: as a cost-0 check with cost forced to 0, writing nothing; allowed = -1 where the key
---   does not exist.
+-- peek: as a cost-0 check with cost forced to 0, writing nothing (state of another shape is
+--   converted in the reply only); allowed = -1 where the key does not exist.
+-- Every limit argument is checked before anything runs: whole numbers, limit 1..10^12,
+--   interval 1..10 years in us (buckets: limit * interval too), cost 0..10^12, sliding log
+--   limit and cost at most 10,000, shadow 0 or 1, now below 2^52. Anything else (negative,
+--   fractional, non-finite, huge) is an error reply and changes nothing.
 -- refund: ARGV[2] must be the `now` the check used (or "" for Redis time); gives back `cost`
 --   on every key (see each algorithm's *_refund). Reply: { now }.
 
@@ -53,20 +57,30 @@ else
   now = tonumber(ARGV[2])
 end
 local n = #KEYS
-if now == nil then
+if not tg_whole(now, 0, TG_MAX_NOW) then
   return redis.error_reply('ERR tollgate: bad arguments (now)')
 end
 
--- Parse the 5 arguments starting after ARGV[b].
+-- Parse the 5 arguments starting after ARGV[b]; nil unless every one is a whole number within
+-- the bounds (common.lua) and the shadow flag is 0 or 1.
 local function args_at(b)
-  local algo = ALGOS[tg_num(ARGV[b + 1])]
+  local code = tg_num(ARGV[b + 1])
   local limit = tg_num(ARGV[b + 2])
   local interval = tg_num(ARGV[b + 3])
   local cost = tg_num(ARGV[b + 4])
-  if algo == nil or limit == nil or interval == nil or interval <= 0 or cost == nil then
+  local shadow = ARGV[b + 5]
+  if not tg_whole(code, 1, 5) or not tg_whole(limit, 1, TG_MAX_UNITS)
+    or not tg_whole(interval, 1, TG_MAX_SPAN) or not tg_whole(cost, 0, TG_MAX_UNITS)
+    or (shadow ~= '0' and shadow ~= '1') then
     return nil
   end
-  return algo, limit, interval, cost, ARGV[b + 5] == '1'
+  if (code == 1 or code == 2) and limit * interval > TG_MAX_SPAN then
+    return nil
+  end
+  if code == 4 and (limit > TG_MAX_LOG or cost > TG_MAX_LOG) then
+    return nil
+  end
+  return ALGOS[code], limit, interval, cost, shadow == '1'
 end
 
 -- Parse the 5 arguments of key j (peek and refund layout).

@@ -13,9 +13,38 @@
 -- redis.call with "%.17g" (exact for these integers) and a number in a reply by truncation.
 -- `tostring` is NOT exact ("%.14g"): build strings from numbers with string.format('%d', x).
 
--- Run a read command; a WRONGTYPE (or any) error reads as "no state". This happens only when a
--- rule changed algorithm on reload while keeping its name and window, so the old counter has
--- another Redis type; the limit then starts afresh and the next spend replaces the key.
+-- Bounds (mirrors of src/limiter/algorithm.rs): the gateway's validation keeps every rule
+-- within them, and the script refuses any argument outside them (negative, fractional,
+-- non-finite or huge), so a direct caller can neither mint quota nor stall Redis.
+local TG_MAX_UNITS = 1000000000000       -- MAX_UNITS: limit, capacity, cost
+local TG_MAX_SPAN = 316224000000000      -- MAX_SPAN_US: window, or capacity * interval (10 years)
+local TG_MAX_LOG = 10000                 -- MAX_LOG_ENTRIES: sliding-log limit and cost
+local TG_MAX_NOW = 4503599627370496      -- 2^52 us: year 2112
+
+-- True when x is a whole number in [lo, hi] (false for nil, NaN and infinities).
+local function tg_whole(x, lo, hi)
+  return x ~= nil and x == x and x >= lo and x <= hi and x == math.floor(x)
+end
+
+-- ceil(a / b) for whole a >= 0, b > 0 below 2^53, exactly (a double division can round across
+-- an integer).
+local function tg_div_ceil(a, b)
+  local q = math.floor(a / b)
+  if q * b > a then
+    q = q - 1
+  end
+  if q * b < a then
+    q = q + 1
+  end
+  return q
+end
+
+-- Writes allowed in this call (check and refund); peek writes nothing, and converts state of
+-- another shape only in its own view (TG_SEEN).
+local TG_WRITE = ARGV[1] ~= 'peek'
+
+-- Run a read command; a WRONGTYPE (or any) error reads as "no state" with `bad` set: the key
+-- holds a limit of another algorithm (a reload changed it), which the readers convert.
 local function tg_read(...)
   local r = redis.pcall(...)
   if type(r) == 'table' and r.err then
@@ -70,6 +99,63 @@ end
 
 local function tg_forget(key)
   TG_SEEN[key] = nil
+end
+
+-- Units the state at `key` still holds at `now`, whatever algorithm or window wrote it, rounded
+-- up (conservative): the consumption a reload carries over to a limit of another shape, counted
+-- for that limit's `span` (its window, or a bucket's capacity * interval) where the old state
+-- keeps timestamps (a sliding log). Mirrors `used` in src/limiter/algorithm.rs.
+local function tg_used(key, now, span)
+  local t = redis.call('TYPE', key)['ok']
+  if t == 'string' then
+    local tat, iv = string.match(redis.call('GET', key) or '', '^(%d+):(%d+)$')
+    tat, iv = tonumber(tat), tonumber(iv)
+    if not tat or not iv or iv <= 0 or tat <= now then
+      return 0
+    end
+    return tg_div_ceil(tat - now, iv)
+  elseif t == 'hash' then
+    local r = redis.call('HMGET', key, 'i', 'p', 'c', 'q')
+    local fam, w = string.match(r[4] or '', '^(%a):(%d+)$')
+    w = tonumber(w)
+    local i = tonumber(r[1])
+    if not w or w <= 0 or not i then
+      return 0
+    end
+    local index = math.floor(now / w)
+    if fam == 'f' then
+      if i == index then
+        return tonumber(r[3]) or 0
+      end
+      return 0
+    elseif fam == 's' then
+      local prev, curr = 0, 0
+      if i == index then
+        prev, curr = tonumber(r[2]) or 0, tonumber(r[3]) or 0
+      elseif i + 1 == index then
+        prev = tonumber(r[3]) or 0
+      end
+      local elapsed = now - index * w
+      return math.max(math.ceil(prev * (w - elapsed) / w + curr), 0)
+    end
+    return 0
+  elseif t == 'zset' then
+    return redis.call('ZCOUNT', key, string.format('(%d', math.max(now - span, 0)), '+inf')
+  end
+  return 0
+end
+
+-- The shape string of a hash-kept limit, "<family>:<window>" (f: fixed, s: sliding window),
+-- memoised: every request of a batch asks for the same few.
+local TG_SHAPES = { f = {}, s = {} }
+
+local function tg_shape(fam, w)
+  local v = TG_SHAPES[fam][w]
+  if v == nil then
+    v = fam .. ':' .. string.format('%d', w)
+    TG_SHAPES[fam][w] = v
+  end
+  return v
 end
 
 -- tonumber, memoised by string: a batch repeats the same few limit arguments ("1000000" ...)

@@ -2,28 +2,53 @@
 --
 -- A fragment: src/limiter/redis.rs concatenates common.lua, token_bucket.lua,
 -- leaky_bucket.lua, this file, sliding_log.lua, sliding_window.lua and check.lua into one
--- script; check.lua dispatches code 3 to the functions below. Mirrors `fixed_eval` / `spend`
--- in src/limiter/algorithm.rs: windows aligned to the epoch, index = floor(now / window).
+-- script; check.lua dispatches code 3 to the functions below. Mirrors `fixed_eval` / `spend` /
+-- `refund` in src/limiter/algorithm.rs: windows aligned to the epoch, index = floor(now / window).
 --
--- KEY   one HASH per limit: i = window index, c = units admitted in that window. Expires
---       (PEXPIREAT, see common.lua) at the end of window i.
+-- KEY   one HASH per limit: i = window index, c = units admitted in that window, q = "f:<window>"
+--       (the shape it was written under). Expires (PEXPIREAT, see common.lua) at the end of
+--       window i. A key of another shape (a reload changed the algorithm or the window) is
+--       converted first: the units it still holds count in the current window (tg_used).
 -- ARGV  (per key, passed by check.lua) limit = units per window, interval = window in
 --       microseconds, cost = units this request takes.
 -- Reply (per key) allowed (1/0), remaining, reset_us (until the window ends),
 --       retry_after_us (= reset_us when denied, else 0), delay_us (0).
 
--- The stored (index, count), or nil (absent, or another type: `bad` is then true).
-local function fw_get(key)
-  local r, bad = tg_read_key('fw', key, 'HMGET', 'i', 'c')
-  if not r or not r[1] then
-    return nil, 0, bad
+-- Write (or, in peek, only remember) a fresh window `index` holding `count` units.
+local function fw_put(key, index, count, w, q)
+  if TG_WRITE then
+    redis.call('HSET', key, 'i', index, 'c', count, 'q', q)
+    redis.call('PEXPIREAT', key, tg_at_ms((index + 1) * w))
   end
-  return tonumber(r[1]), tonumber(r[2]) or 0, false
+  tg_remember('fw', key, { index, count, q })
+end
+
+-- The stored (index, count) under this window, or nil; state of another shape is converted.
+local function fw_get(key, now, limit, w)
+  local q = tg_shape('f', w)
+  local r, bad = tg_read_key('fw', key, 'HMGET', 'i', 'c', 'q')
+  if not bad and (not r or not r[1]) then
+    return nil, 0
+  end
+  if not bad and r[3] == q then
+    return tonumber(r[1]), tonumber(r[2]) or 0
+  end
+  local used = math.min(tg_used(key, now, w), limit)
+  local index = math.floor(now / w)
+  if TG_WRITE then
+    redis.call('DEL', key)
+  end
+  if used <= 0 then
+    tg_remember('fw', key, false)
+    return nil, 0
+  end
+  fw_put(key, index, used, w, q)
+  return index, used
 end
 
 local function fw_eval(key, now, limit, w, cost)
   local index = math.floor(now / w)
-  local i, c = fw_get(key)
+  local i, c = fw_get(key, now, limit, w)
   local count = 0
   if i == index then
     count = c
@@ -37,26 +62,22 @@ end
 
 local function fw_spend(key, now, limit, w, cost)
   local index = math.floor(now / w)
-  local i, c, bad = fw_get(key)
-  if bad then
-    redis.call('DEL', key)
-  end
+  local i, c = fw_get(key, now, limit, w)
   if i == index then
     -- Same window: the key already expires at its end (set when the window began).
-    tg_remember('fw', key, { index, redis.call('HINCRBY', key, 'c', cost) })
+    tg_remember('fw', key, { index, redis.call('HINCRBY', key, 'c', cost), tg_shape('f', w) })
   else
-    redis.call('HSET', key, 'i', index, 'c', cost)
-    redis.call('PEXPIREAT', key, tg_at_ms((index + 1) * w))
-    tg_remember('fw', key, { index, cost })
+    fw_put(key, index, cost, w, tg_shape('f', w))
   end
 end
 
--- Give back `cost` units if the window the check counted them in is still the stored one.
+-- Give back `cost` units if the window the check counted them in is still the stored one
+-- (and the key was not converted to another shape since).
 local function fw_refund(key, now, limit, w, cost)
   local index = math.floor(now / w)
-  local i, c = fw_get(key)
-  if i == index then
-    redis.call('HSET', key, 'c', math.max(c - cost, 0))
+  local r = tg_read('HMGET', key, 'i', 'c', 'q')
+  if r and tonumber(r[1]) == index and r[3] == tg_shape('f', w) then
+    redis.call('HSET', key, 'c', math.max((tonumber(r[2]) or 0) - cost, 0))
     tg_forget(key)
   end
 end

@@ -10,7 +10,9 @@
 --       more than the largest seq already stored at that score, so members stay unique even
 --       for several requests in the same microsecond and across refunds. Entries at or before
 --       now - window are removed when the key is next spent on. Expires (PEXPIREAT) one window
---       after the newest entry.
+--       after the newest entry. A log needs no shape: its timestamps hold under any window. A key
+--       of another type (a reload changed the algorithm) is converted first: the units it still
+--       holds become entries at `now` (tg_used). At most TG_MAX_LOG entries per key.
 -- ARGV  (per key, passed by check.lua) limit = units per window, interval = window in
 --       microseconds, cost = units this request takes.
 -- Reply (per key) allowed (1/0), remaining, reset_us (until the oldest entry leaves),
@@ -32,9 +34,43 @@ local function sl_nth(key, lo, n)
   return tonumber(r[2])
 end
 
+-- Add `n` entries at `now` (members "<now>:<seq>", seq from `seq`), in chunks.
+local function sl_add(key, now, seq, n)
+  local prefix = string.format('%d:', now)
+  local args = {}
+  for j = 0, n - 1 do
+    args[#args + 1] = now
+    args[#args + 1] = prefix .. string.format('%012d', seq + j)
+    if #args >= 2000 then
+      redis.call('ZADD', key, unpack(args))
+      args = {}
+    end
+  end
+  if #args > 0 then
+    redis.call('ZADD', key, unpack(args))
+  end
+end
+
 local function sl_eval(key, now, limit, w, cost)
   local lo = string.format('(%d', sl_floor(now, w))
-  local count = tg_read('ZCOUNT', key, lo, '+inf') or 0
+  local count, bad = tg_read('ZCOUNT', key, lo, '+inf')
+  if bad then
+    -- Another algorithm's state: carry its units over as entries at now.
+    local used = math.min(tg_used(key, now, w), limit)
+    if not TG_WRITE then
+      if used + cost <= limit then
+        return true, limit - used - cost, w, 0, 0
+      end
+      return false, math.max(limit - used, 0), w, w, 0
+    end
+    redis.call('DEL', key)
+    if used > 0 then
+      sl_add(key, now, 0, used)
+      redis.call('PEXPIREAT', key, tg_at_ms(now + w))
+    end
+    count = used
+  end
+  count = count or 0
   local oldest = now
   if count > 0 then
     oldest = sl_nth(key, lo, 0) or now
@@ -65,19 +101,7 @@ local function sl_spend(key, now, limit, w, cost)
         seq = tonumber(s) + 1
       end
     end
-    local prefix = string.format('%d:', now)
-    local args = {}
-    for j = 0, cost - 1 do
-      args[#args + 1] = now
-      args[#args + 1] = prefix .. string.format('%012d', seq + j)
-      if #args >= 2000 then
-        redis.call('ZADD', key, unpack(args))
-        args = {}
-      end
-    end
-    if #args > 0 then
-      redis.call('ZADD', key, unpack(args))
-    end
+    sl_add(key, now, seq, cost)
   end
   redis.call('PEXPIREAT', key, tg_at_ms(now + w))
 end

@@ -3,36 +3,61 @@
 -- A fragment: src/limiter/redis.rs concatenates common.lua, token_bucket.lua,
 -- leaky_bucket.lua, fixed_window.lua, sliding_log.lua, this file and check.lua into one
 -- script; check.lua dispatches code 5 to the functions below. Mirrors `roll_sliding` /
--- `sliding_eval` / `spend` in src/limiter/algorithm.rs, including the floating-point
--- expressions, written in the same order so both stores round identically:
+-- `sliding_eval` / `spend` / `refund` in src/limiter/algorithm.rs, including the
+-- floating-point expressions, written in the same order so both stores round identically:
 --   estimate = previous * (window - elapsed) / window + current;  admit if estimate + cost <= limit
 --
 -- KEY   one HASH per limit: i = index of the current window (floor(now / window)),
---       p = units admitted in window i - 1, c = units admitted in window i. Expires (PEXPIREAT)
---       at the end of window i + 1, after which p would be 0 too.
+--       p = units admitted in window i - 1, c = units admitted in window i, q = "s:<window>"
+--       (the shape it was written under). Expires (PEXPIREAT) at the end of window i + 1, after
+--       which p would be 0 too. A key of another shape (a reload changed the algorithm or the
+--       window) is converted first: the units it still holds count in the current window.
 -- ARGV  (per key, passed by check.lua) limit = units per window, interval = window in
 --       microseconds, cost = units this request takes.
 -- Reply (per key) allowed (1/0), remaining (floored), reset_us, retry_after_us (0 when
 --       allowed), delay_us (0).
 
--- The state rolled to now's window: index, previous, current (and `bad` for another type).
-local function sw_roll(key, now, w)
+-- Write (or, in peek, only remember) window `index` with counts prev, curr.
+local function sw_put(key, index, prev, curr, w, q)
+  if TG_WRITE then
+    redis.call('HSET', key, 'i', index, 'p', prev, 'c', curr, 'q', q)
+    redis.call('PEXPIREAT', key, tg_at_ms((index + 2) * w))
+  end
+  tg_remember('sw', key, { index, prev, curr, q })
+end
+
+-- The state rolled to now's window: index, previous, current, and whether the stored window is
+-- now's (so a spend only moves the count). State of another shape is converted first.
+local function sw_roll(key, now, limit, w)
   local index = math.floor(now / w)
-  local r, bad = tg_read_key('sw', key, 'HMGET', 'i', 'p', 'c')
+  local q = tg_shape('s', w)
+  local r, bad = tg_read_key('sw', key, 'HMGET', 'i', 'p', 'c', 'q')
+  if bad or (r and r[1] and r[4] ~= q) then
+    local used = math.min(tg_used(key, now, w), limit)
+    if TG_WRITE then
+      redis.call('DEL', key)
+    end
+    if used <= 0 then
+      tg_remember('sw', key, false)
+      return index, 0, 0, false
+    end
+    sw_put(key, index, 0, used, w, q)
+    return index, 0, used, true
+  end
   local i = nil
   if r and r[1] then
     i = tonumber(r[1])
   end
   if i == index then
-    return index, tonumber(r[2]) or 0, tonumber(r[3]) or 0, bad, true
+    return index, tonumber(r[2]) or 0, tonumber(r[3]) or 0, true
   elseif i ~= nil and i + 1 == index then
-    return index, tonumber(r[3]) or 0, 0, bad
+    return index, tonumber(r[3]) or 0, 0, false
   end
-  return index, 0, 0, bad
+  return index, 0, 0, false
 end
 
 local function sw_eval(key, now, limit, w, cost)
-  local index, prev, curr = sw_roll(key, now, w)
+  local index, prev, curr = sw_roll(key, now, limit, w)
   local elapsed = now - index * w
   local estimate = prev * (w - elapsed) / w + curr
   if estimate + cost <= limit then
@@ -60,26 +85,23 @@ local function sw_eval(key, now, limit, w, cost)
 end
 
 local function sw_spend(key, now, limit, w, cost)
-  local index, prev, curr, bad, same = sw_roll(key, now, w)
-  if bad then
-    redis.call('DEL', key)
-  end
-  if same and not bad then
+  local index, prev, curr, same = sw_roll(key, now, limit, w)
+  local q = tg_shape('s', w)
+  if same then
     -- Same window: only the count moves; the expiry, set when the window began, stands.
-    tg_remember('sw', key, { index, prev, redis.call('HINCRBY', key, 'c', cost) })
+    tg_remember('sw', key, { index, prev, redis.call('HINCRBY', key, 'c', cost), q })
   else
-    redis.call('HSET', key, 'i', index, 'p', prev, 'c', curr + cost)
-    redis.call('PEXPIREAT', key, tg_at_ms((index + 2) * w))
-    tg_remember('sw', key, { index, prev, curr + cost })
+    sw_put(key, index, prev, curr + cost, w, q)
   end
 end
 
 -- Give back `cost` units counted at `now`: from c if the window has not moved since, from p if
--- it moved on by exactly one window; later than that they no longer count anyway.
+-- it moved on by exactly one window; later than that they no longer count anyway. A key
+-- converted to another shape since keeps its units.
 local function sw_refund(key, now, limit, w, cost)
   local index = math.floor(now / w)
-  local r = tg_read('HMGET', key, 'i', 'p', 'c')
-  if not r or not r[1] then
+  local r = tg_read('HMGET', key, 'i', 'p', 'c', 'q')
+  if not r or not r[1] or r[4] ~= tg_shape('s', w) then
     return
   end
   local i = tonumber(r[1])

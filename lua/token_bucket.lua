@@ -3,28 +3,61 @@
 -- A fragment: src/limiter/redis.rs concatenates common.lua, this file, leaky_bucket.lua,
 -- fixed_window.lua, sliding_log.lua, sliding_window.lua and check.lua into one script. Only
 -- check.lua reads KEYS/ARGV; this file defines the functions it dispatches to for code 1 (and,
--- through leaky_bucket.lua, code 2). Mirrors `bucket_eval` / `spend` in
+-- through leaky_bucket.lua, code 2). Mirrors `bucket_eval` / `spend` / `refund` in
 -- src/limiter/algorithm.rs line for line.
 --
--- KEY   one STRING per limit: the theoretical arrival time `tat` (integer microseconds since
---       the epoch); the bucket is full when tat <= now. Expires (SET PXAT) when it is full again.
+-- KEY   one STRING per limit: "<tat>:<interval>", the theoretical arrival time `tat` (integer
+--       microseconds since the epoch; the bucket is full when tat <= now) and the interval it
+--       was written under. Expires (SET PXAT) when it is full again. A key of another shape (a
+--       reload changed the algorithm or the rate) is converted first: the units it still holds
+--       are spent again at `now` under this rate (see tg_used in common.lua).
 -- ARGV  (per key, passed by check.lua) limit = capacity, interval = microseconds per unit
 --       (1 / rate), cost = units this request takes.
 -- Reply (per key, in check.lua's reply) allowed (1/0), remaining (floored units),
 --       reset_us (until full), retry_after_us (0 when allowed), delay_us (0 here).
 
--- The stored tat, or nil (absent or of another type: `bad` is then true).
-local function bucket_get(key)
-  local v, bad = tg_read_key('bucket', key, 'GET')
-  if not v then
-    return nil, bad
+-- Write (or, in peek, only remember) the bucket state tat under interval t.
+local function bucket_put(key, tat, t)
+  local v = string.format('%d:%d', tat, t)
+  if TG_WRITE then
+    redis.call('SET', key, v, 'PXAT', tg_at_ms(tat))
   end
-  return tonumber(v), false
+  tg_remember('bucket', key, v)
+end
+
+-- The stored tat under interval t, or nil when there is none; state of another shape is
+-- converted first.
+local function bucket_get(key, now, limit, t)
+  local v, bad = tg_read_key('bucket', key, 'GET')
+  if not v and not bad then
+    return nil
+  end
+  local tat, iv
+  if not bad then
+    tat, iv = string.match(v, '^(%d+):(%d+)$')
+  end
+  if tonumber(iv) == t then
+    return tonumber(tat)
+  end
+  local used = math.min(tg_used(key, now, limit * t), limit)
+  if TG_WRITE then
+    redis.call('DEL', key)
+  end
+  tg_forget(key)
+  if used <= 0 then
+    if not TG_WRITE then
+      tg_remember('bucket', key, false)
+    end
+    return nil
+  end
+  local seeded = now + used * t
+  bucket_put(key, seeded, t)
+  return seeded
 end
 
 -- Decide without writing. `leaky` reports the wait before forwarding as delay.
 local function bucket_eval(key, now, limit, t, cost, leaky)
-  local tat = bucket_get(key)
+  local tat = bucket_get(key, now, limit, t)
   if not tat then
     tat = now
   end
@@ -47,23 +80,22 @@ local function tb_eval(key, now, limit, t, cost)
 end
 
 -- Spend `cost` units: tat = max(tat, now) + cost * t; the key expires when the bucket is full.
--- SET replaces a key of any type, so a stale key of another algorithm needs no DEL.
 local function tb_spend(key, now, limit, t, cost)
-  local tat = bucket_get(key)
+  local tat = bucket_get(key, now, limit, t)
   if not tat or tat < now then
     tat = now
   end
-  local new_tat = tat + cost * t
-  redis.call('SET', key, new_tat, 'PXAT', tg_at_ms(new_tat))
-  tg_remember('bucket', key, new_tat)
+  bucket_put(key, tat + cost * t, t)
 end
 
--- Give back `cost` units: tat -= cost * t (the expiry stays; it is then merely late).
+-- Give back `cost` units: tat -= cost * t (the expiry stays; it is then merely late). A key of
+-- another shape (converted since the check) keeps its units.
 local function tb_refund(key, now, limit, t, cost)
-  local tat = bucket_get(key)
-  if not tat then
+  local v = tg_read('GET', key)
+  local tat, iv = string.match(v or '', '^(%d+):(%d+)$')
+  if not tat or tonumber(iv) ~= t then
     return
   end
-  redis.call('SET', key, tat - cost * t, 'KEEPTTL')
+  redis.call('SET', key, string.format('%d:%d', tonumber(tat) - cost * t, t), 'KEEPTTL')
   tg_forget(key)
 end

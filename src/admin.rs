@@ -24,8 +24,9 @@ use crate::gateway::{Gateway, Snapshot};
 use crate::http::respond::{self, GatewayError};
 use crate::http::ProxyBody;
 use crate::identity::identify;
+use crate::limiter::keys::{KeyBuilder, Namespace};
 use crate::limiter::{LimitCheck, Store, StoreKey};
-use crate::rules::{key_value, normalize, window_text, KeyBuilder, KeyKind, KeyValue, RequestInfo, Rule};
+use crate::rules::{caller, key_value, normalize, window_text, KeyKind, RequestInfo, Rule};
 
 /// Serve the admin API until `stop`.
 pub async fn serve(gw: Arc<Gateway>, listener: TcpListener, mut stop: watch::Receiver<bool>) {
@@ -156,7 +157,7 @@ async fn route(gw: Arc<Gateway>, req: Request<Incoming>, peer: SocketAddr) -> Re
                             target: "tollgate::audit",
                             caller = %peer,
                             action = "reset",
-                            identity_hash = %gw.keys.tag(KeyValue::Str(&who), ""),
+                            identity_hash = %identity_hash(&gw.keys, &snap, &who),
                             counters = keys.len(),
                             "admin: DELETE /keys: counters reset"
                         );
@@ -189,7 +190,7 @@ async fn route(gw: Arc<Gateway>, req: Request<Incoming>, peer: SocketAddr) -> Re
                         })
                         .collect();
                     respond::json_ok(
-                        &json!({"identity_hash": gw.keys.tag(KeyValue::Str(&who), ""), "counters": counters}),
+                        &json!({"identity_hash": identity_hash(&gw.keys, &snap, &who), "counters": counters}),
                     )
                 }
                 Err(e) => {
@@ -203,19 +204,34 @@ async fn route(gw: Arc<Gateway>, req: Request<Incoming>, peer: SocketAddr) -> Re
     }
 }
 
-/// Every counter an identity value (user id, key id, IP, org, header value) can have.
+/// Every counter an identity value (user id, key id, IP, org, header value) can have, with
+/// the namespace each rule's key kind gives that value (see `limiter::keys`): a registered key
+/// id is an API key, an address is an IP, anything else a JWT user.
 fn identity_checks(keys: &KeyBuilder, snap: &Snapshot, who: &str) -> (Vec<LimitCheck>, Vec<(String, String)>) {
-    let tag = keys.tag(KeyValue::Str(who), "");
+    let is_ip = who.parse::<IpAddr>().is_ok();
+    let caller_ns = if snap.keys.has_id(who) {
+        Namespace::ApiKey
+    } else if is_ip {
+        Namespace::Ip
+    } else {
+        Namespace::Jwt
+    };
     let mut checks = Vec::new();
     let mut meta = Vec::new();
     for r in &snap.rules.rules {
-        if r.key == KeyKind::Global {
-            continue;
-        }
+        let ns = match r.key {
+            KeyKind::Global => continue,
+            KeyKind::User => caller_ns,
+            KeyKind::Ip if is_ip => Namespace::Ip,
+            KeyKind::Ip => continue,
+            KeyKind::Org => Namespace::Org,
+            KeyKind::Header(_) => Namespace::Header,
+        };
+        let tag = keys.tag(ns, who.as_bytes());
         let limits = r.overrides.get(who).unwrap_or(&r.limits);
-        for q in limits {
+        for (n, q) in limits.iter().enumerate() {
             checks.push(LimitCheck {
-                key: StoreKey(keys.key(&tag, &r.name, q)),
+                key: keys.key(&tag, &r.name, n),
                 quota: *q,
                 cost: 0,
                 shadow: r.shadow,
@@ -235,6 +251,18 @@ fn quota_json(q: &crate::limiter::Quota) -> Value {
         }
         _ => json!({"limit": q.limit.get(), "window": window_text(q.window_us.get())}),
     }
+}
+
+/// The hash an identity value is logged under (its caller namespace, as in `identity_checks`).
+fn identity_hash(keys: &KeyBuilder, snap: &Snapshot, who: &str) -> String {
+    let ns = if snap.keys.has_id(who) {
+        Namespace::ApiKey
+    } else if who.parse::<IpAddr>().is_ok() {
+        Namespace::Ip
+    } else {
+        Namespace::Jwt
+    };
+    keys.tag(ns, who.as_bytes())
 }
 
 fn rule_json(r: &Rule) -> Value {
@@ -318,11 +346,12 @@ pub fn explain(
             if c.chosen {
                 match key_value(&r.key, &ident, headers, &ip_text) {
                     Some(val) => {
-                        let tag = keys.tag(val, &r.name);
+                        let tag = val.tag(keys, &r.name);
                         let ks: Vec<Value> = r
                             .limits_for(&ident)
                             .iter()
-                            .map(|q| json!({"store_key": keys.key(&tag, &r.name, q), "algorithm": q.algorithm.as_str(), "limit": q.limit.get(), "window": window_text(q.window_us.get()), "cost": r.cost}))
+                            .enumerate()
+                            .map(|(n, q)| json!({"store_key": keys.key(&tag, &r.name, n).as_str(), "algorithm": q.algorithm.as_str(), "limit": q.limit.get(), "window": window_text(q.window_us.get()), "cost": r.cost}))
                             .collect();
                         v["limits"] = Value::Array(ks);
                         v["override"] = Value::Bool(r.overrides.contains_key(&*ident.id));
@@ -337,7 +366,7 @@ pub fn explain(
         "request": {"method": method.as_str(), "path": pq, "normalized_path": &*norm},
         "identity": {
             "kind": ident.kind.as_str(),
-            "id": if ident.kind == crate::identity::IdentityKind::Ip { ident.id.to_string() } else { format!("{} (hash {})", ident.id, keys.tag(KeyValue::Str(&ident.id), "")) },
+            "id": if ident.kind == crate::identity::IdentityKind::Ip { ident.id.to_string() } else { format!("{} (hash {})", ident.id, caller(&ident).tag(keys, "")) },
             "tier": &*ident.tier,
             "org": ident.org.as_deref(),
             "ip": ident.ip.to_string(),

@@ -17,13 +17,13 @@ use tokio::sync::{watch, Semaphore};
 use crate::clock::{SharedClock, SystemClock};
 use crate::config::{ConfigError, GatewayConfig, StoreKind};
 use crate::identity::KeyRegistry;
-use crate::limiter::breaker::Breaker;
 use crate::limiter::deny_cache::DenyCache;
+use crate::limiter::keys::KeyBuilder;
 use crate::limiter::memory::MemoryStore;
 use crate::limiter::redis::{RedisMode, RedisStore};
 use crate::limiter::{Backend, Limiter, Store, StoreError};
 use crate::metrics::{Metrics, RuleMetrics};
-use crate::rules::{KeyBuilder, RuleSet};
+use crate::rules::RuleSet;
 
 /// Everything one request reads, swapped whole on reload.
 pub struct Snapshot {
@@ -154,11 +154,8 @@ pub fn load_snapshot(config: &GatewayConfig, metrics: &Metrics) -> Result<Snapsh
             if r.key != crate::rules::KeyKind::Global {
                 return Vec::new();
             }
-            let tag = kb.tag(crate::rules::KeyValue::Global, &r.name);
-            r.limits
-                .iter()
-                .map(|q| crate::limiter::StoreKey(kb.key(&tag, &r.name, q)))
-                .collect()
+            let tag = kb.global_tag(&r.name);
+            (0..r.limits.len()).map(|n| kb.key(&tag, &r.name, n)).collect()
         })
         .collect();
     Ok(Snapshot {
@@ -219,7 +216,9 @@ impl Gateway {
                 } else {
                     RedisMode::Cluster
                 };
-                Backend::Redis(Arc::new(RedisStore::connect(mode, &sc.urls, sc.timeout).await?))
+                Backend::Redis(Arc::new(
+                    RedisStore::connect(mode, &sc.urls, sc.timeout, sc.breaker_threshold).await?,
+                ))
             }
         };
         let limiter = Limiter {
@@ -229,7 +228,6 @@ impl Gateway {
                 .limits
                 .deny_cache
                 .then(|| DenyCache::new(config.limits.deny_cache_max)),
-            breaker: Arc::new(Breaker::new(sc.breaker_threshold)),
             timeout: sc.timeout,
             clock: clock.clone(),
         };
@@ -328,8 +326,7 @@ impl Gateway {
     }
 
     /// Does the store answer the real script path (within a short deadline)? `/readyz?store=1`
-    /// and the breaker probe ask this; `/readyz` itself does not (readiness never depends on
-    /// the store).
+    /// asks this; `/readyz` itself does not (readiness never depends on the store).
     pub async fn store_ready(&self) -> Result<(), StoreError> {
         match tokio::time::timeout(
             self.config.store.timeout.max(Duration::from_millis(200)),
@@ -342,7 +339,7 @@ impl Gateway {
         }
     }
 
-    /// While the breaker is open, probe the store and close it when it answers.
+    /// While a shard's breaker is open, probe that shard and close its breaker when it answers.
     pub fn spawn_probe(self: &Arc<Self>, mut stop: watch::Receiver<bool>) {
         if self.limiter.store.is_memory() {
             return;
@@ -356,20 +353,8 @@ impl Gateway {
                     _ = tick.tick() => {}
                     _ = stop.changed() => return,
                 }
-                let open = gw.limiter.breaker.is_open();
-                gw.metrics.breaker_open.set(i64::from(open));
-                if !open {
-                    continue;
-                }
-                match gw.store_ready().await {
-                    Ok(()) => {
-                        if gw.limiter.breaker.close() {
-                            gw.metrics.breaker_open.set(0);
-                            tracing::warn!("store is back: circuit breaker closed");
-                        }
-                    }
-                    Err(e) => tracing::debug!(error = %e, "store probe failed; breaker stays open"),
-                }
+                let open = gw.limiter.heal().await;
+                gw.metrics.breaker_open.set(i64::try_from(open).unwrap_or(i64::MAX));
             }
         });
     }

@@ -20,8 +20,8 @@ use crate::http::headers::{self, Binding};
 use crate::http::respond::{self, GatewayError};
 use crate::http::{forward, BoxError, ProxyBody};
 use crate::identity::{identify, Identity};
-use crate::limiter::{FailurePolicy, LimitCheck, Source, StoreError, StoreKey, Verdict};
-use crate::rules::{key_value, normalize, KeyValue, RequestInfo};
+use crate::limiter::{local_share, FailurePolicy, LimitCheck, Source, StoreError, Verdict};
+use crate::rules::{caller, key_value, normalize, KeyValue, RequestInfo};
 
 /// The checks of one request and the rule each came from.
 struct Plan {
@@ -34,16 +34,23 @@ struct Plan {
 }
 
 impl Plan {
-    /// The headers' view of check `i` with outcome `o`.
+    /// The headers' view of check `i` with outcome `o` reached through `source`: the quota
+    /// enforced is this node's share of it when the rule fell back to the local store.
     fn binding<'a>(
         &'a self,
         snap: &'a crate::gateway::Snapshot,
         i: usize,
         o: &'a crate::limiter::Outcome,
+        source: Source,
     ) -> Binding<'a> {
+        let check = match (source, self.policies[i]) {
+            (Source::Local, FailurePolicy::Local { share }) => local_share(&self.checks[i], share),
+            _ => self.checks[i].clone(),
+        };
         Binding {
             rule: &snap.rules.rules[self.owners[i] as usize].name,
-            quota: &self.checks[i].quota,
+            quota: check.quota,
+            cost: check.cost,
             outcome: o,
         }
     }
@@ -122,7 +129,7 @@ impl Gateway {
         } else {
             Arc::from(ident.ip.to_string())
         };
-        let mut last: Option<(Vec<u8>, String)> = None;
+        let mut last: Option<(KeyValue<'_>, String)> = None;
         for ri in selected {
             let rule = &snap.rules.rules[ri as usize];
             let Some(value) = key_value(&rule.key, ident, req_headers, &ip_text) else {
@@ -131,7 +138,7 @@ impl Gateway {
             let limits = rule.limits_for(ident);
             if let (KeyValue::Global, Some(keys)) = (value, snap.global_keys.get(ri as usize)) {
                 // Global counters have fixed keys, built when the rules loaded.
-                if std::ptr::eq(limits, rule.limits.as_slice()) && keys.len() == limits.len() {
+                if keys.len() >= limits.len() {
                     for (q, key) in limits.iter().zip(keys) {
                         plan.checks.push(LimitCheck {
                             key: key.clone(),
@@ -145,24 +152,17 @@ impl Gateway {
                     continue;
                 }
             }
-            let raw: &[u8] = match value {
-                KeyValue::Str(s) => s.as_bytes(),
-                KeyValue::Bytes(b) => b,
-                KeyValue::Global => b"",
-            };
-            let tag = match (&last, value) {
-                (Some((v, t)), KeyValue::Str(_) | KeyValue::Bytes(_)) if v.as_slice() == raw => t.clone(),
+            let tag = match &last {
+                Some((v, t)) if *v == value && value != KeyValue::Global => t.clone(),
                 _ => {
-                    let t = self.keys.tag(value, &rule.name);
-                    if !matches!(value, KeyValue::Global) {
-                        last = Some((raw.to_vec(), t.clone()));
-                    }
+                    let t = value.tag(&self.keys, &rule.name);
+                    last = Some((value, t.clone()));
                     t
                 }
             };
-            for q in limits {
+            for (n, q) in limits.iter().enumerate() {
                 plan.checks.push(LimitCheck {
-                    key: StoreKey(self.keys.key(&tag, &rule.name, q)),
+                    key: self.keys.key(&tag, &rule.name, n),
                     quota: *q,
                     cost: rule.cost,
                     shadow: rule.shadow,
@@ -205,7 +205,7 @@ impl Gateway {
         let plan = self.plan(&snap, req.headers(), &ident, &info);
         drop(path);
 
-        let mut binding: Option<(usize, crate::limiter::Outcome)> = None;
+        let mut binding: Option<(usize, crate::limiter::Outcome, Source)> = None;
         let mut delay_us = 0u64;
         let mut refund_guard = None;
         if plan.checks.is_empty() {
@@ -234,21 +234,16 @@ impl Gateway {
                 plan.checks
                     .iter()
                     .zip(&verdict.outcomes)
-                    .map(|(c, (o, src))| (c.shadow || *src == Source::FailOpen, *o)),
+                    .map(|(c, (o, src))| (c.shadow || *src == Source::FailOpen, *o, c.cost)),
             );
             if let Some(i) = idx {
-                let (o, _) = verdict.outcomes[i];
+                let (o, src) = verdict.outcomes[i];
                 if !o.allowed {
-                    let b = plan.binding(&snap, i, &o);
+                    let b = plan.binding(&snap, i, &o, src);
                     let lim = &self.config.limits;
-                    return Ok(respond::rate_limited(
-                        &b,
-                        lim.ietf_headers,
-                        lim.legacy_headers,
-                        now_secs,
-                    ));
+                    return Ok(respond::rate_limited(&b, lim.ietf_headers, lim.legacy_headers, now_us));
                 }
-                binding = Some((i, o));
+                binding = Some((i, o, src));
             }
             delay_us = verdict
                 .outcomes
@@ -260,7 +255,7 @@ impl Gateway {
             if delay_us > 0 {
                 refund_guard = Some(RefundGuard {
                     gw: self.clone(),
-                    checks: Some(plan.checks.clone()),
+                    spent: Some(verdict.spent(&plan.checks)),
                 });
             }
         }
@@ -270,14 +265,14 @@ impl Gateway {
             tokio::time::sleep(Duration::from_micros(delay_us)).await;
         }
         if let Some(mut g) = refund_guard.take() {
-            g.checks = None;
+            g.spent = None;
         }
 
         let mut resp = self.forward(req, peer).await?;
-        if let Some((i, o)) = binding {
-            let b = plan.binding(&snap, i, &o);
+        if let Some((i, o, src)) = binding {
+            let b = plan.binding(&snap, i, &o, src);
             let lim = &self.config.limits;
-            headers::write(resp.headers_mut(), &b, lim.ietf_headers, lim.legacy_headers, now_secs);
+            headers::write(resp.headers_mut(), &b, lim.ietf_headers, lim.legacy_headers, now_us);
         }
         Ok(resp)
     }
@@ -312,13 +307,13 @@ impl Gateway {
                 (_, false, true) => {
                     let n = self.shadow_seen.fetch_add(1, Ordering::Relaxed);
                     if n % self.config.limits.shadow_log_sample == 0 {
-                        tracing::info!(rule = %rule.name, identity_kind = ident.kind.as_str(), identity = %self.keys.tag(KeyValue::Str(&ident.id), ""), retry_after_ms = o.retry_after_us / 1000, sampled_one_in = self.config.limits.shadow_log_sample, "shadow rule would deny");
+                        tracing::info!(rule = %rule.name, identity_kind = ident.kind.as_str(), identity = %caller(ident).tag(&self.keys, ""), retry_after_ms = o.retry_after_us / 1000, sampled_one_in = self.config.limits.shadow_log_sample, "shadow rule would deny");
                     }
                     m.would_deny.inc()
                 }
                 (_, false, false) => {
                     if *src != Source::DenyCache {
-                        tracing::info!(rule = %rule.name, identity_kind = ident.kind.as_str(), identity = %self.keys.tag(KeyValue::Str(&ident.id), ""), retry_after_ms = o.retry_after_us / 1000, "denied");
+                        tracing::info!(rule = %rule.name, identity_kind = ident.kind.as_str(), identity = %caller(ident).tag(&self.keys, ""), retry_after_ms = o.retry_after_us / 1000, "denied");
                     }
                     if matches!(src, Source::Local) {
                         m.local.inc();
@@ -417,21 +412,22 @@ fn body_over_limit(e: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
-/// Gives back a leaky-bucket slot when the waiting request is dropped (client disconnected).
+/// Gives back a leaky-bucket slot, and everything else the request spent, when the waiting
+/// request is dropped (client disconnected): each in the store and the window it was spent in.
 struct RefundGuard {
     /// The gateway (for its limiter).
     gw: Arc<Gateway>,
-    /// The checks to refund; `None` once the request went through.
-    checks: Option<Vec<LimitCheck>>,
+    /// What to refund; `None` once the request went through.
+    spent: Option<Vec<(LimitCheck, u64, Source)>>,
 }
 
 impl Drop for RefundGuard {
     fn drop(&mut self) {
-        if let Some(checks) = self.checks.take() {
+        if let Some(spent) = self.spent.take() {
             let gw = self.gw.clone();
             if let Ok(h) = tokio::runtime::Handle::try_current() {
                 h.spawn(async move {
-                    gw.limiter.refund(&checks).await;
+                    gw.limiter.refund(&spent).await;
                     tracing::debug!("client left while queued; leaky-bucket slot refunded");
                 });
             }

@@ -150,6 +150,7 @@ async fn run(store: &RedisStore, plan: &Plan, label: &str) -> Stats {
             let got = tokio::time::timeout(TIMEOUT, store.check_at(&checks, Some(now)))
                 .await
                 .unwrap_or_else(|_| panic!("seed {seed} step {step}: redis timed out"))
+                .into_result()
                 .unwrap_or_else(|e| panic!("seed {seed} step {step}: redis failed: {e}"));
             compare(seed, step, now, &checks, &expected, &got, &mut stats);
         }
@@ -213,7 +214,7 @@ fn compare(
 
 async fn standalone() -> (RedisServer, RedisStore) {
     let server = RedisServer::start();
-    let store = RedisStore::connect(RedisMode::Single, &[server.url()], TIMEOUT)
+    let store = RedisStore::connect(RedisMode::Single, &[server.url()], TIMEOUT, 3)
         .await
         .expect("connect");
     (server, store)
@@ -299,7 +300,7 @@ async fn mixed_algorithms_across_slots_match_memory() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_matches_memory() {
     let cluster = RedisCluster::start();
-    let store = RedisStore::connect(RedisMode::Cluster, &cluster.seed_urls(), TIMEOUT)
+    let store = RedisStore::connect(RedisMode::Cluster, &cluster.seed_urls(), TIMEOUT, 3)
         .await
         .expect("connect to the cluster");
     let plan = Plan {

@@ -1050,7 +1050,7 @@ fn rotation_child() {
             panic!("{ip} is not IPv6")
         };
         assert_eq!(u128::from(net) & u128::from(u64::MAX), 0, "not collapsed to /64");
-        StoreKey(format!("tl:{{{:024x}}}:per-ip:fw3600000", u128::from(net) >> 64))
+        StoreKey(format!("tl:{{{:024x}}}:per-ip:0", u128::from(net) >> 64))
     };
     let started = Instant::now();
     std::thread::scope(|s| {
@@ -1075,7 +1075,13 @@ fn rotation_child() {
         });
         s.spawn(|| {
             for i in 0..CLIENTS {
-                deny.insert(&key(i), now + 3_600_000_000);
+                let check = LimitCheck {
+                    key: key(i),
+                    quota,
+                    cost: 1,
+                    shadow: false,
+                };
+                deny.insert(&check, now + 3_600_000_000);
                 if i % 100_000 == 0 {
                     assert!(deny.len() <= CAP, "deny cache holds {} entries (cap {CAP})", deny.len());
                 }

@@ -1,7 +1,15 @@
 //! Rate-limit response headers: IETF `RateLimit-Policy` / `RateLimit`
 //! (draft-ietf-httpapi-ratelimit-headers, structured-field syntax) and the legacy
 //! `X-RateLimit-Limit` / `-Remaining` / `-Reset`. Both describe the *binding* limit: on a deny
-//! the limit that denied, on an allow the one with the least remaining.
+//! the denying limit that stays exhausted the longest, on an allow the one with the fewest
+//! requests remaining (the longest reset among equals).
+//!
+//! **Units.** `q` / `X-RateLimit-Limit` and `r` / `X-RateLimit-Remaining` count *requests of
+//! the rule's cost*: a rule of 100 units per minute at `cost: 5` shows `q=20`, and `r=1` means
+//! one more such request fits. With the default cost of 1 they are units.
+//!
+//! **Reset.** `X-RateLimit-Reset` is the Unix second at or after the instant the limit frees up
+//! (rounded up from the real instant, never early); `t` is the number of seconds until then.
 
 use bytes::{BufMut, BytesMut};
 use http::header::{HeaderMap, HeaderName, HeaderValue};
@@ -24,8 +32,11 @@ pub static X_RESET: HeaderName = HeaderName::from_static("x-ratelimit-reset");
 pub struct Binding<'a> {
     /// Rule name (the policy name).
     pub rule: &'a str,
-    /// Its quota.
-    pub quota: &'a Quota,
+    /// The quota enforced (the local share of it while the store is down and the rule falls
+    /// back to this node).
+    pub quota: Quota,
+    /// Units one request of the rule spends (≥ 1).
+    pub cost: u64,
     /// The outcome.
     pub outcome: &'a Outcome,
 }
@@ -49,6 +60,37 @@ impl Binding<'_> {
     pub fn window_secs(&self) -> u64 {
         self.quota.window_us.get().div_ceil(1_000_000).max(1)
     }
+
+    /// `q`: the limit in requests of this rule's cost (at least 1).
+    pub fn quota_requests(&self) -> u64 {
+        (self.quota.limit.get() / self.cost.max(1)).max(1)
+    }
+
+    /// `r`: requests of this rule's cost that still fit (0 on a denial).
+    pub fn remaining_requests(&self) -> u64 {
+        if self.outcome.allowed {
+            self.outcome.remaining / self.cost.max(1)
+        } else {
+            0
+        }
+    }
+
+    /// The Unix second at or after which the limit frees up: a denial's retry instant, or an
+    /// admission's full reset, rounded **up** from the instant the store decided at (its own
+    /// clock; `now_us` when it did not say), so a client that waits until then is never early.
+    pub fn reset_at_secs(&self, now_us: u64) -> u64 {
+        let at = if self.outcome.at_us > 0 {
+            self.outcome.at_us
+        } else {
+            now_us
+        };
+        let wait = if self.outcome.allowed {
+            self.outcome.reset_us
+        } else {
+            self.outcome.retry_after_us.max(1)
+        };
+        at.saturating_add(wait).div_ceil(1_000_000)
+    }
 }
 
 /// Take what `buf` holds as one header value. Every value of a response is cut from one
@@ -57,10 +99,11 @@ pub(crate) fn take(buf: &mut BytesMut) -> Option<HeaderValue> {
     HeaderValue::from_maybe_shared(buf.split().freeze()).ok()
 }
 
-/// Write the selected header families for `b` into `h`. `now_secs` is Unix time.
-pub fn write(h: &mut HeaderMap, b: &Binding<'_>, ietf: bool, legacy: bool, now_secs: u64) {
+/// Write the selected header families for `b` into `h`. `now_us` is the gateway's clock.
+pub fn write(h: &mut HeaderMap, b: &Binding<'_>, ietf: bool, legacy: bool, now_us: u64) {
     let t = b.reset_secs();
-    let remaining = if b.outcome.allowed { b.outcome.remaining } else { 0 };
+    let remaining = b.remaining_requests();
+    let quota = b.quota_requests();
     let mut n = itoa::Buffer::new();
     let mut buf = BytesMut::with_capacity(2 * b.rule.len() + 112);
     h.reserve(usize::from(ietf) * 2 + usize::from(legacy) * 3);
@@ -68,7 +111,7 @@ pub fn write(h: &mut HeaderMap, b: &Binding<'_>, ietf: bool, legacy: bool, now_s
         buf.put_u8(b'"');
         buf.put_slice(b.rule.as_bytes());
         buf.put_slice(b"\";q=");
-        buf.put_slice(n.format(b.quota.limit.get()).as_bytes());
+        buf.put_slice(n.format(quota).as_bytes());
         buf.put_slice(b";w=");
         buf.put_slice(n.format(b.window_secs()).as_bytes());
         if let Some(v) = take(&mut buf) {
@@ -86,9 +129,9 @@ pub fn write(h: &mut HeaderMap, b: &Binding<'_>, ietf: bool, legacy: bool, now_s
     }
     if legacy {
         for (name, value) in [
-            (&X_LIMIT, b.quota.limit.get()),
+            (&X_LIMIT, quota),
             (&X_REMAINING, remaining),
-            (&X_RESET, now_secs + t),
+            (&X_RESET, b.reset_at_secs(now_us)),
         ] {
             buf.put_slice(n.format(value).as_bytes());
             if let Some(v) = take(&mut buf) {
@@ -98,19 +141,26 @@ pub fn write(h: &mut HeaderMap, b: &Binding<'_>, ietf: bool, legacy: bool, now_s
     }
 }
 
-/// Pick the binding limit: the first denial among non-shadow limits, else the least remaining.
-pub fn binding_index(outcomes: impl Iterator<Item = (bool, Outcome)>) -> Option<usize> {
-    let mut best: Option<(usize, u64)> = None;
-    for (i, (shadow, o)) in outcomes.enumerate() {
-        if shadow {
+/// Pick the binding limit among `(skip, outcome, cost)`: of the denials, the one that stays
+/// exhausted the longest; with none, the fewest requests remaining, and among those the longest
+/// reset. Skipped entries (shadow, unchecked) never bind.
+pub fn binding_index(outcomes: impl Iterator<Item = (bool, Outcome, u64)>) -> Option<usize> {
+    let mut denied: Option<(usize, u64)> = None;
+    let mut allowed: Option<(usize, u64, u64)> = None;
+    for (i, (skip, o, cost)) in outcomes.enumerate() {
+        if skip {
             continue;
         }
         if !o.allowed {
-            return Some(i);
+            if denied.is_none_or(|(_, r)| o.retry_after_us > r) {
+                denied = Some((i, o.retry_after_us));
+            }
+            continue;
         }
-        if best.is_none_or(|(_, r)| o.remaining < r) {
-            best = Some((i, o.remaining));
+        let left = o.remaining / cost.max(1);
+        if allowed.is_none_or(|(_, l, reset)| left < l || (left == l && o.reset_us > reset)) {
+            allowed = Some((i, left, o.reset_us));
         }
     }
-    best.map(|(i, _)| i)
+    denied.map(|(i, _)| i).or(allowed.map(|(i, _, _)| i))
 }

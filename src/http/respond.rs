@@ -82,7 +82,10 @@ impl GatewayError {
                 retry_after_us,
             } => {
                 let secs = headers::ceil_secs_min1(*retry_after_us);
-                return limited_response(rate_limited_body(rule, *limit, *window_us, secs), secs);
+                let now = SystemTime::now()
+                    .duration_since(SystemTime::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs());
+                return limited_response(rate_limited_body(rule, *limit, *window_us, secs, now + secs), secs);
             }
             GatewayError::LimiterUnavailable { rule, retry_after_secs } => {
                 retry = Some(*retry_after_secs);
@@ -137,7 +140,7 @@ impl GatewayError {
 
 /// The 429 JSON body. Written directly (this is the hot deny path): rule names are validated
 /// to `[A-Za-z0-9_.-]`, so nothing in it needs escaping.
-fn rate_limited_body(rule: &str, limit: u64, window_us: u64, secs: u64) -> String {
+fn rate_limited_body(rule: &str, limit: u64, window_us: u64, secs: u64, reset_at_secs: u64) -> String {
     let (wn, unit) = crate::rules::WindowText(window_us).parts();
     let mut wbuf = itoa::Buffer::new();
     let mut window = String::with_capacity(24);
@@ -168,7 +171,7 @@ fn rate_limited_body(rule: &str, limit: u64, window_us: u64, secs: u64) -> Strin
     ] {
         s.push_str(part);
     }
-    push_rfc3339(&mut s, SystemTime::now() + Duration::from_secs(secs));
+    push_rfc3339(&mut s, SystemTime::UNIX_EPOCH + Duration::from_secs(reset_at_secs));
     s.push_str("\"}");
     s
 }
@@ -206,14 +209,21 @@ fn limited_response(body: String, secs: u64) -> Response<ProxyBody> {
     resp
 }
 
-/// A 429 for `b`, with the rate-limit headers of the denying limit.
-pub fn rate_limited(b: &Binding<'_>, ietf: bool, legacy: bool, now_secs: u64) -> Response<ProxyBody> {
+/// A 429 for `b`, with the rate-limit headers of the denying limit. `now_us` is the one clock
+/// reading the body's `reset_at` and `X-RateLimit-Reset` both derive from.
+pub fn rate_limited(b: &Binding<'_>, ietf: bool, legacy: bool, now_us: u64) -> Response<ProxyBody> {
     let secs = headers::ceil_secs_min1(b.outcome.retry_after_us);
     let mut resp = limited_response(
-        rate_limited_body(b.rule, b.quota.limit.get(), b.quota.window_us.get(), secs),
+        rate_limited_body(
+            b.rule,
+            b.quota_requests(),
+            b.quota.window_us.get(),
+            secs,
+            b.reset_at_secs(now_us),
+        ),
         secs,
     );
-    headers::write(resp.headers_mut(), b, ietf, legacy, now_secs);
+    headers::write(resp.headers_mut(), b, ietf, legacy, now_us);
     resp
 }
 

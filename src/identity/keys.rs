@@ -95,7 +95,7 @@ impl KeyRegistry {
         self.by_hash.iter()
     }
 
-    /// Is `id` a registered key id?
+    /// True when a registered key has the id `id` (admin lookups; a linear scan).
     pub fn has_id(&self, id: &str) -> bool {
         self.by_hash.values().any(|e| &*e.id == id)
     }

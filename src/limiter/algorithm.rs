@@ -12,6 +12,24 @@
 use std::collections::VecDeque;
 use std::num::NonZeroU64;
 
+/// Largest limit, capacity or cost a rule may have. Counts stay far below 2^53 even after a
+/// window's worth of spending on top, so the Lua scripts (whose numbers are doubles) count
+/// exactly, and Redis never sees a number it would print in exponent form (`1e+17`), which
+/// `HINCRBY` refuses. Mirrored in `lua/common.lua` (`TG_MAX_UNITS`).
+pub const MAX_UNITS: u64 = 1_000_000_000_000;
+
+/// Longest window, and longest time a bucket may take to refill from empty (capacity ×
+/// interval): ten years in microseconds. Every instant the algorithms compute is at most
+/// `now + 2 × span`, which stays below 2^53 µs (year 2255) for any `now` before 2200. Mirrored
+/// in `lua/common.lua` (`TG_MAX_SPAN`).
+pub const MAX_SPAN_US: u64 = 10 * 366 * 86_400 * 1_000_000;
+
+/// Largest sliding-log limit. A sliding log keeps one entry per admitted unit, so this bounds
+/// the work of one request (at most this many `ZADD` members, or entries scanned to find the
+/// retry time) and the memory of one key (about 1 MB in Redis at the bound). Mirrored in
+/// `lua/common.lua` (`TG_MAX_LOG`).
+pub const MAX_LOG_ENTRIES: u64 = 10_000;
+
 /// Which algorithm a limit uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Algorithm {
@@ -102,6 +120,55 @@ impl Quota {
             interval_us,
         }
     }
+
+    /// Why this quota, with requests of `cost` units, lies outside what both stores compute
+    /// exactly (see [`MAX_UNITS`], [`MAX_SPAN_US`], [`MAX_LOG_ENTRIES`]); `None` when it is fine.
+    pub fn bounds_error(&self, cost: u64) -> Option<String> {
+        let what = if self.algorithm.is_bucket() {
+            "capacity"
+        } else {
+            "limit"
+        };
+        let limit = self.limit.get();
+        if limit > MAX_UNITS {
+            return Some(format!("{what} {limit} is above the largest supported, {MAX_UNITS}"));
+        }
+        if cost > MAX_UNITS {
+            return Some(format!("cost {cost} is above the largest supported, {MAX_UNITS}"));
+        }
+        if self.algorithm == Algorithm::SlidingLog && limit > MAX_LOG_ENTRIES {
+            return Some(format!(
+                "sliding_log keeps one entry per unit, so its limit is at most {MAX_LOG_ENTRIES} (got {limit}); use sliding_window for larger limits"
+            ));
+        }
+        let span = u128::from(limit) * u128::from(self.interval_us.get());
+        let span = if self.algorithm.is_bucket() {
+            span
+        } else {
+            u128::from(self.window_us.get())
+        };
+        if span > u128::from(MAX_SPAN_US) {
+            return Some(if self.algorithm.is_bucket() {
+                "capacity / rate (the time to refill from empty) is above 10 years".to_owned()
+            } else {
+                "window is above 10 years".to_owned()
+            });
+        }
+        None
+    }
+
+    /// True when state written under `self` means the same under `other`, so a reload from one
+    /// to the other keeps the state as it is: the two buckets share their state (GCRA) when the
+    /// interval is the same, a sliding log's timestamps hold under any window, and the windowed
+    /// algorithms need the same algorithm and window. A limit or capacity change alone never
+    /// needs a conversion: every state counts absolute units.
+    pub fn same_shape(&self, other: &Quota) -> bool {
+        match (self.algorithm, other.algorithm) {
+            (a, b) if a.is_bucket() && b.is_bucket() => self.interval_us == other.interval_us,
+            (Algorithm::SlidingLog, Algorithm::SlidingLog) => true,
+            (a, b) => a == b && self.window_us == other.window_us,
+        }
+    }
 }
 
 /// The decision for one limit.
@@ -117,6 +184,9 @@ pub struct Outcome {
     pub retry_after_us: u64,
     /// Leaky bucket only: microseconds the admitted request waits before it is forwarded.
     pub delay_us: u64,
+    /// The store's clock when it decided (µs since the epoch): a refund of this spending
+    /// names it, so the units come off the window they were counted in.
+    pub at_us: u64,
 }
 
 /// The state one limit keeps in the memory store.
@@ -161,6 +231,16 @@ pub fn evaluate(q: &Quota, state: &mut Option<State>, now: u64, cost: u64) -> Ou
     }
 }
 
+/// Would `cost` units fit `q` at `now`? [`evaluate`] without touching `state`.
+pub fn admits(q: &Quota, state: &Option<State>, now: u64, cost: u64) -> bool {
+    match q.algorithm {
+        Algorithm::TokenBucket | Algorithm::LeakyBucket => bucket_eval(q, state, now, cost).allowed,
+        Algorithm::FixedWindow => fixed_eval(q, state, now, cost).allowed,
+        Algorithm::SlidingLog => log_eval(q, state, now, cost).allowed,
+        Algorithm::SlidingWindow => sliding_eval(q, &mut state.clone(), now, cost).allowed,
+    }
+}
+
 /// Spend `cost` units. Call only after [`evaluate`] admitted the request at the same `now`.
 pub fn spend(q: &Quota, state: &mut Option<State>, now: u64, cost: u64) {
     match q.algorithm {
@@ -171,7 +251,7 @@ pub fn spend(q: &Quota, state: &mut Option<State>, now: u64, cost: u64) {
             };
             let base = tat.max(now);
             *state = Some(State::Bucket {
-                tat: base + cost * q.interval_us.get(),
+                tat: base.saturating_add(cost.saturating_mul(q.interval_us.get())),
             });
         }
         Algorithm::FixedWindow => {
@@ -182,7 +262,13 @@ pub fn spend(q: &Quota, state: &mut Option<State>, now: u64, cost: u64) {
             }
         }
         Algorithm::SlidingLog => match state {
-            Some(State::Log { entries }) => entries.extend(std::iter::repeat_n(now, cost as usize)),
+            Some(State::Log { entries }) => {
+                let floor = now.saturating_sub(q.window_us.get());
+                while entries.front().is_some_and(|t| *t <= floor) {
+                    entries.pop_front();
+                }
+                entries.extend(std::iter::repeat_n(now, cost as usize))
+            }
             _ => {
                 *state = Some(State::Log {
                     entries: std::iter::repeat_n(now, cost as usize).collect(),
@@ -198,6 +284,99 @@ pub fn spend(q: &Quota, state: &mut Option<State>, now: u64, cost: u64) {
     }
 }
 
+/// Give back `cost` units that a check decided at `at` spent, in the window and bucket state
+/// it spent them in: a window that has moved on since keeps what it has (the units no longer
+/// count there anyway); a sliding window that moved on by one window takes them off its
+/// previous count; a log loses its `cost` newest entries at or before `at`.
+/// Mirrors each algorithm's `*_refund` in `lua/`.
+pub fn refund(q: &Quota, state: &mut Option<State>, at: u64, cost: u64) {
+    let w = q.window_us.get();
+    match state {
+        Some(State::Bucket { tat }) => *tat = tat.saturating_sub(cost.saturating_mul(q.interval_us.get())),
+        Some(State::Window { index, count }) => {
+            if *index == at / w {
+                *count = count.saturating_sub(cost);
+            }
+        }
+        Some(State::Sliding { index, prev, curr }) => {
+            let spent_in = at / w;
+            if *index == spent_in {
+                *curr = curr.saturating_sub(cost);
+            } else if *index == spent_in + 1 {
+                *prev = prev.saturating_sub(cost);
+            }
+        }
+        Some(State::Log { entries }) => {
+            let end = entries.partition_point(|t| *t <= at);
+            let start = end.saturating_sub(usize::try_from(cost).unwrap_or(usize::MAX));
+            entries.drain(start..end);
+        }
+        None => {}
+    }
+}
+
+/// Units that `state`, written under `old`, still holds at `now`, counted the way `new` would
+/// count them and rounded up (conservative), at most `new`'s limit. A reload that changes a
+/// limit's shape (see [`Quota::same_shape`]) carries this much consumption over, so it never
+/// hands out a fresh quota. A log counts its entries inside `new`'s span (its window, or a
+/// bucket's time to refill from empty). Mirrored by `tg_used` in `lua/common.lua`.
+pub fn used(old: &Quota, state: &State, new: &Quota, now: u64) -> u64 {
+    let w = old.window_us.get();
+    let units = match state {
+        State::Bucket { tat } => tat.saturating_sub(now).div_ceil(old.interval_us.get()),
+        State::Window { index, count } => {
+            if *index == now / w {
+                *count
+            } else {
+                0
+            }
+        }
+        State::Sliding { .. } => {
+            let mut st = Some(state.clone());
+            roll_sliding(old, &mut st, now);
+            let (prev, curr) = match st {
+                Some(State::Sliding { prev, curr, .. }) => (prev, curr),
+                _ => (0, 0),
+            };
+            let elapsed = now % w;
+            let (wf, pf, cf) = (w as f64, prev as f64, curr as f64);
+            let estimate = pf * (wf - elapsed as f64) / wf + cf;
+            estimate.ceil().max(0.0) as u64
+        }
+        State::Log { entries } => {
+            let floor = now.saturating_sub(new.window_us.get());
+            (entries.len() - entries.partition_point(|t| *t <= floor)) as u64
+        }
+    };
+    units.min(new.limit.get())
+}
+
+/// A state of `q` holding `used` units spent at `now` (none for 0). With [`used`], the
+/// conservative conversion of a limit's state across a reload.
+pub fn seeded(q: &Quota, used: u64, now: u64) -> Option<State> {
+    if used == 0 {
+        return None;
+    }
+    let w = q.window_us.get();
+    Some(match q.algorithm {
+        Algorithm::TokenBucket | Algorithm::LeakyBucket => State::Bucket {
+            tat: now + used * q.interval_us.get(),
+        },
+        Algorithm::FixedWindow => State::Window {
+            index: now / w,
+            count: used,
+        },
+        Algorithm::SlidingWindow => State::Sliding {
+            index: now / w,
+            prev: 0,
+            curr: used,
+        },
+        Algorithm::SlidingLog => State::Log {
+            entries: std::iter::repeat_n(now, usize::try_from(used).unwrap_or(0)).collect(),
+        },
+    })
+}
+
 /// When the memory store may forget this state: past this instant it is equivalent to none.
 pub fn expires_at(q: &Quota, state: &State) -> u64 {
     let w = q.window_us.get();
@@ -211,13 +390,13 @@ pub fn expires_at(q: &Quota, state: &State) -> u64 {
 
 fn bucket_eval(q: &Quota, state: &Option<State>, now: u64, cost: u64) -> Outcome {
     let t = q.interval_us.get();
-    let cap = q.limit.get() * t;
+    let cap = q.limit.get().saturating_mul(t);
     let tat = match state {
         Some(State::Bucket { tat }) => *tat,
         _ => now,
     };
     let base = tat.max(now);
-    let new_tat = base + cost * t;
+    let new_tat = base.saturating_add(cost.saturating_mul(t));
     if new_tat - now <= cap {
         Outcome {
             allowed: true,
@@ -229,6 +408,7 @@ fn bucket_eval(q: &Quota, state: &Option<State>, now: u64, cost: u64) -> Outcome
             } else {
                 0
             },
+            at_us: now,
         }
     } else {
         Outcome {
@@ -237,6 +417,7 @@ fn bucket_eval(q: &Quota, state: &Option<State>, now: u64, cost: u64) -> Outcome
             reset_us: base - now,
             retry_after_us: new_tat - cap - now,
             delay_us: 0,
+            at_us: now,
         }
     }
 }
@@ -257,6 +438,7 @@ fn fixed_eval(q: &Quota, state: &Option<State>, now: u64, cost: u64) -> Outcome 
             reset_us: reset,
             retry_after_us: 0,
             delay_us: 0,
+            at_us: now,
         }
     } else {
         Outcome {
@@ -265,26 +447,29 @@ fn fixed_eval(q: &Quota, state: &Option<State>, now: u64, cost: u64) -> Outcome 
             reset_us: reset,
             retry_after_us: reset,
             delay_us: 0,
+            at_us: now,
         }
     }
 }
 
-fn log_eval(q: &Quota, state: &mut Option<State>, now: u64, cost: u64) -> Outcome {
+fn log_eval(q: &Quota, state: &Option<State>, now: u64, cost: u64) -> Outcome {
     let w = q.window_us.get();
     let limit = q.limit.get();
-    let floor = now.saturating_sub(w);
-    let entries = match state {
+    // Entries at or before now - window have left (now - window, now]. They are dropped when
+    // the key is next spent on, as the Lua script does, so both stores hold the same entries.
+    let (count, skipped) = match state {
         Some(State::Log { entries }) => {
-            // Entries at or before now - window have left (now - window, now].
-            while entries.front().is_some_and(|t| *t <= floor) {
-                entries.pop_front();
-            }
-            Some(&*entries)
+            let first = entries.partition_point(|t| *t <= now.saturating_sub(w));
+            (entries.len() - first, first)
         }
+        _ => (0, 0),
+    };
+    let nth = |k: usize| match state {
+        Some(State::Log { entries }) => entries.get(skipped + k).copied(),
         _ => None,
     };
-    let count = entries.map_or(0, |e| e.len() as u64);
-    let oldest = entries.and_then(|e| e.front().copied());
+    let count = count as u64;
+    let oldest = nth(0);
     if count + cost <= limit {
         Outcome {
             allowed: true,
@@ -292,17 +477,19 @@ fn log_eval(q: &Quota, state: &mut Option<State>, now: u64, cost: u64) -> Outcom
             reset_us: oldest.unwrap_or(now) + w - now,
             retry_after_us: 0,
             delay_us: 0,
+            at_us: now,
         }
     } else {
         // The (count + cost - limit)-th oldest entry must leave the window first.
         let k = (count + cost - limit) as usize;
-        let tk = entries.and_then(|e| e.get(k - 1).copied()).unwrap_or(now);
+        let tk = nth(k - 1).unwrap_or(now);
         Outcome {
             allowed: false,
             remaining: limit.saturating_sub(count),
             reset_us: oldest.unwrap_or(now) + w - now,
             retry_after_us: tk + w - now,
             delay_us: 0,
+            at_us: now,
         }
     }
 }
@@ -343,6 +530,7 @@ fn sliding_eval(q: &Quota, state: &mut Option<State>, now: u64, cost: u64) -> Ou
             reset_us: reset,
             retry_after_us: 0,
             delay_us: 0,
+            at_us: now,
         }
     } else {
         let retry = if curr + cost <= limit {
@@ -361,6 +549,7 @@ fn sliding_eval(q: &Quota, state: &mut Option<State>, now: u64, cost: u64) -> Ou
             reset_us: reset,
             retry_after_us: retry as u64,
             delay_us: 0,
+            at_us: now,
         }
     }
 }

@@ -2,7 +2,10 @@
 //! 429 itself, without a store round trip, so a client in a tight loop costs the store nothing.
 //!
 //! Entries are keyed by a 64-bit hash of the store key (no secret is kept) and hold the
-//! instant the key can pass again. The cache is sharded like the memory store and bounded:
+//! instant the key can pass again, tagged with the *effective limit* that denied (quota and
+//! cost, overrides included): callers sharing one counter under different limits (an org key
+//! with a per-identity override) never get each other's denial. One entry per key; a hit
+//! needs the same effective limit. The cache is sharded like the memory store and bounded:
 //! a full shard first drops expired entries, then refuses new ones (a missed cache entry only
 //! costs a store round trip, never a wrong answer).
 
@@ -11,7 +14,7 @@ use std::hash::BuildHasher;
 
 use parking_lot::Mutex;
 
-use super::StoreKey;
+use super::{LimitCheck, StoreKey};
 
 const SHARDS: usize = 16;
 
@@ -19,8 +22,9 @@ const SHARDS: usize = 16;
 /// until T", which the store itself said, and the state it describes can only be reset by
 /// [`DenyCache::remove`] / [`DenyCache::clear`] (admin reset, rule reload).
 pub struct DenyCache {
-    /// key hash → microseconds since the epoch at which the key can pass again.
-    shards: Vec<Mutex<HashMap<u64, u64, foldhash::fast::RandomState>>>,
+    /// key hash → (hash of the effective limit, microseconds since the epoch at which the key
+    /// can pass again under it).
+    shards: Vec<Mutex<HashMap<u64, (u64, u64), foldhash::fast::RandomState>>>,
     /// Entries one shard may hold.
     per_shard_cap: usize,
     /// Hashes store keys.
@@ -42,33 +46,40 @@ impl DenyCache {
         ((v as usize) % SHARDS, v)
     }
 
-    /// When `key` is still denied at `now`, the instant it can pass.
-    pub fn get(&self, key: &StoreKey, now: u64) -> Option<u64> {
-        let (s, h) = self.slot(key);
+    /// The effective limit of a check: what a cached denial must match.
+    fn limit_of(&self, c: &LimitCheck) -> u64 {
+        self.hasher.hash_one((c.quota, c.cost))
+    }
+
+    /// When `c`'s key is still denied at `now` under `c`'s effective limit, the instant it can
+    /// pass.
+    pub fn get(&self, c: &LimitCheck, now: u64) -> Option<u64> {
+        let (s, h) = self.slot(&c.key);
         let shard = self.shards[s].lock();
         match shard.get(&h) {
-            Some(&until) if until > now => Some(until),
+            Some(&(limit, until)) if until > now && limit == self.limit_of(c) => Some(until),
             _ => None,
         }
     }
 
-    /// Remember that `key` is denied until `until`.
-    pub fn insert(&self, key: &StoreKey, until: u64) {
-        let (s, h) = self.slot(key);
+    /// Remember that `c` (its key under its effective limit) is denied until `until`.
+    pub fn insert(&self, c: &LimitCheck, until: u64) {
+        let limit = self.limit_of(c);
+        let (s, h) = self.slot(&c.key);
         let mut shard = self.shards[s].lock();
         if shard.len() >= self.per_shard_cap && !shard.contains_key(&h) {
             // Full: drop expired denials, and if that frees less than an eighth, the ones that
             // expire soonest (a forgotten denial only costs one store round trip). O(n) per
             // sweep, at most one sweep per cap/8 inserts.
             let now = crate::clock::Clock::now_us(&crate::clock::SystemClock);
-            shard.retain(|_, u| *u > now.min(until));
+            shard.retain(|_, (_, u)| *u > now.min(until));
             let target = self.per_shard_cap - (self.per_shard_cap / 8).max(1);
             if shard.len() > target {
                 let excess = shard.len() - target;
-                let mut untils: Vec<u64> = shard.values().copied().collect();
+                let mut untils: Vec<u64> = shard.values().map(|(_, u)| *u).collect();
                 let cutoff = *untils.select_nth_unstable(excess - 1).1;
                 let mut evicted = 0;
-                shard.retain(|_, u| {
+                shard.retain(|_, (_, u)| {
                     if evicted < excess && *u <= cutoff {
                         evicted += 1;
                         false
@@ -78,7 +89,7 @@ impl DenyCache {
                 });
             }
         }
-        shard.insert(h, until);
+        shard.insert(h, (limit, until));
     }
 
     /// Forget `key`'s denial.

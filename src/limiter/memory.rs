@@ -18,8 +18,10 @@ use std::hash::BuildHasher;
 
 use parking_lot::{Mutex, MutexGuard};
 
-use super::algorithm::{self, Outcome, State};
-use super::{LimitCheck, Store, StoreError, StoreKey};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::algorithm::{self, Outcome, Quota, State};
+use super::{Checked, LimitCheck, Store, StoreError, StoreKey};
 use crate::clock::SharedClock;
 
 /// Number of independently locked shards.
@@ -37,8 +39,28 @@ type Shard = HashMap<Box<str>, Entry, foldhash::fast::RandomState>;
 struct Entry {
     /// The algorithm state.
     state: Option<State>,
+    /// The quota the state was last written under. A check under a quota of another shape (a
+    /// reload changed the algorithm, window or rate) converts the state first.
+    quota: Quota,
     /// Past this instant the state is equivalent to none and may be dropped.
     expires_at: u64,
+}
+
+impl Entry {
+    /// Bring the state to `q`'s shape at `now` (see [`algorithm::used`]): the consumption it
+    /// holds carries over, so a reload never mints quota.
+    fn convert_to(&mut self, q: &Quota, now: u64) {
+        if !self.quota.same_shape(q) {
+            self.state = self
+                .state
+                .take()
+                .and_then(|s| algorithm::seeded(q, algorithm::used(&self.quota, &s, q, now), now));
+            if let Some(s) = &self.state {
+                self.expires_at = algorithm::expires_at(q, s);
+            }
+        }
+        self.quota = *q;
+    }
 }
 
 /// The embedded store. See the module docs for its locking and memory bound.
@@ -49,6 +71,11 @@ pub struct MemoryStore {
     per_shard_cap: usize,
     /// Time source (a fake clock in tests).
     clock: SharedClock,
+    /// Live entries dropped to make room (not expired ones).
+    evicted: AtomicU64,
+    /// Of those, entries that were denying when they were dropped (a last resort: forgetting
+    /// one lets its caller through again).
+    evicted_denying: AtomicU64,
     /// Hashes keys to shards (seeded apart from the maps, so a shard's keys still spread
     /// over its map's buckets).
     hasher: foldhash::fast::RandomState,
@@ -61,8 +88,18 @@ impl MemoryStore {
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::default())).collect(),
             per_shard_cap: (max_keys / SHARDS).max(16),
             clock,
+            evicted: AtomicU64::new(0),
+            evicted_denying: AtomicU64::new(0),
             hasher: Default::default(),
         }
+    }
+
+    /// Live entries evicted to make room so far, and how many of them were denying.
+    pub fn evictions(&self) -> (u64, u64) {
+        (
+            self.evicted.load(Ordering::Relaxed),
+            self.evicted_denying.load(Ordering::Relaxed),
+        )
     }
 
     /// Number of keys currently tracked (for tests and metrics).
@@ -96,7 +133,10 @@ impl MemoryStore {
         for (c, &shard) in checks.iter().zip(&shard_of) {
             let map = guard_for(&mut guards, shard);
             let o = match map.get_mut(c.key.as_str()) {
-                Some(e) => algorithm::evaluate(&c.quota, &mut e.state, now, c.cost),
+                Some(e) => {
+                    e.convert_to(&c.quota, now);
+                    algorithm::evaluate(&c.quota, &mut e.state, now, c.cost)
+                }
                 None => algorithm::evaluate(&c.quota, &mut None, now, c.cost),
             };
             blocked |= !o.allowed && !c.shadow;
@@ -112,10 +152,13 @@ impl MemoryStore {
             let cap = self.per_shard_cap;
             let map = guard_for(&mut guards, shard);
             if !map.contains_key(c.key.as_str()) && map.len() >= cap {
-                make_room(map, now, cap);
+                let (forced, denying) = make_room(map, now, cap);
+                self.evicted.fetch_add(forced, Ordering::Relaxed);
+                self.evicted_denying.fetch_add(denying, Ordering::Relaxed);
             }
             let e = map.entry(Box::from(c.key.as_str())).or_insert(Entry {
                 state: None,
+                quota: c.quota,
                 expires_at: 0,
             });
             algorithm::spend(&c.quota, &mut e.state, now, c.cost);
@@ -126,23 +169,17 @@ impl MemoryStore {
         outcomes
     }
 
-    /// Give back `checks`' spending made at `now` (see [`Store::refund`]).
-    pub fn refund_at(&self, checks: &[LimitCheck], _now: u64) {
-        let shard_of: Vec<usize> = checks.iter().map(|c| self.shard_of(c.key.as_str())).collect();
+    /// Give back what admitted checks spent, each in the window it was decided in
+    /// (`Outcome::at_us`; see [`algorithm::refund`]). A key whose shape changed since (a reload
+    /// converted it) keeps the units: under-admission, never over-admission.
+    pub fn refund_spent(&self, spent: &[(LimitCheck, u64)]) {
+        let shard_of: Vec<usize> = spent.iter().map(|(c, _)| self.shard_of(c.key.as_str())).collect();
         let mut guards = self.lock_all(&shard_of);
-        for (c, &shard) in checks.iter().zip(&shard_of) {
+        for ((c, at), &shard) in spent.iter().zip(&shard_of) {
             let map = guard_for(&mut guards, shard);
             if let Some(e) = map.get_mut(c.key.as_str()) {
-                match &mut e.state {
-                    Some(State::Bucket { tat }) => *tat = tat.saturating_sub(c.cost * c.quota.interval_us.get()),
-                    Some(State::Window { count, .. }) => *count = count.saturating_sub(c.cost),
-                    Some(State::Sliding { curr, .. }) => *curr = curr.saturating_sub(c.cost),
-                    Some(State::Log { entries }) => {
-                        for _ in 0..c.cost {
-                            entries.pop_back();
-                        }
-                    }
-                    None => {}
+                if e.quota.same_shape(&c.quota) {
+                    algorithm::refund(&c.quota, &mut e.state, *at, c.cost);
                 }
             }
         }
@@ -156,37 +193,63 @@ fn guard_for<'a, 'b>(guards: &'a mut [Guard<'b>], shard: usize) -> &'a mut Shard
 }
 
 /// Make room in a full shard: drop expired entries, then, if that freed less than an eighth of
-/// the cap, the entries nearest their own expiry (forgetting those gives back the least
-/// quota) until an eighth is free. Each sweep is O(n) but frees at least `cap / 8` slots, so
-/// under key rotation the cost per new key stays O(1) amortised.
-fn make_room(map: &mut Shard, now: u64, cap: usize) {
+/// the cap, live entries until an eighth is free: first those that would admit a request now,
+/// nearest their own expiry first (forgetting those gives back the least quota), and only then
+/// entries that are denying (forgetting one lets its caller through again). Each sweep is O(n)
+/// but frees at least `cap / 8` slots, so under key rotation the cost per new key stays O(1)
+/// amortised. Returns (live entries evicted, of which denying).
+fn make_room(map: &mut Shard, now: u64, cap: usize) -> (u64, u64) {
     map.retain(|_, e| e.expires_at > now);
     let target = cap - (cap / 8).max(1);
     if map.len() <= target {
-        return;
+        return (0, 0);
     }
-    let excess = map.len() - target;
-    let mut expiries: Vec<u64> = map.values().map(|e| e.expires_at).collect();
-    let (_, cutoff, _) = expiries.select_nth_unstable(excess - 1);
-    let cutoff = *cutoff;
-    let mut evicted = 0;
-    map.retain(|_, e| {
-        if evicted < excess && e.expires_at <= cutoff {
-            evicted += 1;
-            false
-        } else {
-            true
+    let mut excess = map.len() - target;
+    let mut forced = 0;
+    let mut denying = 0;
+    for evict_denying in [false, true] {
+        if excess == 0 {
+            break;
         }
-    });
+        let mut expiries: Vec<u64> = map
+            .values()
+            .filter(|e| algorithm::admits(&e.quota, &e.state, now, 1) != evict_denying)
+            .map(|e| e.expires_at)
+            .collect();
+        if expiries.is_empty() {
+            continue;
+        }
+        let n = excess.min(expiries.len());
+        let (_, cutoff, _) = expiries.select_nth_unstable(n - 1);
+        let cutoff = *cutoff;
+        let mut evicted = 0;
+        map.retain(|_, e| {
+            if evicted < n && e.expires_at <= cutoff && algorithm::admits(&e.quota, &e.state, now, 1) != evict_denying {
+                evicted += 1;
+                false
+            } else {
+                true
+            }
+        });
+        excess -= evicted;
+        forced += evicted as u64;
+        if evict_denying {
+            denying += evicted as u64;
+        }
+    }
+    (forced, denying)
 }
 
 impl Store for MemoryStore {
-    async fn check(&self, checks: &[LimitCheck]) -> Result<Vec<Outcome>, StoreError> {
-        Ok(self.check_at(checks, self.clock.now_us()))
+    async fn check(&self, checks: &[LimitCheck]) -> Checked {
+        Checked {
+            outcomes: self.check_at(checks, self.clock.now_us()),
+            failed: Vec::new(),
+        }
     }
 
-    async fn refund(&self, checks: &[LimitCheck]) -> Result<(), StoreError> {
-        self.refund_at(checks, self.clock.now_us());
+    async fn refund(&self, spent: &[(LimitCheck, u64)]) -> Result<(), StoreError> {
+        self.refund_spent(spent);
         Ok(())
     }
 
@@ -195,10 +258,17 @@ impl Store for MemoryStore {
         Ok(checks
             .iter()
             .map(|c| {
-                let mut shard = self.shards[self.shard_of(c.key.as_str())].lock();
-                shard
-                    .get_mut(c.key.as_str())
-                    .map(|e| algorithm::evaluate(&c.quota, &mut e.state, now, 0))
+                let shard = self.shards[self.shard_of(c.key.as_str())].lock();
+                shard.get(c.key.as_str()).map(|e| {
+                    let mut state = if e.quota.same_shape(&c.quota) {
+                        e.state.clone()
+                    } else {
+                        e.state
+                            .as_ref()
+                            .and_then(|s| algorithm::seeded(&c.quota, algorithm::used(&e.quota, s, &c.quota, now), now))
+                    };
+                    algorithm::evaluate(&c.quota, &mut state, now, 0)
+                })
             })
             .collect())
     }

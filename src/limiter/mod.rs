@@ -8,6 +8,7 @@
 pub mod algorithm;
 pub mod breaker;
 pub mod deny_cache;
+pub mod keys;
 pub mod memory;
 pub mod redis;
 
@@ -17,7 +18,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use algorithm::{Algorithm, Outcome, Quota};
-use breaker::Breaker;
 use deny_cache::DenyCache;
 use memory::MemoryStore;
 
@@ -77,16 +77,47 @@ pub enum StoreError {
     Protocol(String),
 }
 
+/// What a store answered for one request's checks.
+#[derive(Debug, Clone, Default)]
+pub struct Checked {
+    /// One per check, in order. Where a check failed (see `failed`) this is a placeholder.
+    pub outcomes: Vec<Outcome>,
+    /// The checks the store could not decide (their shard failed or timed out), with why. Empty
+    /// when every check was decided, which is the common case (no allocation).
+    pub failed: Vec<(usize, StoreError)>,
+}
+
+impl Checked {
+    /// The outcomes when every check was decided, else the first failure.
+    pub fn into_result(self) -> Result<Vec<Outcome>, StoreError> {
+        match self.failed.into_iter().next() {
+            None => Ok(self.outcomes),
+            Some((_, e)) => Err(e),
+        }
+    }
+
+    /// Every one of `n` checks failed with `e`.
+    pub fn all_failed(n: usize, e: StoreError) -> Self {
+        Checked {
+            outcomes: vec![Outcome::default(); n],
+            failed: (0..n).map(|i| (i, e.clone())).collect(),
+        }
+    }
+}
+
 /// A place where counters live. Implementations are all-or-nothing: when any non-shadow limit
 /// in `checks` denies, no limit's quota is spent (a limit on another Redis slot may be spent and
 /// refunded within the same call).
 pub trait Store: Send + Sync + 'static {
-    /// Check and spend every limit in `checks`; one [`Outcome`] per check, in order.
-    fn check(&self, checks: &[LimitCheck]) -> impl Future<Output = Result<Vec<Outcome>, StoreError>> + Send;
+    /// Check and spend every limit in `checks`; one [`Outcome`] per check, in order. Checks whose
+    /// part of the store failed are listed in [`Checked::failed`]; the others were decided (a
+    /// denial among them stands, and nothing of a denied request stays spent).
+    fn check(&self, checks: &[LimitCheck]) -> impl Future<Output = Checked> + Send;
 
-    /// Give back what an admitted `checks` spent (a leaky-bucket request whose client left
-    /// while it waited).
-    fn refund(&self, checks: &[LimitCheck]) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// Give back exactly what admitted checks spent: each `(check, at_us)` names the instant
+    /// its check was decided ([`Outcome::at_us`]), so window units come off the window they
+    /// were counted in.
+    fn refund(&self, spent: &[(LimitCheck, u64)]) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Current state of each limit, as the outcome a cost-0 request would get. `None` where the
     /// store holds nothing for that key.
@@ -117,16 +148,16 @@ impl Backend {
 }
 
 impl Store for Backend {
-    async fn check(&self, checks: &[LimitCheck]) -> Result<Vec<Outcome>, StoreError> {
+    async fn check(&self, checks: &[LimitCheck]) -> Checked {
         match self {
             Backend::Memory(m) => m.check(checks).await,
             Backend::Redis(r) => r.check(checks).await,
         }
     }
-    async fn refund(&self, checks: &[LimitCheck]) -> Result<(), StoreError> {
+    async fn refund(&self, spent: &[(LimitCheck, u64)]) -> Result<(), StoreError> {
         match self {
-            Backend::Memory(m) => m.refund(checks).await,
-            Backend::Redis(r) => r.refund(checks).await,
+            Backend::Memory(m) => m.refund(spent).await,
+            Backend::Redis(r) => r.refund(spent).await,
         }
     }
     async fn peek(&self, checks: &[LimitCheck]) -> Result<Vec<Option<Outcome>>, StoreError> {
@@ -183,32 +214,50 @@ pub enum Source {
 pub struct Verdict {
     /// One per check, in order. Fail-open checks get an allowed outcome with full quota.
     pub outcomes: Vec<(Outcome, Source)>,
-    /// Set when the store failed (the error, for logs).
+    /// Set when the store failed for some check (the first error, for logs and metrics).
     pub store_error: Option<StoreError>,
 }
 
 impl Verdict {
     /// True when the request may go upstream: no non-shadow limit denied or failed closed.
-    pub fn admitted(&self, checks: &[LimitCheck]) -> bool {
+    fn admits(&self, checks: &[LimitCheck]) -> bool {
         self.outcomes
             .iter()
             .zip(checks)
             .all(|((o, s), c)| c.shadow || (o.allowed && *s != Source::FailClosed))
     }
+
+    /// What the admitted checks of this verdict spent, and where: the argument of
+    /// [`Limiter::refund`] when the request does not go through after all.
+    pub fn spent(&self, checks: &[LimitCheck]) -> Vec<(LimitCheck, u64, Source)> {
+        self.outcomes
+            .iter()
+            .zip(checks)
+            .filter(|((o, s), c)| o.allowed && c.cost > 0 && matches!(s, Source::Store | Source::Local))
+            .map(|((o, s), c)| (c.clone(), o.at_us, *s))
+            .collect()
+    }
 }
+
+/// Longest a denial is answered from the deny cache before the store is asked again. A denial
+/// may rest on units that a refund is about to give back (a cross-slot request rejected
+/// elsewhere, a queued leaky-bucket client that leaves): caching it for its whole retry time
+/// could lock every client out of a global rule for an hour. One second bounds that error and
+/// still spares the store all but one call a second per denied key.
+pub const DENY_CACHE_MAX_US: u64 = 1_000_000;
 
 /// The request path's entry point to limiting.
 pub struct Limiter {
-    /// The primary store (memory, Redis or Redis Cluster).
+    /// The primary store (memory, Redis or Redis Cluster). For Redis it holds one circuit
+    /// breaker per shard, so a failed shard costs no timeout and fails only its own limits.
     pub store: Backend,
     /// This node's memory store, for `failure: local` while the primary is down. When the
     /// primary is the memory store this is a separate instance, never used.
     pub local: Arc<MemoryStore>,
     /// Denials remembered until they can pass; `None` when `limits.deny_cache: false`.
     pub deny: Option<DenyCache>,
-    /// Stops paying the timeout while the store is down.
-    pub breaker: Arc<Breaker>,
-    /// Hard deadline on one check.
+    /// Hard deadline on one check (each Redis slot's call has it; the whole check gets twice
+    /// that, refunds of a cross-slot denial included).
     pub timeout: Duration,
     /// Time source for the deny cache.
     pub clock: SharedClock,
@@ -223,7 +272,7 @@ impl Limiter {
                 if c.shadow {
                     continue;
                 }
-                if let Some(until) = deny.get(&c.key, now) {
+                if let Some(until) = deny.get(c, now) {
                     let mut outcomes: Vec<(Outcome, Source)> =
                         checks.iter().map(|_| (full(), Source::DenyCache)).collect();
                     outcomes[i].0 = Outcome {
@@ -232,6 +281,7 @@ impl Limiter {
                         reset_us: until - now,
                         retry_after_us: until - now,
                         delay_us: 0,
+                        at_us: now,
                     };
                     return Verdict {
                         outcomes,
@@ -240,89 +290,109 @@ impl Limiter {
                 }
             }
         }
-        let result = if self.store.is_memory() {
+        let checked = if self.store.is_memory() {
             self.store.check(checks).await
-        } else if !self.breaker.allow() {
-            Err(StoreError::CircuitOpen)
         } else {
-            match tokio::time::timeout(self.timeout, self.store.check(checks)).await {
-                Ok(Ok(v)) => {
-                    self.breaker.success();
-                    Ok(v)
-                }
-                Ok(Err(e)) => {
-                    self.note_failure(&e);
-                    Err(e)
-                }
-                Err(_) => {
-                    self.note_failure(&StoreError::Timeout);
-                    Err(StoreError::Timeout)
-                }
+            match tokio::time::timeout(self.timeout.saturating_mul(2), self.store.check(checks)).await {
+                Ok(c) => c,
+                Err(_) => Checked::all_failed(checks.len(), StoreError::Timeout),
             }
         };
-        match result {
-            Ok(outcomes) => {
-                if let Some(deny) = &self.deny {
-                    for (o, c) in outcomes.iter().zip(checks) {
-                        if !o.allowed && !c.shadow && o.retry_after_us > 0 {
-                            deny.insert(&c.key, now + o.retry_after_us);
-                        }
-                    }
-                }
-                Verdict {
-                    outcomes: outcomes.into_iter().map(|o| (o, Source::Store)).collect(),
-                    store_error: None,
+        if let Some(deny) = &self.deny {
+            for (i, (o, c)) in checked.outcomes.iter().zip(checks).enumerate() {
+                if !o.allowed && !c.shadow && o.retry_after_us > 0 && !checked.failed.iter().any(|(f, _)| *f == i) {
+                    deny.insert(c, now + o.retry_after_us.min(DENY_CACHE_MAX_US));
                 }
             }
-            Err(e) => self.on_failure(checks, policies, e).await,
         }
+        let mut verdict = Verdict {
+            outcomes: checked.outcomes.into_iter().map(|o| (o, Source::Store)).collect(),
+            store_error: checked.failed.first().map(|(_, e)| e.clone()),
+        };
+        if !checked.failed.is_empty() {
+            self.on_failure(checks, policies, &checked.failed, &mut verdict).await;
+        }
+        verdict
     }
 
-    /// Count a failed check; log when it opens the breaker (a store state change).
-    fn note_failure(&self, e: &StoreError) {
-        if self.breaker.failure() {
-            tracing::error!(error = %e, "store failing: circuit breaker opened; rules now follow their failure policy");
-        }
-    }
-
-    async fn on_failure(&self, checks: &[LimitCheck], policies: &[FailurePolicy], err: StoreError) -> Verdict {
-        let mut outcomes: Vec<(Outcome, Source)> = Vec::with_capacity(checks.len());
-        let mut local_checks = Vec::new();
-        let mut local_idx = Vec::new();
-        for (i, (c, p)) in checks.iter().zip(policies).enumerate() {
-            match p {
-                FailurePolicy::Open => outcomes.push((full(), Source::FailOpen)),
-                FailurePolicy::Closed => outcomes.push((
-                    Outcome {
-                        allowed: false,
-                        retry_after_us: 1_000_000,
-                        ..Outcome::default()
-                    },
-                    Source::FailClosed,
-                )),
+    /// Decide the checks the store could not (each by its rule's failure policy). The local
+    /// fallback runs only when nothing else already rejects the request; when the policies
+    /// reject a request the store had admitted elsewhere, the store's spending is refunded.
+    async fn on_failure(
+        &self,
+        checks: &[LimitCheck],
+        policies: &[FailurePolicy],
+        failed: &[(usize, StoreError)],
+        verdict: &mut Verdict,
+    ) {
+        // A denial among the answered checks: the store already refunded what the request spent.
+        let store_denied = verdict
+            .outcomes
+            .iter()
+            .zip(checks)
+            .enumerate()
+            .any(|(i, ((o, _), c))| !o.allowed && !c.shadow && !failed.iter().any(|(f, _)| *f == i));
+        let mut local = Vec::new();
+        for &(i, _) in failed {
+            let entry = &mut verdict.outcomes[i];
+            match policies.get(i).copied().unwrap_or(FailurePolicy::Open) {
+                FailurePolicy::Open => *entry = (full(), Source::FailOpen),
+                FailurePolicy::Closed => {
+                    *entry = (
+                        Outcome {
+                            allowed: false,
+                            retry_after_us: 1_000_000,
+                            ..Outcome::default()
+                        },
+                        Source::FailClosed,
+                    )
+                }
                 FailurePolicy::Local { share } => {
-                    outcomes.push((full(), Source::Local));
-                    local_checks.push(local_share(c, *share));
-                    local_idx.push(i);
+                    *entry = (full(), Source::Local);
+                    local.push((i, local_share(&checks[i], share)));
                 }
             }
         }
-        if !local_checks.is_empty() {
-            if let Ok(local) = self.local.check(&local_checks).await {
-                for (o, i) in local.into_iter().zip(local_idx) {
-                    outcomes[i].0 = o;
-                }
+        if !local.is_empty() && verdict.admits(checks) {
+            let local_checks: Vec<LimitCheck> = local.iter().map(|(_, c)| c.clone()).collect();
+            let decided = self.local.check(&local_checks).await;
+            for ((i, _), o) in local.iter().zip(decided.outcomes) {
+                verdict.outcomes[*i].0 = o;
             }
         }
-        Verdict {
-            outcomes,
-            store_error: Some(err),
+        if !store_denied && !verdict.admits(checks) {
+            // Rejected by a failure policy: nothing the store granted may stay spent.
+            let spent: Vec<(LimitCheck, u64, Source)> = verdict
+                .spent(checks)
+                .into_iter()
+                .filter(|(_, _, s)| *s == Source::Store)
+                .collect();
+            if !spent.is_empty() {
+                self.refund(&spent).await;
+            }
         }
     }
 
-    /// Give back what an admitted request spent (a leaky-bucket client that left while waiting).
-    pub async fn refund(&self, checks: &[LimitCheck]) {
-        let _ = tokio::time::timeout(self.timeout, self.store.refund(checks)).await;
+    /// Give back what an admitted request spent (a leaky-bucket client that left while waiting,
+    /// a request rejected by another limit's failure policy), each in the store that spent it.
+    pub async fn refund(&self, spent: &[(LimitCheck, u64, Source)]) {
+        let pick = |src: Source| -> Vec<(LimitCheck, u64)> {
+            spent
+                .iter()
+                .filter(|(_, _, s)| *s == src)
+                .map(|(c, at, _)| (c.clone(), *at))
+                .collect()
+        };
+        let store = pick(Source::Store);
+        if !store.is_empty() {
+            if let Ok(Err(e)) = tokio::time::timeout(self.timeout, self.store.refund(&store)).await {
+                tracing::warn!(error = %e, "refund failed; the units stay spent until their window passes");
+            }
+        }
+        let local = pick(Source::Local);
+        if !local.is_empty() {
+            self.local.refund_spent(&local);
+        }
     }
 
     /// Forget every counter and deny-cache entry at `keys`.
@@ -335,6 +405,14 @@ impl Limiter {
         self.local.reset(keys).await?;
         self.store.reset(keys).await
     }
+
+    /// Probe the shards whose breaker is open and close those that answer; how many stay open.
+    pub async fn heal(&self) -> usize {
+        match &self.store {
+            Backend::Memory(_) => 0,
+            Backend::Redis(r) => r.heal().await,
+        }
+    }
 }
 
 /// An allowed outcome that reports nothing spent.
@@ -346,7 +424,7 @@ fn full() -> Outcome {
 }
 
 /// The limit this node enforces alone while the store is down: `limit / share`, at least 1.
-fn local_share(c: &LimitCheck, share: NonZeroU32) -> LimitCheck {
+pub fn local_share(c: &LimitCheck, share: NonZeroU32) -> LimitCheck {
     let mut c = c.clone();
     let s = u64::from(share.get());
     if s > 1 {

@@ -62,18 +62,18 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use arc_swap::ArcSwapOption;
+use arc_swap::{ArcSwap, ArcSwapOption};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
+use redis::cluster_routing::{MultipleNodeRoutingInfo, Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::io::tcp::TcpSettings;
 use redis::{Cmd, ErrorKind, IntoConnectionInfo, RedisError, ServerErrorKind, Value};
 
 pub use batch::MAX_BATCH;
 
 use super::algorithm::{Algorithm, Quota};
-use super::{LimitCheck, Outcome, Store, StoreError, StoreKey};
+use super::{Checked, LimitCheck, Outcome, Store, StoreError, StoreKey};
 
 /// The combined limit script: the shared helpers, one fragment per algorithm, and the
 /// dispatcher `lua/check.lua` (see each file's header for KEYS, ARGV and the reply).
@@ -189,6 +189,11 @@ struct Inner {
     rebuilds: AtomicU64,
     /// Origin of `last_rebuild_ms`.
     epoch: Instant,
+    /// Which shard owns each slot, with one breaker per shard (see [`slots`]). Loaded once per
+    /// check and swapped whole by a refresh.
+    topo: ArcSwap<slots::Topology>,
+    /// Consecutive failed calls that open a shard's breaker.
+    threshold: u32,
     /// Batched `check` calls sent so far (see [`batch`]).
     batch_calls: AtomicU64,
     /// Requests those calls carried.
@@ -354,6 +359,7 @@ impl Inner {
                     inner.conn.store(Some(Arc::new(conn)));
                     inner.failures.store(0, Ordering::Relaxed);
                     inner.rebuilds.fetch_add(1, Ordering::Relaxed);
+                    inner.refresh_topology().await;
                     tracing::warn!(
                         mode = ?inner.mode,
                         "redis connection rebuilt after repeated failures"
@@ -365,6 +371,29 @@ impl Inner {
             }
             inner.rebuilding.store(false, Ordering::Release);
         });
+    }
+
+    /// Re-read which master owns which slot (cluster only; a failed read keeps the old map).
+    async fn refresh_topology(&self) {
+        if self.mode != RedisMode::Cluster {
+            return;
+        }
+        let Ok(mut conn) = self.conn() else { return };
+        let cmd = redis::cmd("CLUSTER").arg("SLOTS").to_owned();
+        if let Ok(Ok(reply)) = tokio::time::timeout(connect_timeout(self.timeout), conn.query(&cmd)).await {
+            if let Some(t) = self.topo.load().refreshed(&reply, self.threshold) {
+                self.topo.store(Arc::new(t));
+            }
+        }
+    }
+
+    /// Count one call to `shard` towards its breaker; log when it opens, and rebuild the
+    /// connection then (a frozen master is never given up on by the client by itself).
+    fn shard_failure(self: &Arc<Self>, shard: &slots::Shard, e: &StoreError) {
+        if shard.breaker.failure() {
+            tracing::error!(shard = %shard.addr, error = %e, "store shard failing: its circuit breaker opened; limits kept on it now follow their rule's failure policy");
+            self.maybe_rebuild();
+        }
     }
 
     /// Run the limit script built by `build` (given the SHA for `EVALSHA`, or `None` for
@@ -602,6 +631,7 @@ fn parse_reply<T>(value: Value, n: usize, map: fn(i64, Outcome) -> T) -> Result<
             reset_us: field()?,
             retry_after_us: field()?,
             delay_us: field()?,
+            at_us: now,
         };
         out.push(map(allowed, outcome));
     }
@@ -641,6 +671,7 @@ fn parse_packed(value: Value, n: usize) -> Result<(u64, Vec<Outcome>), StoreErro
             reset_us: next(),
             retry_after_us: next(),
             delay_us: next(),
+            at_us: now,
         });
     }
     Ok((now, out))
@@ -682,7 +713,13 @@ impl RedisStore {
     /// When Redis cannot be reached now, the store still starts (so the gateway serves, with each
     /// rule's failure policy) and keeps connecting in the background; only a configuration
     /// error (a malformed URL) fails here.
-    pub async fn connect(mode: RedisMode, urls: &[String], timeout: Duration) -> Result<Self, StoreError> {
+    /// `threshold` consecutive failed calls open one shard's breaker.
+    pub async fn connect(
+        mode: RedisMode,
+        urls: &[String],
+        timeout: Duration,
+        threshold: u32,
+    ) -> Result<Self, StoreError> {
         let conn = match open(mode, urls, timeout).await {
             Ok(c) => Some(Arc::new(c)),
             Err(e) if urls.iter().all(|u| u.as_str().into_connection_info().is_ok()) && !urls.is_empty() => {
@@ -703,9 +740,15 @@ impl RedisStore {
             rebuilding: AtomicBool::new(false),
             rebuilds: AtomicU64::new(0),
             epoch: Instant::now(),
+            topo: ArcSwap::from_pointee(slots::Topology::single(
+                urls.first().map_or_else(String::new, |u| redact_url(u)),
+                threshold,
+            )),
+            threshold: threshold.max(1),
             batch_calls: AtomicU64::new(0),
             batch_requests: AtomicU64::new(0),
         });
+        inner.refresh_topology().await;
         let batches = batch::Batches::spawn(Arc::clone(&inner));
         Ok(RedisStore { inner, batches })
     }
@@ -742,36 +785,55 @@ impl RedisStore {
     /// [`Store::check`] at an explicit `now` (microseconds since the epoch) instead of Redis
     /// `TIME` when `now` is `Some` — differential tests drive Redis and the memory store with
     /// the same clock. `None` is the production path.
-    pub async fn check_at(&self, checks: &[LimitCheck], now: Option<u64>) -> Result<Vec<Outcome>, StoreError> {
+    ///
+    /// Each slot's call is bounded by `store.timeout` and gated by its shard's breaker, so a
+    /// failed shard fails only its own checks (in [`Checked::failed`]); a denial from a healthy
+    /// slot stands, and the healthy slots that spent for a denied request are refunded.
+    pub async fn check_at(&self, checks: &[LimitCheck], now: Option<u64>) -> Checked {
         if checks.is_empty() {
-            return Ok(Vec::new());
-        }
-        if one_tag(checks.iter().map(|c| &c.key)) {
-            // Fast path: one slot, one script call, no grouping.
-            return Ok(self.check_slot(now, checks.to_vec()).await?.1);
+            return Checked::default();
         }
         let start = Instant::now();
+        if one_tag(checks.iter().map(|c| &c.key)) {
+            // Fast path: one slot, one script call, no grouping.
+            return match self.check_group(now, checks.to_vec()).await {
+                Ok((_, outcomes)) => Checked {
+                    outcomes,
+                    failed: Vec::new(),
+                },
+                Err(e) => Checked::all_failed(checks.len(), e),
+            };
+        }
         let groups = group_by_tag(checks.iter().map(|c| &c.key));
         let calls = groups
             .iter()
-            .map(|g| self.check_slot(now, g.iter().map(|&i| checks[i].clone()).collect()));
+            .map(|g| self.check_group(now, g.iter().map(|&i| checks[i].clone()).collect()));
         let results = futures_util::future::join_all(calls).await;
-        let mut outcomes = vec![Outcome::default(); checks.len()];
-        let mut nows = Vec::with_capacity(groups.len());
+        let mut out = Checked {
+            outcomes: vec![Outcome::default(); checks.len()],
+            failed: Vec::new(),
+        };
+        let mut answered: Vec<(&[usize], u64)> = Vec::with_capacity(groups.len());
         for (g, r) in groups.iter().zip(results) {
-            let (group_now, outs) = r?;
-            nows.push(group_now);
-            for (&i, o) in g.iter().zip(outs) {
-                outcomes[i] = o;
+            match r {
+                Ok((group_now, outs)) => {
+                    answered.push((g, group_now));
+                    for (&i, o) in g.iter().zip(outs) {
+                        out.outcomes[i] = o;
+                    }
+                }
+                Err(e) => out.failed.extend(g.iter().map(|&i| (i, e.clone()))),
             }
         }
+        let outcomes = &out.outcomes;
         let denied = |i: usize| !outcomes[i].allowed && !checks[i].shadow;
-        if !(0..checks.len()).any(denied) {
-            return Ok(outcomes);
+        if !answered.iter().any(|(g, _)| g.iter().any(|&i| denied(i))) {
+            return out;
         }
-        // Blocked: give back what the groups that spent (no non-shadow denial inside) took.
+        // Blocked by a healthy slot: give back what the groups that spent (no non-shadow denial
+        // inside) took, in the window their script counted it in.
         let mut refunds: Vec<(u64, Vec<LimitCheck>)> = Vec::new();
-        for (g, group_now) in groups.iter().zip(&nows) {
+        for (g, group_now) in &answered {
             if g.iter().any(|&i| denied(i)) {
                 continue; // this group's script wrote nothing
             }
@@ -787,14 +849,33 @@ impl RedisStore {
         if !refunds.is_empty() {
             self.spawn_refunds(refunds, start).await;
         }
-        Ok(outcomes)
+        out
+    }
+
+    /// One slot's checks: refused at once while its shard's breaker is open, else one call
+    /// bounded by `store.timeout` whose result counts towards that breaker.
+    async fn check_group(&self, now: Option<u64>, checks: Vec<LimitCheck>) -> batch::Answer {
+        let slot = checks.first().map_or(0, |c| slots::slot_of(c.key.as_str()));
+        let shard = Arc::clone(self.inner.topo.load().shard_for(slot));
+        if shard.breaker.is_open() {
+            return Err(StoreError::CircuitOpen);
+        }
+        let res = match tokio::time::timeout(self.inner.timeout, self.check_slot(now, slot, checks)).await {
+            Ok(r) => r,
+            Err(_) => Err(StoreError::Timeout),
+        };
+        match &res {
+            Ok(_) => shard.breaker.success(),
+            Err(e) => self.inner.shard_failure(&shard, e),
+        }
+        res
     }
 
     /// Check one request's limits on one slot: through the batch task in production
     /// (`now == None`); as a call of its own when a test drives time.
-    async fn check_slot(&self, now: Option<u64>, checks: Vec<LimitCheck>) -> batch::Answer {
+    async fn check_slot(&self, now: Option<u64>, slot: u16, checks: Vec<LimitCheck>) -> batch::Answer {
         match now {
-            None => self.batches.check(checks).await,
+            None => self.batches.check(slot, checks).await,
             Some(_) => self.inner.check_batch(now, std::iter::once(checks.as_slice())).await,
         }
     }
@@ -824,19 +905,16 @@ impl RedisStore {
         }
     }
 
-    /// Run `mode` on `checks` grouped by slot, concurrently; one entry per check.
-    async fn per_group(&self, mode: Mode, checks: &[LimitCheck]) -> Result<Vec<Option<Outcome>>, StoreError> {
+    /// Peek at `checks` grouped by slot, concurrently; one entry per check.
+    async fn peek_groups(&self, checks: &[LimitCheck]) -> Result<Vec<Option<Outcome>>, StoreError> {
         if checks.is_empty() {
             return Ok(Vec::new());
         }
         let inner = &self.inner;
-        if one_tag(checks.iter().map(|c| &c.key)) {
-            return Ok(inner.call(mode, None, checks.iter(), peeked).await?.1);
-        }
         let groups = group_by_tag(checks.iter().map(|c| &c.key));
         let calls = groups
             .iter()
-            .map(|g| inner.call(mode, None, g.iter().map(|&i| &checks[i]), peeked));
+            .map(|g| inner.call(Mode::Peek, None, g.iter().map(|&i| &checks[i]), peeked));
         let results = futures_util::future::join_all(calls).await;
         let mut out = vec![None; checks.len()];
         for (g, r) in groups.iter().zip(results) {
@@ -847,21 +925,96 @@ impl RedisStore {
         }
         Ok(out)
     }
+
+    /// Probe every shard whose breaker is open (after re-reading the slot map and, at most once
+    /// per [`REBUILD_INTERVAL`], rebuilding the connection) and close the breakers of those that
+    /// answer the script path again. Returns how many breakers are still open.
+    pub async fn heal(&self) -> usize {
+        let inner = &self.inner;
+        if inner.topo.load().open_shards().next().is_none() {
+            return 0;
+        }
+        inner.maybe_rebuild();
+        inner.refresh_topology().await;
+        let open: Vec<Arc<slots::Shard>> = inner.topo.load().open_shards().cloned().collect();
+        for shard in &open {
+            let mut cmd = redis::cmd("EVALSHA");
+            cmd.arg(&inner.sha).arg(0).arg("peek").arg("");
+            let probe = async {
+                let mut conn = inner.conn()?;
+                match (&mut conn, shard.probe_slot) {
+                    (Conn::Cluster(c), Some(slot)) => {
+                        let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::new(
+                            slot,
+                            SlotAddr::Master,
+                        )));
+                        match c.route_command(cmd.clone(), route.clone()).await {
+                            Err(e) if is_noscript(&e) => {
+                                let mut load = redis::cmd("SCRIPT");
+                                load.arg("LOAD").arg(SCRIPT_SOURCE);
+                                c.route_command(load, route.clone()).await?;
+                                c.route_command(cmd, route).await
+                            }
+                            r => r,
+                        }
+                    }
+                    _ => match conn.query(&cmd).await {
+                        Err(e) if is_noscript(&e) => {
+                            let mut load = redis::cmd("SCRIPT");
+                            load.arg("LOAD").arg(SCRIPT_SOURCE);
+                            conn.query(&load).await?;
+                            conn.query(&cmd).await
+                        }
+                        r => r,
+                    },
+                }
+            };
+            match tokio::time::timeout(inner.timeout.max(Duration::from_millis(100)), probe).await {
+                Ok(Ok(_)) => {
+                    if shard.breaker.close() {
+                        tracing::warn!(shard = %shard.addr, "store shard is back: its circuit breaker closed");
+                    }
+                }
+                Ok(Err(e)) => {
+                    tracing::debug!(shard = %shard.addr, error = %e, "store shard probe failed; breaker stays open")
+                }
+                Err(_) => tracing::debug!(shard = %shard.addr, "store shard probe timed out; breaker stays open"),
+            }
+        }
+        inner.topo.load().open_shards().count()
+    }
+
+    /// Number of shards whose breaker is open now.
+    pub fn open_breakers(&self) -> usize {
+        self.inner.topo.load().open_shards().count()
+    }
 }
 
 impl Store for RedisStore {
-    async fn check(&self, checks: &[LimitCheck]) -> Result<Vec<Outcome>, StoreError> {
+    async fn check(&self, checks: &[LimitCheck]) -> Checked {
         self.check_at(checks, None).await
     }
 
-    /// Refund at Redis' current time: exact for buckets; for windows the units come off the
-    /// current window (the one a just-admitted request was counted in).
-    async fn refund(&self, checks: &[LimitCheck]) -> Result<(), StoreError> {
-        self.per_group(Mode::Refund, checks).await.map(|_| ())
+    /// Refund each slot's spending at the `now` its check used, so window units come off the
+    /// window they were counted in.
+    async fn refund(&self, spent: &[(LimitCheck, u64)]) -> Result<(), StoreError> {
+        if spent.is_empty() {
+            return Ok(());
+        }
+        let groups = group_by_tag(spent.iter().map(|(c, _)| &c.key));
+        let inner = &self.inner;
+        let calls = groups.iter().map(|g| {
+            let at = g.first().map(|&i| spent[i].1);
+            inner.call(Mode::Refund, at, g.iter().map(|&i| &spent[i].0), peeked)
+        });
+        for r in futures_util::future::join_all(calls).await {
+            r?;
+        }
+        Ok(())
     }
 
     async fn peek(&self, checks: &[LimitCheck]) -> Result<Vec<Option<Outcome>>, StoreError> {
-        self.per_group(Mode::Peek, checks).await
+        self.peek_groups(checks).await
     }
 
     async fn reset(&self, keys: &[StoreKey]) -> Result<(), StoreError> {
@@ -901,7 +1054,15 @@ impl Store for RedisStore {
             cost: 0,
             shadow: false,
         };
-        self.check_at(std::slice::from_ref(&probe), None).await?;
+        if let Some((_, e)) = self
+            .check_at(std::slice::from_ref(&probe), None)
+            .await
+            .failed
+            .into_iter()
+            .next()
+        {
+            return Err(e);
+        }
         if self.inner.mode == RedisMode::Cluster {
             let peek = || {
                 let mut c = redis::cmd("EVALSHA");
@@ -931,6 +1092,21 @@ impl Store for RedisStore {
 }
 
 mod batch;
+mod slots;
+
+/// `url` with any password replaced by `***`, for logs.
+pub fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let creds = &url[scheme + 3..at];
+            match creds.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
+                None => format!("{}***{}", &url[..scheme + 3], &url[at..]),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}
 
 #[cfg(test)]
 mod tests;

@@ -17,11 +17,12 @@ use std::sync::Arc;
 
 use http::{HeaderMap, HeaderName, Method};
 use serde_saphyr::{Location, Spanned};
-use sha2::{Digest, Sha256};
+use sha2::Digest;
 
 use crate::config::raw::{RawOverride, RawRule, RawRules, RawWindow};
 use crate::config::{duration, ConfigError};
-use crate::identity::Identity;
+use crate::identity::{Identity, IdentityKind};
+use crate::limiter::keys::{KeyBuilder, Namespace};
 use crate::limiter::{Algorithm, FailurePolicy, Quota};
 pub use path::{normalize, Pattern, PatternClass};
 
@@ -299,6 +300,14 @@ impl Ctx<'_> {
         })
     }
 
+    /// `q` when both stores compute it exactly (see [`Quota::bounds_error`]).
+    fn bounded(&self, rule: &str, at: &Location, q: Quota) -> Result<Quota, ConfigError> {
+        match q.bounds_error(0) {
+            None => Ok(q),
+            Some(m) => Err(self.err(at, format!("rule {rule:?}: {m}"))),
+        }
+    }
+
     fn window(&self, rule: &str, w: &Spanned<String>) -> Result<NonZeroU64, ConfigError> {
         let d = duration(self.file, w)?;
         let us = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
@@ -339,8 +348,8 @@ impl Ctx<'_> {
             let cap = capacity
                 .as_ref()
                 .ok_or_else(|| self.err(loc, format!("rule {rule:?}: {} needs capacity", alg.as_str())))?;
-            let cap = self.positive(rule, "capacity", cap)?;
-            return Ok(vec![Quota::bucket(alg, cap, interval)]);
+            let q = Quota::bucket(alg, self.positive(rule, "capacity", cap)?, interval);
+            return self.bounded(rule, &cap.referenced, q).map(|q| vec![q]);
         }
         if rate.is_some() || capacity.is_some() {
             return Err(self.err(
@@ -353,18 +362,18 @@ impl Ctx<'_> {
         }
         let mut out = Vec::new();
         match (limit, window, limits) {
-            (Some(l), Some(w), None) => out.push(Quota::window(
-                alg,
-                self.positive(rule, "limit", l)?,
-                self.window(rule, w)?,
-            )),
+            (Some(l), Some(w), None) => {
+                let q = Quota::window(alg, self.positive(rule, "limit", l)?, self.window(rule, w)?);
+                out.push(self.bounded(rule, &l.referenced, q)?)
+            }
             (None, None, Some(ls)) if !ls.is_empty() => {
                 for lw in ls {
-                    out.push(Quota::window(
+                    let q = Quota::window(
                         alg,
                         self.positive(rule, "limit", &lw.value.limit)?,
                         self.window(rule, &lw.value.window)?,
-                    ));
+                    );
+                    out.push(self.bounded(rule, &lw.value.limit.referenced, q)?);
                 }
                 let mut seen = HashSet::new();
                 for (q, lw) in out.iter().zip(ls) {
@@ -450,7 +459,7 @@ impl RuleSet {
     pub fn from_str(path: &Path, text: &str) -> Result<Self, ConfigError> {
         let raw: RawRules = crate::config::parse_str(path, text)?;
         let mut set = Self::compile(path, raw)?;
-        set.version = hex::encode(&Sha256::digest(text.as_bytes())[..8]);
+        set.version = hex::encode(&sha2::Sha256::digest(text.as_bytes())[..8]);
         Ok(set)
     }
 
@@ -500,6 +509,9 @@ impl RuleSet {
             };
             let check_cost = |qs: &[Quota], at: &Location| -> Result<(), ConfigError> {
                 for q in qs {
+                    if let Some(m) = q.bounds_error(cost) {
+                        return Err(ctx.err(at, format!("rule {name:?}: {m}")));
+                    }
                     if cost > q.limit.get() {
                         let what = if q.algorithm.is_bucket() { "capacity" } else { "limit" };
                         return Err(ctx.err(
@@ -752,81 +764,41 @@ pub fn key_value<'a>(
     ip_text: &'a str,
 ) -> Option<KeyValue<'a>> {
     Some(match kind {
-        KeyKind::User => KeyValue::Str(&identity.id),
-        KeyKind::Ip => KeyValue::Str(ip_text),
-        KeyKind::Org => KeyValue::Str(identity.org.as_deref()?),
+        KeyKind::User => caller(identity),
+        KeyKind::Ip => KeyValue::Value(Namespace::Ip, ip_text.as_bytes()),
+        KeyKind::Org => KeyValue::Value(Namespace::Org, identity.org.as_deref()?.as_bytes()),
         KeyKind::Global => KeyValue::Global,
-        KeyKind::Header(h) => KeyValue::Bytes(headers.get(h)?.as_bytes()),
+        KeyKind::Header(h) => KeyValue::Value(Namespace::Header, headers.get(h)?.as_bytes()),
     })
 }
 
+/// The caller of §3 as a key value: its id, in the namespace of its identity kind.
+pub fn caller(identity: &Identity) -> KeyValue<'_> {
+    let ns = match identity.kind {
+        IdentityKind::Jwt => Namespace::Jwt,
+        IdentityKind::ApiKey => Namespace::ApiKey,
+        IdentityKind::Ip => Namespace::Ip,
+    };
+    KeyValue::Value(ns, identity.id.as_bytes())
+}
+
 /// A key value borrowed from the request.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KeyValue<'a> {
-    /// Text (user id, IP, org).
-    Str(&'a str),
-    /// Raw header bytes.
-    Bytes(&'a [u8]),
+    /// A value (user id, key id, IP, org, header bytes) in its namespace.
+    Value(Namespace, &'a [u8]),
     /// The one global counter (keyed by rule name).
     Global,
 }
 
-/// Builds store keys: `{prefix}:{<hash>}:<rule>:<window>`.
-///
-/// The hash is SHA-256 over a secret salt, the key kind and the value, so no caller-controlled
-/// byte reaches Redis and, with a salt set, no caller can aim at a chosen Cluster slot.
-#[derive(Debug, Clone)]
-pub struct KeyBuilder {
-    /// `store.key_prefix`.
-    pub prefix: String,
-    /// Secret mixed into every hash.
-    pub salt: String,
-}
-
-impl KeyBuilder {
-    /// The hash tag for a key value; `rule` names the counter for `global`. The key kind is not
-    /// hashed: keys of different rules differ by rule name anyway, and sharing the tag puts an
-    /// anonymous caller's user and IP counters on one slot (one round trip).
-    pub fn tag(&self, value: KeyValue<'_>, rule: &str) -> String {
-        let mut h = Sha256::new();
-        h.update(self.salt.as_bytes());
-        h.update([0]);
-        match value {
-            KeyValue::Str(s) => h.update(s.as_bytes()),
-            KeyValue::Bytes(b) => h.update(b),
-            KeyValue::Global => {
-                h.update(b"\0global\0");
-                h.update(rule.as_bytes());
-            }
+impl KeyValue<'_> {
+    /// The store tag of this value for `rule` (see [`KeyBuilder`]).
+    pub fn tag(&self, keys: &KeyBuilder, rule: &str) -> String {
+        match self {
+            KeyValue::Value(ns, v) => keys.tag(*ns, v),
+            KeyValue::Global => keys.global_tag(rule),
         }
-        hex::encode(&h.finalize()[..12])
     }
-
-    /// The full key of one limit of `rule` under `tag`.
-    pub fn key(&self, tag: &str, rule: &str, q: &Quota) -> String {
-        let mut s = String::with_capacity(self.prefix.len() + tag.len() + rule.len() + 24);
-        s.push_str(&self.prefix);
-        s.push_str(":{");
-        s.push_str(tag);
-        s.push_str("}:");
-        s.push_str(rule);
-        s.push(':');
-        window_suffix(&mut s, q);
-        s
-    }
-}
-
-/// `<window>` part of a key: algorithm abbreviation + window (or interval) in ms/µs. A changed
-/// algorithm gets a fresh key, so a reload never reads state of another shape.
-fn window_suffix(s: &mut String, q: &Quota) {
-    use std::fmt::Write;
-    let _ = match q.algorithm {
-        Algorithm::TokenBucket => write!(s, "tb{}", q.interval_us),
-        Algorithm::LeakyBucket => write!(s, "lb{}", q.interval_us),
-        Algorithm::FixedWindow => write!(s, "fw{}", q.window_us.get() / 1000),
-        Algorithm::SlidingLog => write!(s, "sl{}", q.window_us.get() / 1000),
-        Algorithm::SlidingWindow => write!(s, "sw{}", q.window_us.get() / 1000),
-    };
 }
 
 /// Humantime-ish rendering of a window for headers and bodies (`1m`, `15m`, `1s`, `250ms`).

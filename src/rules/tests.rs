@@ -125,33 +125,6 @@ fn rates_parse() {
 }
 
 #[test]
-fn store_keys_hash_the_value_and_share_a_tag_per_caller() {
-    let kb = KeyBuilder {
-        prefix: "tl".into(),
-        salt: "s".into(),
-    };
-    let q = Quota::window(
-        Algorithm::SlidingWindow,
-        NonZeroU64::new(5).unwrap(),
-        NonZeroU64::new(60_000_000).unwrap(),
-    );
-    let evil = "x}:{evil\r\nDEL *";
-    let tag = kb.tag(KeyValue::Str(evil), "r");
-    assert!(tag.bytes().all(|b| b.is_ascii_hexdigit()), "{tag}");
-    let key = kb.key(&tag, "search", &q);
-    assert_eq!(key, format!("tl:{{{tag}}}:search:sw60000"));
-    assert!(!key.contains("evil"));
-    // A different salt moves the caller to another tag (the caller can't aim at a slot).
-    let kb2 = KeyBuilder {
-        prefix: "tl".into(),
-        salt: "other".into(),
-    };
-    assert_ne!(kb2.tag(KeyValue::Str(evil), "r"), tag);
-    // Global counters are per rule.
-    assert_ne!(kb.tag(KeyValue::Global, "a"), kb.tag(KeyValue::Global, "b"));
-}
-
-#[test]
 fn validation_fixtures_name_line_column_and_reason() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/rules");
     let mut n = 0;

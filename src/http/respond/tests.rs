@@ -2,7 +2,7 @@
 
 #[test]
 fn the_429_body_is_json_with_every_field() {
-    let body = super::rate_limited_body("api.v1-x", 100, 60_000_000, 7);
+    let body = super::rate_limited_body("api.v1-x", 100, 60_000_000, 7, 1_800_000_007);
     let v: serde_json::Value = serde_json::from_str(&body).expect("valid JSON");
     assert_eq!(v["error"], "rate_limit_exceeded");
     assert_eq!(
@@ -14,5 +14,5 @@ fn the_429_body_is_json_with_every_field() {
     assert_eq!(v["window"], "1m");
     assert_eq!(v["retry_after"], 7);
     let reset_at = v["reset_at"].as_str().expect("reset_at");
-    assert!(reset_at.ends_with('Z') && reset_at.len() == 20, "{reset_at}");
+    assert_eq!(reset_at, "2027-01-15T08:00:07Z");
 }

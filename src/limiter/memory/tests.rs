@@ -85,12 +85,12 @@ async fn time_comes_from_the_injected_clock() {
     let c = [check("tl:{a}:r:1s", 2, false)];
     let mut admitted = 0;
     for _ in 0..5 {
-        admitted += usize::from(store.check(&c).await.unwrap()[0].allowed);
+        admitted += usize::from(store.check(&c).await.outcomes[0].allowed);
     }
     assert_eq!(admitted, 2);
     clock.advance_ms(1000);
     assert!(
-        store.check(&c).await.unwrap()[0].allowed,
+        store.check(&c).await.outcomes[0].allowed,
         "a new window after 1 s of fake time"
     );
 }

@@ -29,7 +29,6 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use futures_util::stream::{FuturesUnordered, StreamExt};
-use redis::cluster_routing::Slot;
 use tokio::sync::{mpsc, oneshot};
 
 use super::{Inner, RedisMode};
@@ -41,6 +40,9 @@ pub const MAX_BATCH: usize = 256;
 
 /// What one request gets back: Redis' `now` and one outcome per limit.
 pub(super) type Answer = Result<(u64, Vec<Outcome>), StoreError>;
+
+/// A Redis Cluster slot number (0 for standalone Redis, which has one queue).
+type Slot = u16;
 
 /// One request's checks, waiting for their slot's next call.
 pub(super) struct Pending {
@@ -74,10 +76,10 @@ impl Batches {
     /// `store.timeout`) plus this request's own call, and the limiter's deadline around every
     /// check bounds it to `store.timeout` on the request path. A call that fails or times out
     /// is counted (towards a connection rebuild) by the batch task, once per call.
-    pub(super) async fn check(&self, checks: Vec<LimitCheck>) -> Answer {
-        let slot = match (self.mode, checks.first()) {
-            (RedisMode::Cluster, Some(c)) => Slot::for_key(c.key.as_str()),
-            _ => Slot::new(0).unwrap_or_else(|| Slot::for_key("")),
+    pub(super) async fn check(&self, slot: u16, checks: Vec<LimitCheck>) -> Answer {
+        let slot = match self.mode {
+            RedisMode::Cluster => slot,
+            RedisMode::Single => 0,
         };
         let (reply, answer) = oneshot::channel();
         if self.tx.send((slot, Pending { checks, reply })).is_err() {

@@ -128,7 +128,8 @@ fn parse_reply_maps_fields_and_missing_keys() {
             remaining: 3,
             reset_us: 100,
             retry_after_us: 0,
-            delay_us: 5
+            delay_us: 5,
+            at_us: 7
         })
     );
     assert_eq!(
@@ -138,7 +139,8 @@ fn parse_reply_maps_fields_and_missing_keys() {
             remaining: 0,
             reset_us: 50,
             retry_after_us: 40,
-            delay_us: 0
+            delay_us: 0,
+            at_us: 7
         })
     );
     assert_eq!(outs[2], None);
@@ -183,14 +185,16 @@ fn parse_packed_reads_doubles_and_rejects_bad_shapes() {
                 remaining: 4,
                 reset_us: 1_000_000,
                 retry_after_us: 0,
-                delay_us: 0
+                delay_us: 0,
+                at_us: 1_796_025_623_586_863
             },
             Outcome {
                 allowed: false,
                 remaining: 0,
                 reset_us: 500_000,
                 retry_after_us: 500_000,
-                delay_us: 0
+                delay_us: 0,
+                at_us: 1_796_025_623_586_863
             }
         ]
     );

@@ -1,0 +1,137 @@
+//! The store key schema, in one place: `{prefix}:{<tag>}:<rule>:<n>`.
+//!
+//! * `<tag>` is a salted SHA-256 of the key value and its **namespace** (what kind of value it
+//!   is), hex, 24 characters. No caller-controlled byte reaches the store, no secret either,
+//!   and with a salt no caller can aim at a chosen Redis Cluster slot. The namespace keeps a
+//!   JWT `sub` of `10.8.8.8`, an API key id and the client IP 10.8.8.8 on three different
+//!   counters. A `user` rule for an anonymous caller uses the IP namespace, so its counters
+//!   share the slot (and the one script call) of the caller's `ip` rules.
+//! * `<rule>` is the rule name; `<n>` the position of the limit in the rule's list (0 for a
+//!   single limit). The key does not name the algorithm, window or rate: a reload that changes
+//!   them keeps the key, and the store converts the state it finds (conservatively: see
+//!   `algorithm::used`), so a reload never hands out a fresh quota.
+
+use sha2::{Digest, Sha256};
+
+use super::StoreKey;
+
+/// What kind of value a counter is shared by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Namespace {
+    /// A client IP (IPv6 collapsed to its prefix): `ip` rules, and `user` rules for callers
+    /// known only by their IP.
+    Ip,
+    /// A JWT user (`user_claim`).
+    Jwt,
+    /// An API key id from the registry.
+    ApiKey,
+    /// An org.
+    Org,
+    /// A request header's value.
+    Header,
+}
+
+impl Namespace {
+    /// The bytes mixed into the hash; distinct per namespace.
+    fn domain(self) -> &'static [u8] {
+        match self {
+            Namespace::Ip => b"ip",
+            Namespace::Jwt => b"jwt",
+            Namespace::ApiKey => b"key",
+            Namespace::Org => b"org",
+            Namespace::Header => b"header",
+        }
+    }
+}
+
+/// Builds store keys (see the module docs).
+#[derive(Debug, Clone)]
+pub struct KeyBuilder {
+    /// `store.key_prefix`.
+    pub prefix: String,
+    /// Secret mixed into every hash.
+    pub salt: String,
+}
+
+impl KeyBuilder {
+    /// The tag of `value` in namespace `ns`.
+    pub fn tag(&self, ns: Namespace, value: &[u8]) -> String {
+        let mut h = Sha256::new();
+        h.update(self.salt.as_bytes());
+        h.update([0]);
+        h.update(ns.domain());
+        h.update([0]);
+        h.update(value);
+        hex::encode(&h.finalize()[..12])
+    }
+
+    /// The tag of `rule`'s one global counter.
+    pub fn global_tag(&self, rule: &str) -> String {
+        let mut h = Sha256::new();
+        h.update(self.salt.as_bytes());
+        h.update([0]);
+        h.update(b"\0global\0");
+        h.update(rule.as_bytes());
+        hex::encode(&h.finalize()[..12])
+    }
+
+    /// The key of the `n`-th limit of `rule` under `tag`.
+    pub fn key(&self, tag: &str, rule: &str, n: usize) -> StoreKey {
+        let mut s = String::with_capacity(self.prefix.len() + tag.len() + rule.len() + 8);
+        s.push_str(&self.prefix);
+        s.push_str(":{");
+        s.push_str(tag);
+        s.push_str("}:");
+        s.push_str(rule);
+        s.push(':');
+        s.push_str(itoa::Buffer::new().format(n));
+        StoreKey(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kb(salt: &str) -> KeyBuilder {
+        KeyBuilder {
+            prefix: "tl".into(),
+            salt: salt.into(),
+        }
+    }
+
+    #[test]
+    fn keys_hash_the_value_and_name_rule_and_position() {
+        let evil = b"x}:{evil\r\nDEL *";
+        let tag = kb("s").tag(Namespace::Header, evil);
+        assert!(tag.bytes().all(|b| b.is_ascii_hexdigit()), "{tag}");
+        let key = kb("s").key(&tag, "search", 1);
+        assert_eq!(key.as_str(), format!("tl:{{{tag}}}:search:1"));
+        assert!(!key.as_str().contains("evil"));
+        // A different salt moves the caller to another tag (the caller can't aim at a slot).
+        assert_ne!(kb("other").tag(Namespace::Header, evil), tag);
+        // Global counters are per rule.
+        assert_ne!(kb("s").global_tag("a"), kb("s").global_tag("b"));
+    }
+
+    #[test]
+    fn namespaces_never_share_a_counter() {
+        let k = kb("s");
+        let v = b"10.8.8.8";
+        let tags: Vec<String> = [
+            Namespace::Ip,
+            Namespace::Jwt,
+            Namespace::ApiKey,
+            Namespace::Org,
+            Namespace::Header,
+        ]
+        .iter()
+        .map(|ns| k.tag(*ns, v))
+        .collect();
+        for (i, a) in tags.iter().enumerate() {
+            for b in &tags[i + 1..] {
+                assert_ne!(a, b);
+            }
+        }
+    }
+}

@@ -1,0 +1,205 @@
+//! Shards: which Redis node owns a key's slot, and one circuit breaker per node.
+//!
+//! # Why per shard
+//! A cluster fails one master at a time. If one frozen shard opened a gateway-wide breaker,
+//! every rule — including those whose keys live on healthy masters — would fall back to its
+//! failure policy, and a denial from a healthy slot would be thrown away with the failed
+//! call. So each master has its own [`Breaker`]; a request's limits on a failed shard follow
+//! their failure policy and the rest are decided by their own, healthy, shards.
+//!
+//! # How
+//! [`Topology`] maps each of the 16384 slots to a shard (a master address) and is read from
+//! `CLUSTER SLOTS` at connect, after every connection rebuild, and while a breaker is open (a
+//! failover moves slots to another address, whose breaker starts closed). It sits in an
+//! `ArcSwap`: a request loads it once, clones the one `Arc<Shard>` it needs and drops the guard
+//! before any `.await`. A shard keeps its breaker across refreshes as long as its address stays.
+//! Standalone Redis is one shard that owns every slot.
+
+use std::sync::Arc;
+
+use redis::Value;
+
+use crate::limiter::breaker::Breaker;
+
+/// Slots in a Redis Cluster.
+pub(crate) const SLOT_COUNT: usize = 16384;
+
+/// The Redis Cluster slot of `key`: CRC16 (XMODEM) of its hash tag, modulo 16384.
+pub(crate) fn slot_of(key: &str) -> u16 {
+    let b = key.as_bytes();
+    let tagged = b.iter().position(|&c| c == b'{').and_then(|open| {
+        let rest = &b[open + 1..];
+        rest.iter()
+            .position(|&c| c == b'}')
+            .filter(|&close| close > 0)
+            .map(|close| &rest[..close])
+    });
+    (crc16(tagged.unwrap_or(b)) % SLOT_COUNT as u16) as u16
+}
+
+/// CRC16/XMODEM (polynomial 0x1021), the checksum Redis Cluster hashes keys with.
+fn crc16(data: &[u8]) -> u16 {
+    let mut crc: u16 = 0;
+    for &byte in data {
+        crc ^= u16::from(byte) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc
+}
+
+/// One master: its address and its breaker.
+#[derive(Debug)]
+pub(crate) struct Shard {
+    /// `host:port` of the master (or of the standalone server), for logs and probes.
+    pub(crate) addr: String,
+    /// Opens after `threshold` consecutive failed calls to this shard; closed by a probe.
+    pub(crate) breaker: Breaker,
+    /// A slot this shard owns, to route its probe (`None` for standalone).
+    pub(crate) probe_slot: Option<u16>,
+}
+
+/// Which shard owns each slot.
+#[derive(Debug)]
+pub(crate) struct Topology {
+    /// Every known shard (masters that own slots; one for standalone).
+    pub(crate) shards: Vec<Arc<Shard>>,
+    /// Shard index per slot; empty for standalone (everything is shard 0).
+    owner: Vec<u16>,
+}
+
+impl Topology {
+    /// Standalone Redis, or a cluster whose layout is not known yet: one shard for everything.
+    pub(crate) fn single(addr: String, threshold: u32) -> Self {
+        Topology {
+            shards: vec![Arc::new(Shard {
+                addr,
+                breaker: Breaker::new(threshold),
+                probe_slot: None,
+            })],
+            owner: Vec::new(),
+        }
+    }
+
+    /// The shard that owns `slot`.
+    pub(crate) fn shard_for(&self, slot: u16) -> &Arc<Shard> {
+        let i = self.owner.get(usize::from(slot)).copied().unwrap_or(0);
+        // Every index in `owner` was pushed to `shards` when the table was built.
+        &self.shards[usize::from(i).min(self.shards.len() - 1)]
+    }
+
+    /// A topology from a `CLUSTER SLOTS` reply, keeping the breakers of shards whose address
+    /// `self` already knows. `None` when the reply has no slot range.
+    pub(crate) fn refreshed(&self, reply: &Value, threshold: u32) -> Option<Topology> {
+        let ranges = parse_cluster_slots(reply);
+        if ranges.is_empty() {
+            return None;
+        }
+        let mut shards: Vec<Arc<Shard>> = Vec::new();
+        let mut owner = vec![0u16; SLOT_COUNT];
+        for (start, end, addr) in ranges {
+            let i = match shards.iter().position(|s| s.addr == addr) {
+                Some(i) => i,
+                None => {
+                    let kept = self.shards.iter().find(|s| s.addr == addr && s.probe_slot.is_some());
+                    shards.push(match kept {
+                        Some(s) => Arc::clone(s),
+                        None => Arc::new(Shard {
+                            addr,
+                            breaker: Breaker::new(threshold),
+                            probe_slot: Some(start),
+                        }),
+                    });
+                    shards.len() - 1
+                }
+            };
+            let i = u16::try_from(i).unwrap_or(0);
+            for slot in start..=end.min(SLOT_COUNT as u16 - 1) {
+                owner[usize::from(slot)] = i;
+            }
+        }
+        Some(Topology { shards, owner })
+    }
+
+    /// Shards whose breaker is open.
+    pub(crate) fn open_shards(&self) -> impl Iterator<Item = &Arc<Shard>> {
+        self.shards.iter().filter(|s| s.breaker.is_open())
+    }
+}
+
+/// `(first slot, last slot, "host:port" of the master)` per range of a `CLUSTER SLOTS` reply.
+fn parse_cluster_slots(reply: &Value) -> Vec<(u16, u16, String)> {
+    let Value::Array(ranges) = reply else {
+        return Vec::new();
+    };
+    let int = |v: &Value| match v {
+        Value::Int(i) => u16::try_from(*i).ok(),
+        _ => None,
+    };
+    let text = |v: &Value| match v {
+        Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+        Value::SimpleString(s) => Some(s.clone()),
+        _ => None,
+    };
+    ranges
+        .iter()
+        .filter_map(|r| {
+            let Value::Array(items) = r else { return None };
+            let start = int(items.first()?)?;
+            let end = int(items.get(1)?)?;
+            let Value::Array(master) = items.get(2)? else {
+                return None;
+            };
+            let host = text(master.first()?)?;
+            let port = int(master.get(1)?)?;
+            Some((start, end, format!("{host}:{port}")))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_match_redis() {
+        // Values from `CLUSTER KEYSLOT`.
+        assert_eq!(slot_of("foo"), 12182);
+        assert_eq!(slot_of("bar"), 5061);
+        assert_eq!(slot_of("tl:{foo}:rule:0"), 12182);
+        assert_eq!(slot_of("{}x"), slot_of("{}x"));
+        assert_eq!(slot_of("123456789"), 0x31C3 % 16384);
+    }
+
+    #[test]
+    fn a_refresh_keeps_breakers_by_address() {
+        let reply = |a: &str, b: &str| {
+            let node = |h: &str| {
+                let (host, port) = h.split_once(':').unwrap();
+                Value::Array(vec![
+                    Value::BulkString(host.as_bytes().to_vec()),
+                    Value::Int(port.parse().unwrap()),
+                ])
+            };
+            Value::Array(vec![
+                Value::Array(vec![Value::Int(0), Value::Int(8191), node(a)]),
+                Value::Array(vec![Value::Int(8192), Value::Int(16383), node(b)]),
+            ])
+        };
+        let t0 = Topology::single("seed".into(), 1);
+        let t1 = t0.refreshed(&reply("h:1", "h:2"), 1).unwrap();
+        assert_eq!(t1.shard_for(0).addr, "h:1");
+        assert_eq!(t1.shard_for(16383).addr, "h:2");
+        assert!(t1.shard_for(9000).breaker.failure(), "threshold 1 opens");
+        assert_eq!(t1.open_shards().count(), 1);
+        // A failover moves the second range to h:3: its breaker starts closed; h:1 keeps its own.
+        let t2 = t1.refreshed(&reply("h:1", "h:3"), 1).unwrap();
+        assert_eq!(t2.open_shards().count(), 0);
+        assert!(Arc::ptr_eq(t1.shard_for(0), t2.shard_for(0)));
+    }
+}
