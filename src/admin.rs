@@ -148,9 +148,30 @@ async fn route(gw: Arc<Gateway>, req: Request<Incoming>, peer: SocketAddr) -> Re
                 return GatewayError::NotFound.into_response();
             }
             let snap = gw.snapshot.load();
-            let (checks, meta) = identity_checks(&gw.keys, &snap, &who);
+            let candidates = identity_checks(&gw.keys, &snap, &who);
+            let all: Vec<LimitCheck> = candidates.checks.iter().map(|c| c.check.clone()).collect();
+            // Peek first: which counters exist decides which rules apply to values tollgate cannot
+            // enumerate (JWT users, orgs from tokens, header values), and whether it exists at all.
+            let states = match gw.limiter.store.peek(&all).await {
+                Ok(s) => s,
+                Err(e) => {
+                    let mut r = respond::json_ok(&json!({"error": e.to_string()}));
+                    *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+                    return r;
+                }
+            };
+            let kept: Vec<(&Candidate, Option<crate::limiter::Outcome>)> = candidates
+                .checks
+                .iter()
+                .zip(states)
+                .filter(|(c, s)| c.certain || s.is_some())
+                .collect();
+            let tracked = kept.iter().any(|(_, s)| s.is_some());
+            if !candidates.known && !tracked {
+                return GatewayError::UnknownIdentity.into_response();
+            }
             if m == Method::DELETE {
-                let keys: Vec<StoreKey> = checks.iter().map(|c| c.key.clone()).collect();
+                let keys: Vec<StoreKey> = kept.iter().map(|(c, _)| c.check.key.clone()).collect();
                 return match gw.limiter.reset(&keys).await {
                     Ok(()) => {
                         tracing::info!(
@@ -170,46 +191,66 @@ async fn route(gw: Arc<Gateway>, req: Request<Incoming>, peer: SocketAddr) -> Re
                     }
                 };
             }
-            match gw.limiter.store.peek(&checks).await {
-                Ok(states) => {
-                    let counters: Vec<Value> = states
-                        .iter()
-                        .zip(&checks)
-                        .zip(&meta)
-                        .map(|((s, c), (rule, kind))| {
-                            json!({
-                                "rule": rule,
-                                "key_kind": kind,
-                                "algorithm": c.quota.algorithm.as_str(),
-                                "limit": c.quota.limit.get(),
-                                "window": window_text(c.quota.window_us.get()),
-                                "remaining": s.map_or(c.quota.limit.get(), |o| o.remaining),
-                                "reset_ms": s.map_or(0, |o| o.reset_us / 1000),
-                                "tracked": s.is_some(),
-                            })
-                        })
-                        .collect();
-                    respond::json_ok(
-                        &json!({"identity_hash": identity_hash(&gw.keys, &snap, &who), "counters": counters}),
-                    )
-                }
-                Err(e) => {
-                    let mut r = respond::json_ok(&json!({"error": e.to_string()}));
-                    *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
-                    r
-                }
-            }
+            let counters: Vec<Value> = kept
+                .iter()
+                .map(|(c, s)| {
+                    let q = &c.check.quota;
+                    let mut v = json!({
+                        "rule": c.rule,
+                        "key_kind": c.kind,
+                        "algorithm": q.algorithm.as_str(),
+                        "limit": q.limit.get(),
+                        "remaining": s.as_ref().map_or(q.limit.get(), |o| o.remaining),
+                        "reset_ms": s.as_ref().map_or(0, |o| o.reset_us / 1000),
+                        "tracked": s.is_some(),
+                    });
+                    if let (Value::Object(o), Value::Object(w)) = (&mut v, quota_json(q)) {
+                        o.extend(w);
+                    }
+                    v
+                })
+                .collect();
+            respond::json_ok(&json!({
+                "identity": candidates.kind,
+                "identity_hash": identity_hash(&gw.keys, &snap, &who),
+                "counters": counters,
+            }))
         }
         _ => GatewayError::NotFound.into_response(),
     }
 }
 
+/// One counter an identity value may have.
+struct Candidate {
+    /// The check (cost 0) naming the counter.
+    check: LimitCheck,
+    /// Its rule.
+    rule: String,
+    /// The rule's key kind.
+    kind: String,
+    /// The rule certainly applies to this value (a registered key id's user rules, an IP's ip
+    /// and user rules, a registered org's org rules); otherwise only when a counter exists.
+    certain: bool,
+}
+
+/// What `/keys/{identity}` knows about a value before looking at the store.
+struct Candidates {
+    /// Every counter it may have.
+    checks: Vec<Candidate>,
+    /// Known without counters: a registered key id or org, an IP, or an override's id.
+    known: bool,
+    /// What the value was taken for: `api_key`, `ip`, `org` or `user` (a JWT user, a header value).
+    kind: &'static str,
+}
+
 /// Every counter an identity value (user id, key id, IP, org, header value) can have, with
 /// the namespace each rule's key kind gives that value (see `limiter::keys`): a registered key
 /// id is an API key, an address is an IP, anything else a JWT user.
-fn identity_checks(keys: &KeyBuilder, snap: &Snapshot, who: &str) -> (Vec<LimitCheck>, Vec<(String, String)>) {
+fn identity_checks(keys: &KeyBuilder, snap: &Snapshot, who: &str) -> Candidates {
     let is_ip = who.parse::<IpAddr>().is_ok();
-    let caller_ns = if snap.keys.has_id(who) {
+    let is_key = snap.keys.has_id(who);
+    let is_org = snap.keys.entries().any(|(_, e)| e.org.as_deref() == Some(who));
+    let caller_ns = if is_key {
         Namespace::ApiKey
     } else if is_ip {
         Namespace::Ip
@@ -217,29 +258,49 @@ fn identity_checks(keys: &KeyBuilder, snap: &Snapshot, who: &str) -> (Vec<LimitC
         Namespace::Jwt
     };
     let mut checks = Vec::new();
-    let mut meta = Vec::new();
+    let mut has_override = false;
     for r in &snap.rules.rules {
-        let ns = match r.key {
+        let (ns, certain) = match r.key {
             KeyKind::Global => continue,
-            KeyKind::User => caller_ns,
-            KeyKind::Ip if is_ip => Namespace::Ip,
+            KeyKind::User => (caller_ns, is_key || is_ip),
+            KeyKind::Ip if is_ip => (Namespace::Ip, true),
             KeyKind::Ip => continue,
-            KeyKind::Org => Namespace::Org,
-            KeyKind::Header(_) => Namespace::Header,
+            KeyKind::Org if is_ip => continue,
+            KeyKind::Org => (Namespace::Org, is_org),
+            KeyKind::Header(_) => (Namespace::Header, false),
         };
         let tag = keys.tag(ns, who.as_bytes());
-        let limits = r.overrides.get(who).unwrap_or(&r.limits);
+        let over = r.overrides.get(who);
+        has_override |= over.is_some();
+        let limits = over.unwrap_or(&r.limits);
         for (n, q) in limits.iter().enumerate() {
-            checks.push(LimitCheck {
-                key: keys.key(&tag, &r.name, n),
-                quota: *q,
-                cost: 0,
-                shadow: r.shadow,
+            checks.push(Candidate {
+                check: LimitCheck {
+                    key: keys.key(&tag, &r.name, n),
+                    quota: *q,
+                    cost: 0,
+                    shadow: r.shadow,
+                },
+                rule: r.name.to_string(),
+                kind: r.key.to_text(),
+                certain: certain || over.is_some(),
             });
-            meta.push((r.name.to_string(), r.key.to_text()));
         }
     }
-    (checks, meta)
+    let kind = if is_key {
+        "api_key"
+    } else if is_ip {
+        "ip"
+    } else if is_org {
+        "org"
+    } else {
+        "user"
+    };
+    Candidates {
+        checks,
+        known: is_key || is_ip || is_org || has_override,
+        kind,
+    }
 }
 
 /// A limit as it is written: `{rate, capacity}` for a bucket, `{limit, window}` for a window.

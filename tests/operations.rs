@@ -518,3 +518,68 @@ fn reloads_report_key_changes_success_and_a_stale_gateway_file() {
         gw.log()
     );
 }
+
+#[test]
+fn keys_endpoint_answers_404_for_unknown_identities_and_lists_only_applicable_rules() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let up = echo_upstream(&rt);
+    let dir = tempfile::tempdir().unwrap();
+    let keys = "keys:\n  - { id: cust_42, sha256: 2bb80d537b1da3e38bd30361aa855686bde0eacd7162fef6a25fe97bf527a25b, tier: pro, org: acme }\n";
+    std::fs::write(dir.path().join("keys.yaml"), keys).unwrap();
+    let rules = "rules:\n  - { name: per-user, match: { path: \"/**\" }, key: user, limit: 5, window: 1m }\n  - { name: per-ip, match: { path: \"/**\" }, key: ip, limit: 50, window: 1m }\n  - { name: per-org, match: { path: \"/**\" }, key: org, algorithm: token_bucket, rate: 10/s, capacity: 100 }\n";
+    let (port, admin_port) = (free_port(), free_port());
+    let body = format!("{}keys_file: keys.yaml\n", upstream_yaml(&up));
+    let p = write(dir.path(), port, &format!("127.0.0.1:{admin_port}"), &body, rules);
+    let _gw = run(&p, &[], port, admin_port);
+    let admin = format!("http://127.0.0.1:{admin_port}");
+    rt.block_on(async {
+        let c = client();
+        for _ in 0..2 {
+            let r = c
+                .get(format!("http://127.0.0.1:{port}/x"))
+                .header("x-api-key", "secret")
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+        }
+    });
+    let rules_of = |who: &str| -> (String, Vec<String>) {
+        let (s, body) = admin_call("GET", &format!("{admin}/keys/{who}"), None);
+        assert_eq!(s, 200, "{who}: {body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let names = v["counters"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["rule"].as_str().unwrap().to_string())
+            .collect();
+        (body, names)
+    };
+    let (body, names) = rules_of("cust_42");
+    assert_eq!(names, ["per-user"], "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["counters"][0]["remaining"], 3, "{v}");
+    assert_eq!(v["identity"], "api_key");
+    assert_eq!(rules_of("127.0.0.1").1, ["per-user", "per-ip"]);
+    let (body, names) = rules_of("acme");
+    assert_eq!(names, ["per-org"], "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        v["counters"][0]["rate"], "10/s",
+        "a bucket shows rate and capacity: {v}"
+    );
+    assert_eq!(v["counters"][0]["capacity"], 100);
+
+    for m in ["GET", "DELETE"] {
+        let (s, body) = admin_call(m, &format!("{admin}/keys/cust_4"), None);
+        assert_eq!(s, 404, "{m} of a typo: {body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["error"], "unknown_identity");
+    }
+    let (s, body) = admin_call("DELETE", &format!("{admin}/keys/cust_42"), None);
+    assert_eq!(s, 200, "{body}");
+    let (body, _) = rules_of("cust_42");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["counters"][0]["remaining"], 5, "reset: {v}");
+}

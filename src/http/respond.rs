@@ -53,6 +53,9 @@ pub enum GatewayError {
     /// A protected admin endpoint without the right token.
     #[error("unauthorized")]
     Unauthorized,
+    /// `/keys/{identity}` for a value that is no registered key id, IP or org and has no counters.
+    #[error("unknown identity")]
+    UnknownIdentity,
 }
 
 impl GatewayError {
@@ -65,7 +68,7 @@ impl GatewayError {
             GatewayError::GatewayTimeout => StatusCode::GATEWAY_TIMEOUT,
             GatewayError::BadRequest(_) => StatusCode::BAD_REQUEST,
             GatewayError::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            GatewayError::NotFound => StatusCode::NOT_FOUND,
+            GatewayError::NotFound | GatewayError::UnknownIdentity => StatusCode::NOT_FOUND,
             GatewayError::Unauthorized => StatusCode::UNAUTHORIZED,
         }
     }
@@ -111,6 +114,10 @@ impl GatewayError {
                 retry = Some(1);
                 json!({"error": "unavailable", "message": why})
             }
+            GatewayError::UnknownIdentity => json!({
+                "error": "unknown_identity",
+                "message": "Not a registered API key id, an IP address or a registered org, and no counters exist for it: check the spelling.",
+            }),
             GatewayError::Unauthorized => json!({
                 "error": "unauthorized",
                 "message": "This admin endpoint needs the admin token: Authorization: Bearer <token>, or HTTP Basic with the token as the password.",
