@@ -60,6 +60,8 @@ pub struct Gateway {
     pub shadow_seen: AtomicU64,
     /// Serialises reloads (never held across request handling).
     reload_lock: tokio::sync::Mutex<()>,
+    /// Upstream failures are logged at most once a second.
+    pub upstream_log: crate::log_throttle::LogThrottle,
     /// SHA-256 of the gateway config file as it was read at start (`None`: not readable then).
     config_digest: Option<[u8; 32]>,
 }
@@ -246,6 +248,7 @@ impl Gateway {
             clock,
             shadow_seen: AtomicU64::new(0),
             reload_lock: tokio::sync::Mutex::new(()),
+            upstream_log: crate::log_throttle::LogThrottle::new(Duration::from_secs(1)),
             config_digest,
             config,
         });

@@ -334,6 +334,7 @@ impl Gateway {
                 .map_err(|e| -> BoxError { e })
                 .boxed_unsync(),
         );
+        let method = parts.method.clone(); // for the error log; no allocation for standard methods
         *out.method_mut() = parts.method;
         *out.uri_mut() = forward::origin_form(parts.uri.path_and_query());
         *out.version_mut() = Version::HTTP_11;
@@ -360,6 +361,9 @@ impl Gateway {
         let mut resp = match result {
             Err(_) => {
                 self.metrics.upstream_status[5].inc();
+                if let Some(suppressed) = self.upstream_log.allow() {
+                    tracing::warn!(method = %method, path = %parts.uri.path(), upstream = %self.config.upstream.authority, timeout_ms = self.config.upstream.request_timeout.as_millis() as u64, suppressed, "upstream timed out (repeats logged at most once a second, `suppressed` counts the others)");
+                }
                 return Err(GatewayError::GatewayTimeout);
             }
             Ok(Err(e)) if body_over_limit(&e) => {
@@ -369,7 +373,9 @@ impl Gateway {
             }
             Ok(Err(e)) => {
                 self.metrics.upstream_status[5].inc();
-                tracing::warn!(error = %e, "upstream request failed");
+                if let Some(suppressed) = self.upstream_log.allow() {
+                    tracing::warn!(method = %method, path = %parts.uri.path(), upstream = %self.config.upstream.authority, error = %e, suppressed, "upstream request failed (repeats logged at most once a second, `suppressed` counts the others)");
+                }
                 return Err(GatewayError::BadGateway(e.to_string()));
             }
             Ok(Ok(r)) => r,

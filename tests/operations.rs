@@ -583,3 +583,62 @@ fn keys_endpoint_answers_404_for_unknown_identities_and_lists_only_applicable_ru
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["counters"][0]["remaining"], 5, "reset: {v}");
 }
+
+#[test]
+fn outage_logs_are_throttled_name_their_target_and_hide_passwords_and_queries() {
+    let dir = tempfile::tempdir().unwrap();
+    let (port, admin_port) = (free_port(), free_port());
+    let (dead_upstream, dead_redis) = (free_port(), free_port());
+    let body = format!(
+        "upstream:\n  url: http://127.0.0.1:{dead_upstream}\n  connect_timeout: 200ms\nstore:\n  kind: redis\n  urls: [\"redis://default:hunter2-pw@127.0.0.1:{dead_redis}\"]\n  timeout: 20ms\n"
+    );
+    let p = write(dir.path(), port, &format!("127.0.0.1:{admin_port}"), &body, RULES);
+    let gw = run(&p, &[], port, admin_port);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = client();
+        let t0 = std::time::Instant::now();
+        let mut n = 0;
+        // Long enough for several connection rebuilds (at most one per 500 ms).
+        while t0.elapsed() < Duration::from_millis(1800) {
+            let r = c
+                .get(format!("http://127.0.0.1:{port}/open/thing?token=query-secret"))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 502, "fail open, then the dead upstream");
+            n += 1;
+        }
+        assert!(n > 20, "{n}");
+    });
+    let log = gw.log();
+    assert!(!log.contains("hunter2-pw"), "a Redis password reached the log");
+    assert!(!log.contains("query-secret"), "a query string reached the log");
+    let upstream: Vec<&str> = log.lines().filter(|l| l.contains("upstream request failed")).collect();
+    assert!(!upstream.is_empty() && upstream.len() <= 3, "{upstream:?}");
+    let first = upstream[0];
+    for want in [
+        "\"method\":\"GET\"",
+        "\"path\":\"/open/thing\"",
+        &format!("\"upstream\":\"127.0.0.1:{dead_upstream}\""),
+    ] {
+        assert!(first.contains(want), "{first} (want {want})");
+    }
+    let start = log
+        .lines()
+        .find(|l| l.contains("unreachable at start-up"))
+        .unwrap_or_else(|| panic!("{log}"));
+    assert!(
+        start.contains(&format!("redis://default:***@127.0.0.1:{dead_redis}")),
+        "{start}"
+    );
+    let rebuilds: Vec<&str> = log.lines().filter(|l| l.contains("rebuild failed")).collect();
+    assert_eq!(
+        rebuilds.len(),
+        1,
+        "rebuild failures are logged once, then throttled: {rebuilds:?}"
+    );
+    if let Some(l) = rebuilds.first() {
+        assert!(l.contains("default:***@"), "{l}");
+    }
+}

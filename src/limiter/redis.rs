@@ -194,6 +194,10 @@ struct Inner {
     topo: ArcSwap<slots::Topology>,
     /// Consecutive failed calls that open a shard's breaker.
     threshold: u32,
+    /// The configured URLs with passwords redacted, for logs.
+    targets: String,
+    /// Repeated rebuild failures are logged at most once a minute.
+    rebuild_log: crate::log_throttle::LogThrottle,
     /// Batched `check` calls sent so far (see [`batch`]).
     batch_calls: AtomicU64,
     /// Requests those calls carried.
@@ -251,6 +255,14 @@ fn is_health_error(e: &RedisError) -> bool {
 /// True for a NOSCRIPT reply.
 fn is_noscript(e: &RedisError) -> bool {
     e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) || e.code() == Some("NOSCRIPT")
+}
+
+/// The URLs for logs, passwords redacted.
+fn redacted_targets(urls: &[String]) -> String {
+    urls.iter()
+        .map(|u| crate::config::redact_url(u))
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// The connection timeout used when (re)connecting: a few call deadlines, within [100ms, 1s].
@@ -360,13 +372,24 @@ impl Inner {
                     inner.failures.store(0, Ordering::Relaxed);
                     inner.rebuilds.fetch_add(1, Ordering::Relaxed);
                     inner.refresh_topology().await;
+                    let unlogged_failures = inner.rebuild_log.reset();
                     tracing::warn!(
                         mode = ?inner.mode,
+                        targets = %inner.targets,
+                        unlogged_failures,
                         "redis connection rebuilt after repeated failures"
                     );
                 }
                 Err(e) => {
-                    tracing::warn!(mode = ?inner.mode, error = %e, "redis connection rebuild failed");
+                    if let Some(suppressed) = inner.rebuild_log.allow() {
+                        tracing::warn!(
+                            mode = ?inner.mode,
+                            targets = %inner.targets,
+                            error = %e,
+                            suppressed,
+                            "redis connection rebuild failed (repeats are logged at most once a minute, `suppressed` counts the others)"
+                        );
+                    }
                 }
             }
             inner.rebuilding.store(false, Ordering::Release);
@@ -723,7 +746,7 @@ impl RedisStore {
         let conn = match open(mode, urls, timeout).await {
             Ok(c) => Some(Arc::new(c)),
             Err(e) if urls.iter().all(|u| u.as_str().into_connection_info().is_ok()) && !urls.is_empty() => {
-                tracing::warn!(error = %e, ?mode, "Redis is unreachable at start-up; serving with each rule's failure policy and retrying in the background");
+                tracing::warn!(error = %e, ?mode, targets = %redacted_targets(urls), "Redis is unreachable at start-up; serving with each rule's failure policy and retrying in the background");
                 None
             }
             Err(e) => return Err(e),
@@ -745,6 +768,8 @@ impl RedisStore {
                 threshold,
             )),
             threshold: threshold.max(1),
+            targets: redacted_targets(urls),
+            rebuild_log: crate::log_throttle::LogThrottle::new(Duration::from_secs(60)),
             batch_calls: AtomicU64::new(0),
             batch_requests: AtomicU64::new(0),
         });
