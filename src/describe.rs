@@ -74,7 +74,7 @@ pub fn store(cfg: &GatewayConfig) -> String {
 pub fn rule(r: &Rule) -> String {
     let algorithm = r.limits.first().map_or("-", |q| q.algorithm.as_str());
     let limits: Vec<String> = r.limits.iter().map(quota).collect();
-    let methods = r.methods.as_ref().map_or("any method".to_string(), |m| {
+    let methods = r.methods.as_ref().map_or("any".to_string(), |m| {
         m.iter().map(|x| x.as_str()).collect::<Vec<_>>().join(",")
     });
     let mut s = format!(

@@ -168,7 +168,12 @@ fn check(config: &std::path::Path) -> ExitCode {
         Ok((cfg, snap)) => {
             println!("{}: ok", config.display());
             println!("  listen {}", cfg.listen);
-            println!("  admin  {}", cfg.admin_listen);
+            let access = match (&cfg.admin.token_env, cfg.admin.insecure) {
+                (Some(env), _) => format!("token from ${env}"),
+                (None, true) => "no token, admin.insecure: true".to_string(),
+                (None, false) => "no token, loopback only".to_string(),
+            };
+            println!("  admin  {} ({access})", cfg.admin_listen);
             println!(
                 "  upstream {} (connect timeout {}, request timeout {})",
                 cfg.upstream.url,

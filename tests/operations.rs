@@ -642,3 +642,30 @@ fn outage_logs_are_throttled_name_their_target_and_hide_passwords_and_queries() 
         assert!(l.contains("default:***@"), "{l}");
     }
 }
+
+#[test]
+fn check_shows_each_rule_in_plain_words() {
+    let dir = tempfile::tempdir().unwrap();
+    let rules = "rules:\n  - { name: uploads, match: { path: \"/up/*\", methods: [POST], tier: pro }, key: user, algorithm: token_bucket, rate: 10/s, capacity: 100, failure: closed, shadow: true }\n  - { name: per-ip, match: { path: \"/**\" }, key: ip, limit: 5, window: 15m, failure: local, local_share: 3 }\n";
+    let p = write(
+        dir.path(),
+        free_port(),
+        "127.0.0.1:0",
+        "upstream: { url: http://127.0.0.1:9 }\nstore: { kind: redis, urls: [\"redis://127.0.0.1:6379\"], timeout: 15ms }\n",
+        rules,
+    );
+    let out = check(&p, &[]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    for want in [
+        "uploads: /up/* token_bucket key=user rate 10/s, capacity 100 [shadow] methods=POST tier=pro failure=closed",
+        "per-ip: /** sliding_window key=ip 5 per 15m [enforced] methods=any tier=any failure=local (share 3)",
+        "store redis redis://127.0.0.1:6379, timeout 15ms",
+        "admin  127.0.0.1:0 (no token, loopback only)",
+    ] {
+        assert!(stdout.contains(want), "{stdout}\n(want {want})");
+    }
+    for debug in ["Some(", "None", "Redis {", "Memory", "\"", "{ "] {
+        assert!(!stdout.contains(debug), "Rust debug syntax {debug:?} in: {stdout}");
+    }
+}
