@@ -82,11 +82,14 @@ async fn route(gw: Arc<Gateway>, req: Request<Incoming>, peer: SocketAddr) -> Re
                 "text/plain",
             ),
         },
-        (Method::GET, "/metrics") => respond::text(
-            StatusCode::OK,
-            gw.metrics.encode(),
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        ),
+        (Method::GET, "/metrics") => {
+            gw.refresh_gauges();
+            respond::text(
+                StatusCode::OK,
+                gw.metrics.encode(),
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )
+        }
         (Method::GET, "/rules") => respond::json_ok(&rules_json(&gw.snapshot.load())),
         (Method::POST, "/reload") => {
             let _ = req.into_body().collect().await;

@@ -268,6 +268,7 @@ impl Gateway {
                 let keys = Changes::between(&key_entries(&old.keys), &key_entries(&snap.keys));
                 let version = snap.rules.version.clone();
                 let changed = rules.any() || keys.any() || old.rules.version != version;
+                let old_rules: Vec<String> = old.rules.rules.iter().map(|r| r.name.to_string()).collect();
                 drop(old);
                 self.metrics.set_rules_version(&version);
                 self.metrics.reload_succeeded(snap.loaded_at);
@@ -275,6 +276,13 @@ impl Gateway {
                     .reload_changed("rules", rules.added, rules.removed, rules.changed);
                 self.metrics
                     .reload_changed("keys", keys.added, keys.removed, keys.changed);
+                if rules.removed > 0 {
+                    // Drop the series of rules that no longer exist.
+                    let now: std::collections::HashSet<&str> = snap.rules.rules.iter().map(|r| &*r.name).collect();
+                    for r in old_rules.iter().filter(|r| !now.contains(r.as_str())) {
+                        self.metrics.forget_rule(r);
+                    }
+                }
                 self.snapshot.store(Arc::new(snap));
                 if let Some(d) = &self.limiter.deny {
                     // Limits may have changed: cached denials may no longer be true.
@@ -307,6 +315,22 @@ impl Gateway {
                 Err(e)
             }
         }
+    }
+
+    /// Refresh the gauges that are read rather than counted (memory store size and evictions,
+    /// process memory and descriptors); `/metrics` calls this before encoding.
+    pub fn refresh_gauges(&self) {
+        let mem = match &self.limiter.store {
+            Backend::Memory(m) => m,
+            Backend::Redis(_) => &self.limiter.local,
+        };
+        self.metrics
+            .memory_store_keys
+            .set(i64::try_from(mem.len()).unwrap_or(i64::MAX));
+        self.metrics
+            .memory_store_evictions
+            .set(i64::try_from(mem.evictions().0).unwrap_or(i64::MAX));
+        self.metrics.refresh_process();
     }
 
     /// Compare the gateway config file with the one read at start. Its settings are not applied
@@ -512,6 +536,7 @@ pub async fn serve(gw: Arc<Gateway>, listener: TcpListener, mut stop: watch::Rec
             async move { Ok::<_, std::convert::Infallible>(gw.handle(req, peer).await) }
         });
         let (h1, h2, drained, mut stop) = (h1.clone(), h2.clone(), drained.clone(), stop.clone());
+        let open = crate::metrics::InFlight::enter(&gw.metrics.open_connections);
         let first_byte = sc.header_read_timeout;
         tokio::spawn(async move {
             // hyper's header timer starts only with the first request: a client that connects
@@ -535,6 +560,7 @@ pub async fn serve(gw: Arc<Gateway>, listener: TcpListener, mut stop: watch::Rec
                 tracing::debug!(error = %e, %peer, "connection ended with error");
             }
             drop(permit);
+            drop(open);
             drop(drained);
         });
     }

@@ -241,6 +241,7 @@ impl Gateway {
                 if !o.allowed {
                     let b = plan.binding(&snap, i, &o, src);
                     let lim = &self.config.limits;
+                    self.metrics.rate_limited();
                     return Ok(respond::rate_limited(&b, lim.ietf_headers, lim.legacy_headers, now_us));
                 }
                 binding = Some((i, o, src));
@@ -262,6 +263,7 @@ impl Gateway {
         if delay_us > 0 {
             // Leaky bucket: wait our turn. If the client leaves, this future is dropped and the
             // guard gives the slot back.
+            let _queued = crate::metrics::InFlight::enter(&self.metrics.leaky_queue);
             tokio::time::sleep(Duration::from_micros(delay_us)).await;
         }
         if let Some(mut g) = refund_guard.take() {
@@ -382,6 +384,7 @@ impl Gateway {
         };
         let class = (resp.status().as_u16() / 100).clamp(1, 5) as usize - 1;
         self.metrics.upstream_status[class].inc();
+        self.metrics.upstream_response(resp.status().as_u16());
 
         if resp.status() == http::StatusCode::SWITCHING_PROTOCOLS {
             if let Some(client_up) = client_upgrade {

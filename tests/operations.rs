@@ -669,3 +669,98 @@ fn check_shows_each_rule_in_plain_words() {
         assert!(!stdout.contains(debug), "Rust debug syntax {debug:?} in: {stdout}");
     }
 }
+
+#[test]
+fn each_request_is_counted_once_by_how_it_ended_and_removed_rules_lose_their_series() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let up = echo_upstream(&rt);
+    let dir = tempfile::tempdir().unwrap();
+    let rules = "rules:\n  - { name: per-ip, match: { path: \"/**\" }, key: ip, limit: 2, window: 1m }\n  - { name: per-user, match: { path: \"/**\" }, key: user, limit: 100, window: 1m }\n  - { name: doomed, match: { path: \"/d/**\" }, key: global, limit: 100, window: 1m }\n";
+    let (port, admin_port) = (free_port(), free_port());
+    let p = write(
+        dir.path(),
+        port,
+        &format!("127.0.0.1:{admin_port}"),
+        &upstream_yaml(&up),
+        rules,
+    );
+    let _gw = run(&p, &[], port, admin_port);
+    let admin = format!("http://127.0.0.1:{admin_port}");
+    let codes: Vec<u16> = rt.block_on(async {
+        let c = client();
+        let mut v = Vec::new();
+        for path in ["/a", "/status/404", "/b", "/c"] {
+            v.push(
+                c.get(format!("http://127.0.0.1:{port}{path}"))
+                    .send()
+                    .await
+                    .unwrap()
+                    .status()
+                    .as_u16(),
+            );
+        }
+        v
+    });
+    assert_eq!(codes, [200, 404, 429, 429]);
+    let m = admin_call("GET", &format!("{admin}/metrics"), None).1;
+    let count = |result: &str| -> u64 {
+        metric(&m, &format!("tollgate_responses_total{{result=\"{result}\"}}"))
+            .unwrap_or_else(|| panic!("no {result}: {m}"))
+            .parse()
+            .unwrap()
+    };
+    assert_eq!(count("upstream_2xx"), 1, "{m}");
+    assert_eq!(count("upstream_4xx"), 1);
+    assert_eq!(count("rate_limited"), 2);
+    let total: u64 = m
+        .lines()
+        .filter(|l| l.starts_with("tollgate_responses_total{"))
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap())
+        .sum();
+    assert_eq!(
+        total, 4,
+        "one count per request, whatever number of rules decided it: {m}"
+    );
+    // Rule decisions are still counted per rule, in their own metric.
+    assert_eq!(
+        metric(&m, "tollgate_requests_total{rule=\"per-ip\",decision=\"denied\"}").as_deref(),
+        Some("2")
+    );
+    for present in [
+        "tollgate_build_info{version=",
+        "tollgate_open_connections ",
+        "tollgate_memory_store_keys ",
+        "tollgate_leaky_bucket_queued_requests 0",
+        "tollgate_process_resident_memory_bytes ",
+        "tollgate_upstream_failures_total 0",
+        "tollgate_requests_total{rule=\"doomed\"",
+    ] {
+        assert!(m.contains(present), "no {present}: {m}");
+    }
+    assert!(
+        metric(&m, "tollgate_memory_store_keys")
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+            >= 2,
+        "{m}"
+    );
+    assert!(
+        !m.contains("status=\"error\""),
+        "the status label means a status class only"
+    );
+
+    // Remove a rule: its series go.
+    let kept = rules
+        .lines()
+        .filter(|l| !l.contains("doomed"))
+        .collect::<Vec<_>>()
+        .join("\n")
+        + "\n";
+    atomic_write(&dir.path().join("rules.yaml"), &kept);
+    let (s, body) = admin_call("POST", &format!("{admin}/reload"), None);
+    assert_eq!(s, 200, "{body}");
+    let m = admin_call("GET", &format!("{admin}/metrics"), None).1;
+    assert!(!m.contains("rule=\"doomed\""), "{m}");
+    assert!(m.contains("rule=\"per-ip\""));
+}
