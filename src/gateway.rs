@@ -142,9 +142,10 @@ fn file_digest(path: &std::path::Path) -> Option<[u8; 32]> {
 
 /// Load rules and keys into a snapshot, resolving metric handles.
 pub fn load_snapshot(config: &GatewayConfig, metrics: &Metrics) -> Result<Snapshot, ConfigError> {
-    let rules = RuleSet::load(&config.rules_file)?;
+    let rules =
+        RuleSet::load(&config.rules_file).map_err(|e| e.named_in(&config.path, "rules_file", config.files_at.0))?;
     let keys = match &config.keys_file {
-        Some(k) => KeyRegistry::load(k)?,
+        Some(k) => KeyRegistry::load(k).map_err(|e| e.named_in(&config.path, "keys_file", config.files_at.1))?,
         None => KeyRegistry::empty(),
     };
     let rule_metrics = rules.rules.iter().map(|r| metrics.rule(&r.name)).collect();
@@ -499,8 +500,10 @@ pub async fn serve(gw: Arc<Gateway>, listener: TcpListener, mut stop: watch::Rec
     let mut h1 = hyper::server::conn::http1::Builder::new();
     h1.timer(TokioTimer::new())
         .header_read_timeout(sc.header_read_timeout)
-        .max_buf_size(sc.max_header_bytes.max(8192))
-        .max_headers(100)
+        // Twice the configured limits: within them tollgate checks the limits itself and
+        // answers a JSON 431 (`respond.rs`); past them hyper's parser answers an empty one.
+        .max_buf_size(sc.max_header_bytes.saturating_mul(2).max(8192))
+        .max_headers(2 * crate::proxy::MAX_HEADERS)
         .keep_alive(true);
     let mut h2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
     h2.timer(TokioTimer::new())

@@ -94,6 +94,26 @@ fn validate<B>(req: &Request<B>) -> Result<(), GatewayError> {
     Ok(())
 }
 
+/// Most header fields a request may carry; hyper's own parser allows twice as many (and twice
+/// `max_header_bytes`) so that tollgate, not hyper, answers the 431 with a JSON body.
+pub const MAX_HEADERS: usize = 100;
+
+/// The header section within `server.max_header_bytes` and [`MAX_HEADERS`] fields.
+fn headers_within<B>(req: &Request<B>, max_bytes: usize) -> Result<(), GatewayError> {
+    let h = req.headers();
+    if h.len() > MAX_HEADERS {
+        return Err(GatewayError::HeadersTooLarge);
+    }
+    let mut size = req.uri().path_and_query().map_or(1, |p| p.as_str().len()) + 16;
+    for (k, v) in h {
+        size += k.as_str().len() + v.len() + 4;
+    }
+    if size > max_bytes {
+        return Err(GatewayError::HeadersTooLarge);
+    }
+    Ok(())
+}
+
 impl Gateway {
     /// Serve one request; never fails (errors become responses in `crate::http::respond`).
     pub async fn handle(self: Arc<Self>, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
@@ -180,6 +200,7 @@ impl Gateway {
         peer: SocketAddr,
     ) -> Result<Response<ProxyBody>, GatewayError> {
         validate(&req)?;
+        headers_within(&req, self.config.server.max_header_bytes)?;
         if let Some(len) = req.headers().get(header::CONTENT_LENGTH) {
             let len: u64 = len
                 .to_str()

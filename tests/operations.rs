@@ -764,3 +764,66 @@ fn each_request_is_counted_once_by_how_it_ended_and_removed_rules_lose_their_ser
     assert!(!m.contains("rule=\"doomed\""), "{m}");
     assert!(m.contains("rule=\"per-ip\""));
 }
+
+#[test]
+fn demo_runs_from_any_directory_and_hash_key_reads_stdin() {
+    let elsewhere = tempfile::tempdir().unwrap();
+    let (port, admin_port) = (free_port(), free_port());
+    let log = elsewhere.path().join("demo.log");
+    let child = tollgate(&[])
+        .current_dir(elsewhere.path())
+        .args(["demo", "--listen"])
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--admin-listen")
+        .arg(format!("127.0.0.1:{admin_port}"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let mut demo = Proc { child, log };
+    let up = wait_for(Duration::from_secs(10), Duration::from_millis(20), || {
+        if let Ok(Some(s)) = demo.child.try_wait() {
+            panic!("demo exited ({s}): {}", demo.log());
+        }
+        std::net::TcpStream::connect(("127.0.0.1", admin_port))
+            .is_ok()
+            .then_some(())
+    });
+    assert!(up.is_some(), "demo did not start: {}", demo.log());
+    assert_eq!(status_of(&format!("http://127.0.0.1:{port}/anything")), 200);
+    let (s, rules) = admin_call("GET", &format!("http://127.0.0.1:{admin_port}/rules"), None);
+    assert_eq!(s, 200);
+    assert!(rules.contains("search-pro"), "the built-in demo rules: {rules}");
+    drop(demo);
+
+    // hash-key: argument, standard input, and an empty key refused either way.
+    let want = "    sha256: 2bb80d537b1da3e38bd30361aa855686bde0eacd7162fef6a25fe97bf527a25b\n";
+    let out = tollgate(&[]).args(["hash-key", "secret"]).output().unwrap();
+    assert_eq!(text(&out.stdout), want);
+    let hash_stdin = |input: &str| {
+        use std::io::Write;
+        let mut c = tollgate(&[])
+            .arg("hash-key")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        c.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+        c.wait_with_output().unwrap()
+    };
+    let out = hash_stdin("secret\n");
+    assert!(out.status.success());
+    assert_eq!(text(&out.stdout), want);
+    for empty in ["", "\n"] {
+        let out = hash_stdin(empty);
+        assert_eq!(out.status.code(), Some(1), "{empty:?}");
+        assert!(text(&out.stderr).contains("empty key"), "{}", text(&out.stderr));
+        assert!(out.stdout.is_empty());
+    }
+    let out = tollgate(&[]).args(["hash-key", ""]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let help = tollgate(&[]).args(["hash-key", "--help"]).output().unwrap();
+    assert!(text(&help.stdout).contains("standard input"), "{}", text(&help.stdout));
+}

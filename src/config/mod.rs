@@ -32,6 +32,20 @@ pub struct ConfigError {
 }
 
 impl ConfigError {
+    /// An error about a whole file named in the gateway file (it cannot be read): point at the
+    /// line that names it, `at` in `gateway`, instead of at no position in the file itself.
+    pub fn named_in(self, gateway: &Path, field: &str, at: Option<(u64, u64)>) -> Self {
+        match at {
+            Some((line, col)) if self.line == 0 => ConfigError {
+                message: format!("{field} {}: {}", self.file.display(), self.message),
+                file: gateway.to_path_buf(),
+                line,
+                col,
+            },
+            _ => self,
+        }
+    }
+
     /// An error at `loc` in `file`.
     pub fn at(file: &Path, loc: &Location, message: impl Into<String>) -> Self {
         ConfigError {
@@ -78,8 +92,14 @@ pub fn parse_str<T: serde::de::DeserializeOwned>(path: &Path, text: &str) -> Res
     serde_saphyr::from_str::<T>(text).map_err(|e| {
         let (line, col) = e.location().map(|l| (l.line(), l.column())).unwrap_or((0, 0));
         let msg = e.without_snippet().to_string();
-        // The rendered message may itself carry a position and a snippet: keep its first line.
-        let msg = msg.lines().next().unwrap_or("invalid YAML").to_string();
+        // The rendered message may itself carry a position and a snippet: keep its first line,
+        // without the position (it is printed once, in front).
+        let msg = msg.lines().next().unwrap_or("invalid YAML");
+        let msg = match msg.rfind(" at line ") {
+            Some(i) if line != 0 => &msg[..i],
+            _ => msg,
+        };
+        let msg = did_you_mean(msg);
         ConfigError {
             file: path.to_path_buf(),
             line,
@@ -87,6 +107,45 @@ pub fn parse_str<T: serde::de::DeserializeOwned>(path: &Path, text: &str) -> Res
             message: msg,
         }
     })
+}
+
+/// For "unknown field `x`, expected one of a, b, c": name the closest expected field.
+fn did_you_mean(msg: &str) -> String {
+    let Some(rest) = msg.strip_prefix("unknown field `") else {
+        return msg.to_string();
+    };
+    let Some((field, rest)) = rest.split_once('`') else {
+        return msg.to_string();
+    };
+    let Some(list) = rest
+        .strip_prefix(", expected one of ")
+        .or_else(|| rest.strip_prefix(", expected "))
+    else {
+        return msg.to_string();
+    };
+    let best = list
+        .split(", ")
+        .map(|c| c.trim_matches('`'))
+        .map(|c| (edit_distance(field, c), c))
+        .min();
+    match best {
+        Some((d, c)) if d <= 2.max(field.len() / 3) => format!("{msg}; did you mean `{c}`?"),
+        _ => msg.to_string(),
+    }
+}
+
+/// Levenshtein distance (field names are short).
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1; b.len() + 1];
+        for (j, cb) in b.iter().enumerate() {
+            cur[j + 1] = (prev[j] + usize::from(ca != *cb)).min(prev[j + 1] + 1).min(cur[j] + 1);
+        }
+        prev = cur;
+    }
+    prev[b.len()]
 }
 
 /// Parse a humantime duration held in a spanned string.
@@ -293,6 +352,9 @@ pub struct GatewayConfig {
     pub rules_file: PathBuf,
     /// API key registry.
     pub keys_file: Option<PathBuf>,
+    /// Where `rules_file` and `keys_file` are written in the gateway file (line, column), so an
+    /// error about a file that cannot be read points there.
+    pub files_at: (Option<(u64, u64)>, Option<(u64, u64)>),
     /// The store.
     pub store: StoreConfig,
     /// Identity.
@@ -614,6 +676,14 @@ impl GatewayConfig {
             upstream,
             rules_file: rel(raw.rules_file.as_ref().map_or("rules.yaml", |r| r.value.as_str())),
             keys_file: raw.keys_file.as_ref().map(|k| rel(&k.value)),
+            files_at: (
+                raw.rules_file
+                    .as_ref()
+                    .map(|r| (r.referenced.line(), r.referenced.column())),
+                raw.keys_file
+                    .as_ref()
+                    .map(|k| (k.referenced.line(), k.referenced.column())),
+            ),
             store,
             identity,
             limits,

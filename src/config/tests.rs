@@ -62,6 +62,7 @@ fn errors_name_file_line_and_column() {
         ("upstream: { url: http://127.0.0.1:8081 }\nidentity: { trusted_proxies: [10.0.0.0/33] }\n", "/etc/tollgate/gateway.yaml:2:31:", "invalid CIDR"),
         ("upstream: { url: http://127.0.0.1:8081 }\nidentity: { jwt: { algorithms: [none], secret_env: X } }\n", "/etc/tollgate/gateway.yaml:2:32:", "never accepted"),
         ("upstream: { url: http://127.0.0.1:8081 }\nidentity: { jwt: { algorithms: [HS256, RS256], secret_env: X } }\n", "/etc/tollgate/gateway.yaml:2:32:", "one key family"),
+        ("upstream: { url: http://127.0.0.1:8081 }\nidentity: { jwt: { algorithms: [HS256], secret_env: X, public_key_file: k.pem } }\n", "/etc/tollgate/gateway.yaml:2:53:", "choose one"),
     ];
     for (yaml, at, what) in cases {
         let e = compile(yaml, &EnvOverrides::default()).unwrap_err().to_string();
@@ -156,4 +157,27 @@ fn redact_url_hides_passwords() {
     assert_eq!(redact_url("redis://r:6379"), "redis://r:6379");
     assert_eq!(redact_url("user:hunter2@r:6379"), "***@r:6379");
     assert!(!redact_url("redis://u:p@ss@r:1").contains("p@ss"));
+}
+
+#[test]
+fn unknown_fields_suggest_the_closest_and_print_the_position_once() {
+    let e = compile(
+        "upstream: { url: http://127.0.0.1:8081 }\nstore:\n  timeot: 5ms\n",
+        &EnvOverrides::default(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.starts_with("/etc/tollgate/gateway.yaml:3:3: unknown field `timeot`"),
+        "{e}"
+    );
+    assert!(e.ends_with("did you mean `timeout`?"), "{e}");
+    assert!(!e.contains("at line"), "position printed twice: {e}");
+    let e = compile(
+        "upstream: { url: http://127.0.0.1:8081 }\nstore:\n  zzzzzz: 5ms\n",
+        &EnvOverrides::default(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(!e.contains("did you mean"), "no suggestion when nothing is close: {e}");
 }

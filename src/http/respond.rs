@@ -53,6 +53,9 @@ pub enum GatewayError {
     /// A protected admin endpoint without the right token.
     #[error("unauthorized")]
     Unauthorized,
+    /// The request's header section is larger than `max_header_bytes`, or has too many fields.
+    #[error("request header fields too large")]
+    HeadersTooLarge,
     /// `/keys/{identity}` for a value that is no registered key id, IP or org and has no counters.
     #[error("unknown identity")]
     UnknownIdentity,
@@ -69,6 +72,7 @@ impl GatewayError {
             GatewayError::BadRequest(_) => StatusCode::BAD_REQUEST,
             GatewayError::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             GatewayError::NotFound | GatewayError::UnknownIdentity => StatusCode::NOT_FOUND,
+            GatewayError::HeadersTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             GatewayError::Unauthorized => StatusCode::UNAUTHORIZED,
         }
     }
@@ -114,6 +118,10 @@ impl GatewayError {
                 retry = Some(1);
                 json!({"error": "unavailable", "message": why})
             }
+            GatewayError::HeadersTooLarge => json!({
+                "error": "request_header_fields_too_large",
+                "message": "The request's headers are larger than this gateway accepts.",
+            }),
             GatewayError::UnknownIdentity => json!({
                 "error": "unknown_identity",
                 "message": "Not a registered API key id, an IP address or a registered org, and no counters exist for it: check the spelling.",
