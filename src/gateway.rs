@@ -130,7 +130,10 @@ impl Gateway {
         metrics.set_rules_version(&snap.rules.version);
         let sc = &config.store;
         let store = match sc.kind {
-            StoreKind::Memory => Backend::Memory(Arc::new(MemoryStore::new(clock.clone(), sc.memory_max_keys))),
+            StoreKind::Memory => Backend::Memory(Arc::new(
+                MemoryStore::new(clock.clone(), sc.memory_max_keys)
+                    .with_eviction_counters(metrics.memory_evicted.clone(), metrics.memory_evicted_denying.clone()),
+            )),
             StoreKind::Redis | StoreKind::RedisCluster => {
                 let mode = if sc.kind == StoreKind::Redis {
                     RedisMode::Single
@@ -144,7 +147,10 @@ impl Gateway {
         };
         let limiter = Limiter {
             store,
-            local: Arc::new(MemoryStore::new(clock.clone(), sc.memory_max_keys)),
+            local: Arc::new(
+                MemoryStore::new(clock.clone(), sc.memory_max_keys)
+                    .with_eviction_counters(metrics.memory_evicted.clone(), metrics.memory_evicted_denying.clone()),
+            ),
             deny: config
                 .limits
                 .deny_cache

@@ -88,10 +88,14 @@ pub struct Metrics {
     pub store_timeout: Counter,
     /// Checks skipped because the breaker was open.
     pub store_circuit_open: Counter,
-    /// Breaker state: 1 open, 0 closed.
+    /// Store shards whose circuit breaker is open (0 when healthy; standalone Redis has one).
     pub breaker_open: Gauge,
     /// Deny-cache answers.
     pub deny_cache_hits: Counter,
+    /// Live memory-store entries evicted to make room (`kind="live"`).
+    pub memory_evicted: Counter,
+    /// Of those, entries that were denying (`kind="denying"`): each lets a caller through early.
+    pub memory_evicted_denying: Counter,
     /// `tollgate_upstream_responses_total{status}` handles: 1xx..5xx, then "error".
     pub upstream_status: [Counter; 6],
     /// Upstream latency.
@@ -135,9 +139,17 @@ impl Metrics {
         let breaker_open = Gauge::default();
         registry.register(
             "store_breaker_open",
-            "1 while the store circuit breaker is open",
+            "Store shards (Redis masters) whose circuit breaker is open; 0 when all are healthy",
             breaker_open.clone(),
         );
+        let evictions = Family::<KindLabels, Counter>::default();
+        registry.register(
+            "memory_evictions",
+            "Live memory-store entries evicted to make room, by kind (live: all; denying: of those, entries that were denying)",
+            evictions.clone(),
+        );
+        let memory_evicted = evictions.get_or_create(&KindLabels { kind: "live".into() }).clone();
+        let memory_evicted_denying = evictions.get_or_create(&KindLabels { kind: "denying".into() }).clone();
         let deny_cache_hits = Counter::default();
         registry.register(
             "deny_cache_hits",
@@ -184,6 +196,8 @@ impl Metrics {
             store_circuit_open,
             breaker_open,
             deny_cache_hits,
+            memory_evicted,
+            memory_evicted_denying,
             upstream_status,
             upstream_latency,
             reload_ok,

@@ -164,3 +164,6 @@ pub fn binding_index(outcomes: impl Iterator<Item = (bool, Outcome, u64)>) -> Op
     }
     denied.map(|(i, _)| i).or(allowed.map(|(i, _, _)| i))
 }
+
+#[cfg(test)]
+mod tests;
