@@ -447,8 +447,18 @@ async fn bad_arguments_are_a_script_error_not_a_panic() {
     assert_eq!(server.cli(&["EXISTS", "k"]), "0");
     let out = eval("0 nope ''");
     assert!(out.contains("unknown mode"), "{out}");
-    // Probe-style keyless peek answers [now].
-    assert_eq!(eval("0 peek 123"), "123");
+    // Probe-style keyless peek answers [now], packed like every reply.
+    let mut con = redis::Client::open(server.url())
+        .and_then(|c| c.get_connection())
+        .expect("connect to redis-server");
+    let packed: Vec<u8> = redis::cmd("EVAL")
+        .arg(SCRIPT_SOURCE)
+        .arg(0)
+        .arg("peek")
+        .arg(123)
+        .query(&mut con)
+        .expect("keyless peek");
+    assert_eq!(packed, 123f64.to_le_bytes());
     // Issue #24, defect 13: arguments the gateway never sends are refused before anything is
     // written: a negative cost (which used to mint quota), fractions, non-finite and huge
     // numbers, a sliding log past its bound, a bucket past 10 years of refill, a bad `now`.
