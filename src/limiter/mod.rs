@@ -87,7 +87,10 @@ impl StoreError {
     /// connection); false for a reply Redis will give again (a refused script call, a malformed
     /// reply).
     pub fn is_transient(&self) -> bool {
-        matches!(self, StoreError::Timeout | StoreError::CircuitOpen | StoreError::Redis(_))
+        matches!(
+            self,
+            StoreError::Timeout | StoreError::CircuitOpen | StoreError::Redis(_)
+        )
     }
 }
 
