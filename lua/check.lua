@@ -24,21 +24,21 @@
 --   counted). A later request in the batch sees what the earlier ones spent.
 -- peek and refund: 5 ARGV per key, in KEYS order.
 --
--- Reply, check and peek: the integers
+-- Reply, every mode: the numbers
 --   { now, allowed_1, remaining_1, reset_us_1, retry_after_us_1, delay_us_1, allowed_2, ... }
---   with one 5-tuple per key, in KEYS order (for check: request after request).
---   peek returns them as an array of integers. check returns them PACKED: one binary string of
---   little-endian IEEE doubles, 8 bytes per number (exact: every value is an integer in
---   0 .. 2^53). A client then parses one bulk string instead of 1 + 5 n integers, which for the
---   gateway's Redis client was the costliest part of a batched request.
+--   with one 5-tuple per key, in KEYS order (for check: request after request; refund: none),
+--   PACKED: one binary string of little-endian IEEE doubles, 8 bytes per number (exact: every
+--   value is an integer in 0 .. 2^53). A client then parses one bulk string instead of 1 + 5 n
+--   integers, which for the gateway's Redis client was the costliest part of a batched request.
+--   allowed is 1 or 0, and 2 in a peek where the key does not exist.
 -- peek: as a cost-0 check with cost forced to 0, writing nothing (state of another shape is
---   converted in the reply only); allowed = -1 where the key does not exist.
+--   converted in the reply only).
 -- Every limit argument is checked before anything runs: whole numbers, limit 1..10^12,
 --   interval 1..10 years in us (buckets: limit * interval too), cost 0..10^12, sliding log
 --   limit and cost at most 10,000, shadow 0 or 1, now below 2^52. Anything else (negative,
 --   fractional, non-finite, huge) is an error reply and changes nothing.
 -- refund: ARGV[2] must be the `now` the check used (or "" for Redis time); gives back `cost`
---   on every key (see each algorithm's *_refund). Reply: { now }.
+--   on every key (see each algorithm's *_refund). Reply: { now }, packed.
 
 local ALGOS = {
   { eval = tb_eval, spend = tb_spend, refund = tb_refund },
@@ -89,6 +89,17 @@ local function args(j)
 end
 
 local reply = { now }
+
+-- The reply, packed: one string of little-endian doubles, in chunks (unpack() puts every value
+-- on the Lua stack, which holds about 8000).
+local function pack(values)
+  local parts = {}
+  for i = 1, #values, 1000 do
+    local j = math.min(i + 999, #values)
+    parts[#parts + 1] = struct.pack('<' .. string.rep('d', j - i + 1), unpack(values, i, j))
+  end
+  return table.concat(parts)
+end
 
 if mode == 'check' then
   local argc = #ARGV
@@ -149,13 +160,7 @@ if mode == 'check' then
       end
     end
   end
-  -- Packed in chunks: unpack() puts every value on the Lua stack, which holds about 8000.
-  local parts = {}
-  for i = 1, #reply, 1000 do
-    local j = math.min(i + 999, #reply)
-    parts[#parts + 1] = struct.pack('<' .. string.rep('d', j - i + 1), unpack(reply, i, j))
-  end
-  return table.concat(parts)
+  return pack(reply)
 elseif mode ~= 'check' and #ARGV ~= 2 + 5 * n then
   return redis.error_reply('ERR tollgate: bad arguments (want mode, now, 5 per key)')
 elseif mode == 'peek' then
@@ -173,14 +178,14 @@ elseif mode == 'peek' then
       reply[o + 4] = retry
       reply[o + 5] = delay
     else
-      reply[o + 1] = -1
+      reply[o + 1] = 2
       reply[o + 2] = 0
       reply[o + 3] = 0
       reply[o + 4] = 0
       reply[o + 5] = 0
     end
   end
-  return reply
+  return pack(reply)
 elseif mode == 'refund' then
   for j = 1, n do
     local algo, limit, interval, cost = args(j)
@@ -189,6 +194,6 @@ elseif mode == 'refund' then
     end
     algo.refund(KEYS[j], now, limit, interval, cost)
   end
-  return reply
+  return pack(reply)
 end
 return redis.error_reply('ERR tollgate: unknown mode')

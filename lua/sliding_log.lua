@@ -9,7 +9,7 @@
 --       microseconds). Members are "<now>:<seq>" with seq zero-padded to 12 digits and one
 --       more than the largest seq already stored at that score, so members stay unique even
 --       for several requests in the same microsecond and across refunds. Entries at or before
---       now - window are removed when the key is next spent on. Expires (PEXPIREAT) one window
+--       now - window are removed whenever a check evaluates the key. Expires (PEXPIREAT) one window
 --       after the newest entry. A log needs no shape: its timestamps hold under any window. A key
 --       of another type (a reload changed the algorithm) is converted first: the units it still
 --       holds become entries at `now` (tg_used). At most TG_MAX_LOG entries per key.
@@ -53,6 +53,12 @@ end
 
 local function sl_eval(key, now, limit, w, cost)
   local lo = string.format('(%d', sl_floor(now, w))
+  if TG_WRITE then
+    -- Entries that left the window go whenever a check evaluates the key, admitted or not (the
+    -- memory store prunes at the same point, so both hold the same entries for a later reload
+    -- to read).
+    tg_read('ZREMRANGEBYSCORE', key, '-inf', sl_floor(now, w))
+  end
   local count, bad = tg_read('ZCOUNT', key, lo, '+inf')
   if bad then
     -- Another algorithm's state: carry its units over as entries at now.
@@ -88,10 +94,7 @@ local function sl_eval(key, now, limit, w, cost)
 end
 
 local function sl_spend(key, now, limit, w, cost)
-  local _, bad = tg_read('ZREMRANGEBYSCORE', key, '-inf', sl_floor(now, w))
-  if bad then
-    redis.call('DEL', key)
-  end
+  -- sl_eval, at this `now`, pruned the key (and converted one of another type).
   if cost > 0 then
     local seq = 0
     local top = redis.call('ZREVRANGEBYSCORE', key, now, now, 'LIMIT', 0, 1)

@@ -143,9 +143,9 @@ fn file_digest(path: &std::path::Path) -> Option<[u8; 32]> {
 /// Load rules and keys into a snapshot, resolving metric handles.
 pub fn load_snapshot(config: &GatewayConfig, metrics: &Metrics) -> Result<Snapshot, ConfigError> {
     let rules =
-        RuleSet::load(&config.rules_file).map_err(|e| e.named_in(&config.path, "rules_file", config.files_at.0))?;
+        RuleSet::load(&config.rules_file).map_err(|e| e.named_in(&config.path, "rules_file", config.rules_file_at))?;
     let keys = match &config.keys_file {
-        Some(k) => KeyRegistry::load(k).map_err(|e| e.named_in(&config.path, "keys_file", config.files_at.1))?,
+        Some(k) => KeyRegistry::load(k).map_err(|e| e.named_in(&config.path, "keys_file", config.keys_file_at))?,
         None => KeyRegistry::empty(),
     };
     let rule_metrics = rules.rules.iter().map(|r| metrics.rule(&r.name)).collect();
@@ -212,7 +212,10 @@ impl Gateway {
         let config_digest = file_digest(&config.path);
         let sc = &config.store;
         let store = match sc.kind {
-            StoreKind::Memory => Backend::Memory(Arc::new(MemoryStore::new(clock.clone(), sc.memory_max_keys))),
+            StoreKind::Memory => Backend::Memory(Arc::new(
+                MemoryStore::new(clock.clone(), sc.memory_max_keys)
+                    .with_eviction_counters(metrics.memory_evicted.clone(), metrics.memory_evicted_denying.clone()),
+            )),
             StoreKind::Redis | StoreKind::RedisCluster => {
                 let mode = if sc.kind == StoreKind::Redis {
                     RedisMode::Single
@@ -226,7 +229,10 @@ impl Gateway {
         };
         let limiter = Limiter {
             store,
-            local: Arc::new(MemoryStore::new(clock.clone(), sc.memory_max_keys)),
+            local: Arc::new(
+                MemoryStore::new(clock.clone(), sc.memory_max_keys)
+                    .with_eviction_counters(metrics.memory_evicted.clone(), metrics.memory_evicted_denying.clone()),
+            ),
             deny: config
                 .limits
                 .deny_cache
@@ -318,8 +324,8 @@ impl Gateway {
         }
     }
 
-    /// Refresh the gauges that are read rather than counted (memory store size and evictions,
-    /// process memory and descriptors); `/metrics` calls this before encoding.
+    /// Refresh the gauges that are read rather than counted (memory store size, process memory
+    /// and descriptors); `/metrics` calls this before encoding.
     pub fn refresh_gauges(&self) {
         let mem = match &self.limiter.store {
             Backend::Memory(m) => m,
@@ -328,9 +334,6 @@ impl Gateway {
         self.metrics
             .memory_store_keys
             .set(i64::try_from(mem.len()).unwrap_or(i64::MAX));
-        self.metrics
-            .memory_store_evictions
-            .set(i64::try_from(mem.evictions().0).unwrap_or(i64::MAX));
         self.metrics.refresh_process();
     }
 

@@ -153,10 +153,14 @@ pub struct Metrics {
     pub store_timeout: Counter,
     /// Checks skipped because the breaker was open.
     pub store_circuit_open: Counter,
-    /// Breaker state: 1 open, 0 closed.
+    /// Store shards whose circuit breaker is open (0 when healthy; standalone Redis has one).
     pub breaker_open: Gauge,
     /// Deny-cache answers.
     pub deny_cache_hits: Counter,
+    /// Live memory-store entries evicted to make room (`kind="live"`).
+    pub memory_evicted: Counter,
+    /// Of those, entries that were denying (`kind="denying"`): each lets a caller through early.
+    pub memory_evicted_denying: Counter,
     /// `tollgate_upstream_responses_total{status}` handles 1xx..5xx, then
     /// `tollgate_upstream_failures_total` (no response: refused, reset, timed out).
     pub upstream_status: [Counter; 6],
@@ -187,8 +191,6 @@ pub struct Metrics {
     /// Keys the memory store tracks (the primary store when memory, else the `failure: local`
     /// fallback), refreshed at each scrape.
     pub memory_store_keys: Gauge,
-    /// Live memory-store entries evicted to make room, refreshed at each scrape.
-    pub memory_store_evictions: Gauge,
     /// Process resident memory, refreshed at each scrape (Linux).
     pub process_resident_memory: Gauge,
     /// Process open file descriptors, refreshed at each scrape (Linux).
@@ -226,9 +228,17 @@ impl Metrics {
         let breaker_open = Gauge::default();
         registry.register(
             "store_breaker_open",
-            "1 while the store circuit breaker is open",
+            "Store shards (Redis masters) whose circuit breaker is open; 0 when all are healthy",
             breaker_open.clone(),
         );
+        let evictions = Family::<KindLabels, Counter>::default();
+        registry.register(
+            "memory_evictions",
+            "Live memory-store entries evicted to make room, by kind (live: all; denying: of those, entries that were denying)",
+            evictions.clone(),
+        );
+        let memory_evicted = evictions.get_or_create(&KindLabels { kind: "live".into() }).clone();
+        let memory_evicted_denying = evictions.get_or_create(&KindLabels { kind: "denying".into() }).clone();
         let deny_cache_hits = Counter::default();
         registry.register(
             "deny_cache_hits",
@@ -340,11 +350,6 @@ impl Metrics {
             "memory_store_keys",
             "Keys tracked by the memory store (the primary store, or the failure: local fallback)",
         );
-        let memory_store_evictions = gauge(
-            &mut registry,
-            "memory_store_evictions",
-            "Live memory-store entries evicted so far to stay within store.memory_max_keys",
-        );
         let process_resident_memory = gauge(&mut registry, "process_resident_memory_bytes", "Resident memory");
         let process_open_fds = gauge(&mut registry, "process_open_fds", "Open file descriptors");
         let process_start_time = gauge(
@@ -370,6 +375,8 @@ impl Metrics {
             store_circuit_open,
             breaker_open,
             deny_cache_hits,
+            memory_evicted,
+            memory_evicted_denying,
             upstream_status,
             upstream_latency,
             reload_ok,
@@ -384,7 +391,6 @@ impl Metrics {
             open_connections,
             leaky_queue,
             memory_store_keys,
-            memory_store_evictions,
             process_resident_memory,
             process_open_fds,
             process_start_time,

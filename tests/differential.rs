@@ -75,6 +75,9 @@ struct Plan {
     tags: Tags,
     /// Seed of the first sequence (each sequence is reproducible from its own seed).
     seed: u64,
+    /// Reloads: now and then a limit gets another algorithm, window or rate under the same key,
+    /// and both stores must convert its state the same way.
+    reshape: bool,
 }
 
 /// Largest |a - b| seen per field, and the number of non-identical outcomes.
@@ -103,20 +106,27 @@ async fn run(store: &RedisStore, plan: &Plan, label: &str) -> Stats {
             Tags::One => 1,
             Tags::Spread => rng.gen_range(2..=3),
         };
-        let limits: Vec<(StoreKey, Quota)> = (0..n)
+        let mut limits: Vec<(StoreKey, Quota)> = (0..n)
             .map(|j| {
                 let algorithm = *plan.algorithms.choose(&mut rng).unwrap();
                 let tag = format!("{label}-{seed}-{}", j % tag_count);
-                (
-                    StoreKey(format!("d:{{{tag}}}:{j}:{}", algorithm.as_str())),
-                    random_quota(&mut rng, algorithm),
-                )
+                let key = if plan.reshape {
+                    format!("d:{{{tag}}}:{j}")
+                } else {
+                    format!("d:{{{tag}}}:{j}:{}", algorithm.as_str())
+                };
+                (StoreKey(key), random_quota(&mut rng, algorithm))
             })
             .collect();
         // A random phase in the future (year 2096+): keys expire by this clock (PEXPIREAT), so
         // none expires in wall-clock time during the test.
         let mut now: u64 = 4_000_000_000_000_000 + rng.gen_range(0..4_000_000_000_000);
         for step in 0..plan.steps {
+            if plan.reshape && rng.gen_bool(0.15) {
+                let j = rng.gen_range(0..n);
+                let algorithm = *plan.algorithms.choose(&mut rng).unwrap();
+                limits[j].1 = random_quota(&mut rng, algorithm);
+            }
             // Time step: often none, else up to a fraction, one or three periods of a limit.
             let (_, q) = limits.choose(&mut rng).unwrap();
             let period = q.window_us.get();
@@ -230,6 +240,7 @@ async fn one_algorithm(algorithm: &'static [Algorithm], seed: u64) {
         steps: 30,
         tags: Tags::One,
         seed,
+        reshape: false,
     };
     let stats = run(&store, &plan, algorithm[0].as_str()).await;
     assert_eq!(stats.steps, 300 * 30);
@@ -276,6 +287,7 @@ async fn mixed_algorithms_one_slot_match_memory() {
         steps: 30,
         tags: Tags::One,
         seed: 6_000_000,
+        reshape: false,
     };
     run(&store, &plan, "mixed").await;
 }
@@ -292,6 +304,7 @@ async fn mixed_algorithms_across_slots_match_memory() {
         steps: 30,
         tags: Tags::Spread,
         seed: 7_000_000,
+        reshape: false,
     };
     run(&store, &plan, "spread").await;
 }
@@ -310,6 +323,26 @@ async fn cluster_matches_memory() {
         steps: 20,
         tags: Tags::Spread,
         seed: 8_000_000,
+        reshape: false,
     };
     run(&store, &plan, "cluster").await;
+}
+
+/// Issue #24, defect 2: reloads change a limit's algorithm, window or rate under the same key;
+/// both stores carry the consumption over (converted the same way) and decide alike after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reloads_that_reshape_limits_match_memory() {
+    let (_server, store) = standalone().await;
+    for (tags, seed) in [(Tags::One, 9_000_000), (Tags::Spread, 9_500_000)] {
+        let plan = Plan {
+            algorithms: &ALL,
+            limits: 1..=3,
+            sequences: 200,
+            steps: 30,
+            tags,
+            seed,
+            reshape: true,
+        };
+        run(&store, &plan, "reshape").await;
+    }
 }

@@ -122,6 +122,10 @@ async fn standalone_kill_then_restart() {
         codes.push(status(&c, &format!("{}/local/x", gw.url)).await);
     }
     assert_eq!(codes, vec![200, 200, 200, 429, 429]);
+    // The headers show the limit this node enforces alone, not the fleet's (issue #24, defect 12).
+    let r = c.get(format!("{}/local/x", gw.url)).send().await.unwrap();
+    assert_eq!(r.headers()["ratelimit-policy"], "\"local\";q=3;w=3600");
+    assert_eq!(r.headers()["x-ratelimit-limit"], "3");
     // Readiness never depends on the store (fail-open keeps serving, so the pod stays in its
     // Service); the store's own health is `/readyz?store=1` and the breaker gauge.
     assert_eq!(

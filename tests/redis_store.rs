@@ -447,8 +447,46 @@ async fn bad_arguments_are_a_script_error_not_a_panic() {
     assert_eq!(server.cli(&["EXISTS", "k"]), "0");
     let out = eval("0 nope ''");
     assert!(out.contains("unknown mode"), "{out}");
-    // Probe-style keyless peek answers [now].
-    assert_eq!(eval("0 peek 123"), "123");
+    // Probe-style keyless peek answers [now], packed like every reply.
+    let mut con = redis::Client::open(server.url())
+        .and_then(|c| c.get_connection())
+        .expect("connect to redis-server");
+    let packed: Vec<u8> = redis::cmd("EVAL")
+        .arg(SCRIPT_SOURCE)
+        .arg(0)
+        .arg("peek")
+        .arg(123)
+        .query(&mut con)
+        .expect("keyless peek");
+    assert_eq!(packed, 123f64.to_le_bytes());
+    // Issue #24, defect 13: arguments the gateway never sends are refused before anything is
+    // written: a negative cost (which used to mint quota), fractions, non-finite and huge
+    // numbers, a sliding log past its bound, a bucket past 10 years of refill, a bad `now`.
+    let now = "1800000000000000";
+    for (what, limit_args) in [
+        ("negative cost", "3 5 1000000 -10 0"),
+        ("fractional cost", "3 5 1000000 1.5 0"),
+        ("fractional limit", "3 5.5 1000000 1 0"),
+        ("non-finite limit", "3 inf 1000000 1 0"),
+        ("NaN interval", "3 5 nan 1 0"),
+        ("huge cost", "3 5 1000000 100000000000000000 0"),
+        ("huge limit", "5 10000000000000 1000000 1 0"),
+        ("zero interval", "1 5 0 1 0"),
+        ("bucket refill over 10 years", "1 1000000000 1000000000 1 0"),
+        ("sliding log over its bound", "4 3000000 1000000 1 0"),
+        ("sliding log cost over its bound", "4 10000 1000000 3000000 0"),
+        ("shadow flag", "3 5 1000000 1 yes"),
+    ] {
+        let out = eval(&format!("1 k check {now} 1 1 {limit_args}"));
+        assert!(out.contains("bad arguments for key 1"), "{what}: {out}");
+        let out = eval(&format!("1 k refund {now} {limit_args}"));
+        assert!(out.contains("bad arguments for key 1"), "{what} (refund): {out}");
+    }
+    for bad_now in ["-5", "1.5", "inf", "99999999999999999"] {
+        let out = eval(&format!("1 k check {bad_now} 1 1 3 5 1000000 1 0"));
+        assert!(out.contains("bad arguments (now)"), "now {bad_now}: {out}");
+    }
+    assert_eq!(server.cli(&["EXISTS", "k"]), "0", "a refused call wrote");
 }
 
 /// One limit as the script takes it: (key, algorithm code, limit, interval, cost, shadow).

@@ -352,9 +352,11 @@ pub struct GatewayConfig {
     pub rules_file: PathBuf,
     /// API key registry.
     pub keys_file: Option<PathBuf>,
-    /// Where `rules_file` and `keys_file` are written in the gateway file (line, column), so an
-    /// error about a file that cannot be read points there.
-    pub files_at: (Option<(u64, u64)>, Option<(u64, u64)>),
+    /// Where `rules_file` is written in the gateway file (line, column), so an error about a
+    /// file that cannot be read points there.
+    pub rules_file_at: Option<(u64, u64)>,
+    /// Where `keys_file` is written in the gateway file (line, column).
+    pub keys_file_at: Option<(u64, u64)>,
     /// The store.
     pub store: StoreConfig,
     /// Identity.
@@ -676,14 +678,14 @@ impl GatewayConfig {
             upstream,
             rules_file: rel(raw.rules_file.as_ref().map_or("rules.yaml", |r| r.value.as_str())),
             keys_file: raw.keys_file.as_ref().map(|k| rel(&k.value)),
-            files_at: (
-                raw.rules_file
-                    .as_ref()
-                    .map(|r| (r.referenced.line(), r.referenced.column())),
-                raw.keys_file
-                    .as_ref()
-                    .map(|k| (k.referenced.line(), k.referenced.column())),
-            ),
+            rules_file_at: raw
+                .rules_file
+                .as_ref()
+                .map(|r| (r.referenced.line(), r.referenced.column())),
+            keys_file_at: raw
+                .keys_file
+                .as_ref()
+                .map(|k| (k.referenced.line(), k.referenced.column())),
             store,
             identity,
             limits,

@@ -164,3 +164,41 @@ pub fn binding_index(outcomes: impl Iterator<Item = (bool, Outcome, u64)>) -> Op
     }
     denied.map(|(i, _)| i).or(allowed.map(|(i, _, _)| i))
 }
+
+/// Humantime-ish rendering of a window for headers and bodies (`1m`, `15m`, `1s`, `250ms`).
+pub fn window_text(us: u64) -> String {
+    WindowText(us).to_string()
+}
+
+/// [`window_text`] without the allocation, for writing into a buffer.
+#[derive(Debug, Clone, Copy)]
+pub struct WindowText(pub u64);
+
+impl WindowText {
+    /// The number and unit of the text: `(90, "s")` for 90 seconds. The largest unit that
+    /// divides the window evenly (d, h, m, s, else ms).
+    pub fn parts(&self) -> (u64, &'static str) {
+        let ms = self.0 / 1000;
+        if ms != 0 && ms % 86_400_000 == 0 {
+            (ms / 86_400_000, "d")
+        } else if ms != 0 && ms % 3_600_000 == 0 {
+            (ms / 3_600_000, "h")
+        } else if ms != 0 && ms % 60_000 == 0 {
+            (ms / 60_000, "m")
+        } else if ms != 0 && ms % 1000 == 0 {
+            (ms / 1000, "s")
+        } else {
+            (ms, "ms")
+        }
+    }
+}
+
+impl std::fmt::Display for WindowText {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (n, unit) = self.parts();
+        write!(f, "{n}{unit}")
+    }
+}
+
+#[cfg(test)]
+mod tests;

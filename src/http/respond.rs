@@ -156,7 +156,7 @@ impl GatewayError {
 /// The 429 JSON body. Written directly (this is the hot deny path): rule names are validated
 /// to `[A-Za-z0-9_.-]`, so nothing in it needs escaping.
 fn rate_limited_body(rule: &str, limit: u64, window_us: u64, secs: u64, reset_at_secs: u64) -> String {
-    let (wn, unit) = crate::rules::WindowText(window_us).parts();
+    let (wn, unit) = headers::WindowText(window_us).parts();
     let mut wbuf = itoa::Buffer::new();
     let mut window = String::with_capacity(24);
     window.push_str(wbuf.format(wn));

@@ -221,12 +221,22 @@ pub enum State {
 }
 
 /// Decide whether `cost` units fit `q` at `now`, without spending. May normalise `state`
-/// (expire old log entries, roll windows) in ways that change no decision.
+/// (expire old log entries, roll windows) in ways that change no decision under `q`. The Lua
+/// script normalises at the same points (a log is pruned whenever a check evaluates it), so
+/// both stores always hold the same state, whatever a later reload reads from it.
 pub fn evaluate(q: &Quota, state: &mut Option<State>, now: u64, cost: u64) -> Outcome {
     match q.algorithm {
         Algorithm::TokenBucket | Algorithm::LeakyBucket => bucket_eval(q, state, now, cost),
         Algorithm::FixedWindow => fixed_eval(q, state, now, cost),
-        Algorithm::SlidingLog => log_eval(q, state, now, cost),
+        Algorithm::SlidingLog => {
+            if let Some(State::Log { entries }) = state {
+                let floor = now.saturating_sub(q.window_us.get());
+                while entries.front().is_some_and(|t| *t <= floor) {
+                    entries.pop_front();
+                }
+            }
+            log_eval(q, state, now, cost)
+        }
         Algorithm::SlidingWindow => sliding_eval(q, state, now, cost),
     }
 }
@@ -263,10 +273,7 @@ pub fn spend(q: &Quota, state: &mut Option<State>, now: u64, cost: u64) {
         }
         Algorithm::SlidingLog => match state {
             Some(State::Log { entries }) => {
-                let floor = now.saturating_sub(q.window_us.get());
-                while entries.front().is_some_and(|t| *t <= floor) {
-                    entries.pop_front();
-                }
+                // `evaluate` at this `now` dropped the entries that left the window.
                 entries.extend(std::iter::repeat_n(now, cost as usize))
             }
             _ => {
@@ -293,11 +300,7 @@ pub fn refund(q: &Quota, state: &mut Option<State>, at: u64, cost: u64) {
     let w = q.window_us.get();
     match state {
         Some(State::Bucket { tat }) => *tat = tat.saturating_sub(cost.saturating_mul(q.interval_us.get())),
-        Some(State::Window { index, count }) => {
-            if *index == at / w {
-                *count = count.saturating_sub(cost);
-            }
-        }
+        Some(State::Window { index, count }) if *index == at / w => *count = count.saturating_sub(cost),
         Some(State::Sliding { index, prev, curr }) => {
             let spent_in = at / w;
             if *index == spent_in {
@@ -311,7 +314,7 @@ pub fn refund(q: &Quota, state: &mut Option<State>, at: u64, cost: u64) {
             let start = end.saturating_sub(usize::try_from(cost).unwrap_or(usize::MAX));
             entries.drain(start..end);
         }
-        None => {}
+        Some(State::Window { .. }) | None => {}
     }
 }
 
@@ -455,8 +458,8 @@ fn fixed_eval(q: &Quota, state: &Option<State>, now: u64, cost: u64) -> Outcome 
 fn log_eval(q: &Quota, state: &Option<State>, now: u64, cost: u64) -> Outcome {
     let w = q.window_us.get();
     let limit = q.limit.get();
-    // Entries at or before now - window have left (now - window, now]. They are dropped when
-    // the key is next spent on, as the Lua script does, so both stores hold the same entries.
+    // Entries at or before now - window have left (now - window, now] (`evaluate` drops them;
+    // `admits` looks without dropping).
     let (count, skipped) = match state {
         Some(State::Log { entries }) => {
             let first = entries.partition_point(|t| *t <= now.saturating_sub(w));

@@ -18,13 +18,16 @@ use super::{LimitCheck, StoreKey};
 
 const SHARDS: usize = 16;
 
+/// One shard: key hash → (effective-limit hash, instant the key can pass again).
+type Shard = HashMap<u64, (u64, u64), foldhash::fast::RandomState>;
+
 /// Locally remembered denials. Correct under any interleaving: an entry only ever says "denied
 /// until T", which the store itself said, and the state it describes can only be reset by
 /// [`DenyCache::remove`] / [`DenyCache::clear`] (admin reset, rule reload).
 pub struct DenyCache {
     /// key hash → (hash of the effective limit, microseconds since the epoch at which the key
     /// can pass again under it).
-    shards: Vec<Mutex<HashMap<u64, (u64, u64), foldhash::fast::RandomState>>>,
+    shards: Vec<Mutex<Shard>>,
     /// Entries one shard may hold.
     per_shard_cap: usize,
     /// Hashes store keys.

@@ -18,7 +18,7 @@ use std::hash::BuildHasher;
 
 use parking_lot::{Mutex, MutexGuard};
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use prometheus_client::metrics::counter::Counter;
 
 use super::algorithm::{self, Outcome, Quota, State};
 use super::{Checked, LimitCheck, Store, StoreError, StoreKey};
@@ -71,11 +71,12 @@ pub struct MemoryStore {
     per_shard_cap: usize,
     /// Time source (a fake clock in tests).
     clock: SharedClock,
-    /// Live entries dropped to make room (not expired ones).
-    evicted: AtomicU64,
+    /// Live entries dropped to make room (not expired ones): `tollgate_memory_evictions_total
+    /// {kind="live"}` once registered (see [`MemoryStore::with_eviction_counters`]).
+    evicted: Counter,
     /// Of those, entries that were denying when they were dropped (a last resort: forgetting
-    /// one lets its caller through again).
-    evicted_denying: AtomicU64,
+    /// one lets its caller through again): `{kind="denying"}`.
+    evicted_denying: Counter,
     /// Hashes keys to shards (seeded apart from the maps, so a shard's keys still spread
     /// over its map's buckets).
     hasher: foldhash::fast::RandomState,
@@ -88,18 +89,22 @@ impl MemoryStore {
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::default())).collect(),
             per_shard_cap: (max_keys / SHARDS).max(16),
             clock,
-            evicted: AtomicU64::new(0),
-            evicted_denying: AtomicU64::new(0),
+            evicted: Counter::default(),
+            evicted_denying: Counter::default(),
             hasher: Default::default(),
         }
     }
 
+    /// Count evictions on these (registered) counters: live entries, and denying ones.
+    pub fn with_eviction_counters(mut self, live: Counter, denying: Counter) -> Self {
+        self.evicted = live;
+        self.evicted_denying = denying;
+        self
+    }
+
     /// Live entries evicted to make room so far, and how many of them were denying.
     pub fn evictions(&self) -> (u64, u64) {
-        (
-            self.evicted.load(Ordering::Relaxed),
-            self.evicted_denying.load(Ordering::Relaxed),
-        )
+        (self.evicted.get(), self.evicted_denying.get())
     }
 
     /// Number of keys currently tracked (for tests and metrics).
@@ -153,8 +158,8 @@ impl MemoryStore {
             let map = guard_for(&mut guards, shard);
             if !map.contains_key(c.key.as_str()) && map.len() >= cap {
                 let (forced, denying) = make_room(map, now, cap);
-                self.evicted.fetch_add(forced, Ordering::Relaxed);
-                self.evicted_denying.fetch_add(denying, Ordering::Relaxed);
+                self.evicted.inc_by(forced);
+                self.evicted_denying.inc_by(denying);
             }
             let e = map.entry(Box::from(c.key.as_str())).or_insert(Entry {
                 state: None,

@@ -60,7 +60,8 @@ pub struct LimitCheck {
 }
 
 /// Why a store could not answer. Any of these is a *store failure*; the rule's `failure`
-/// policy decides what the request gets.
+/// policy decides what the request gets. [`StoreError::is_transient`] tells the failures that
+/// may pass by themselves from those that will not.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     /// The check did not finish within `store.timeout`.
@@ -69,12 +70,28 @@ pub enum StoreError {
     /// The circuit breaker is open: the store is known to be down and was not asked.
     #[error("store circuit breaker is open")]
     CircuitOpen,
-    /// Redis answered with an error, or the connection failed.
+    /// The connection to Redis failed (transient: the next call may succeed).
     #[error("redis: {0}")]
     Redis(String),
+    /// Redis refused a command or the script raised an error on a healthy server (permanent:
+    /// the same call fails again).
+    #[error("redis refused the call: {0}")]
+    Script(String),
     /// The reply had an unexpected shape.
     #[error("unexpected store reply: {0}")]
     Protocol(String),
+}
+
+impl StoreError {
+    /// True for failures that may pass by themselves (timeouts, an open breaker, a broken
+    /// connection); false for a reply Redis will give again (a refused script call, a malformed
+    /// reply).
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self,
+            StoreError::Timeout | StoreError::CircuitOpen | StoreError::Redis(_)
+        )
+    }
 }
 
 /// What a store answered for one request's checks.

@@ -316,6 +316,10 @@ impl RedisCluster {
             // A replica may always take over, however long its link was down.
             "--cluster-replica-validity-factor",
             "0",
+            // A shard that is down (master and replica) leaves the others serving: the
+            // per-shard failure tests freeze one whole shard.
+            "--cluster-require-full-coverage",
+            "no",
         ]
         .iter()
         .map(|s| (*s).to_owned())
@@ -423,6 +427,19 @@ impl RedisCluster {
         panic!("no tag for master {port}");
     }
 
+    /// Ports of the replicas of master `port`.
+    pub fn replicas_of(&self, port: u16) -> Vec<u16> {
+        let nodes = self.topology();
+        let Some(id) = nodes.iter().find(|n| n.port == port).map(|n| n.id.clone()) else {
+            return Vec::new();
+        };
+        nodes
+            .iter()
+            .filter(|n| n.master_id.as_deref() == Some(id.as_str()))
+            .map(|n| n.port)
+            .collect()
+    }
+
     /// The node id of `port` (`CLUSTER MYID`).
     pub fn node_id(&self, port: u16) -> String {
         cli(port, &["CLUSTER", "MYID"])
@@ -512,6 +529,10 @@ impl RedisCluster {
 
 /// One line of `CLUSTER NODES`.
 struct NodeInfo {
+    /// Node id.
+    id: String,
+    /// The id of its master, for a replica.
+    master_id: Option<String>,
     /// Client port.
     port: u16,
     /// A master not flagged `fail`.
@@ -538,7 +559,14 @@ fn parse_node_line(line: &str) -> Option<NodeInfo> {
             None => s.parse().ok().map(|v| (v, v)),
         })
         .collect();
-    Some(NodeInfo { port, master, slots })
+    let master_id = (f[3] != "-").then(|| f[3].to_owned());
+    Some(NodeInfo {
+        id: f[0].to_owned(),
+        master_id,
+        port,
+        master,
+        slots,
+    })
 }
 
 impl Drop for RedisCluster {

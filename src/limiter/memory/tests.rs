@@ -94,3 +94,177 @@ async fn time_comes_from_the_injected_clock() {
         "a new window after 1 s of fake time"
     );
 }
+
+/// A limit of `alg` with `limit` units per `window_us` (buckets: `limit` capacity refilled over
+/// `window_us`).
+fn quota(alg: Algorithm, limit: u64, window_us: u64) -> Quota {
+    let l = NonZeroU64::new(limit).unwrap();
+    if alg.is_bucket() {
+        Quota::bucket(alg, l, NonZeroU64::new((window_us / limit).max(1)).unwrap())
+    } else {
+        Quota::window(alg, l, NonZeroU64::new(window_us).unwrap())
+    }
+}
+
+const ALL: [Algorithm; 5] = [
+    Algorithm::TokenBucket,
+    Algorithm::LeakyBucket,
+    Algorithm::FixedWindow,
+    Algorithm::SlidingLog,
+    Algorithm::SlidingWindow,
+];
+
+fn on(key: &str, q: Quota, cost: u64) -> LimitCheck {
+    LimitCheck {
+        key: StoreKey(key.to_string()),
+        quota: q,
+        cost,
+        shadow: false,
+    }
+}
+
+/// Admit `n` requests of `c` at `now`; how many passed.
+fn admit(store: &MemoryStore, c: &LimitCheck, now: u64, n: usize) -> usize {
+    (0..n)
+        .filter(|_| store.check_at(std::slice::from_ref(c), now)[0].allowed)
+        .count()
+}
+
+/// Issue #24, defect 2: spending 8 of 10 and then reloading through four variants of the rule
+/// (another algorithm, window or rate each time) used to hand out a fresh quota per variant.
+#[test]
+fn a_reload_through_variants_never_mints_quota() {
+    let store = MemoryStore::new(Arc::new(FakeClock::new(T0)), 1000);
+    let variants = [
+        quota(Algorithm::FixedWindow, 10, 3_600_000_000),
+        quota(Algorithm::SlidingWindow, 10, 3_600_000_000),
+        quota(Algorithm::TokenBucket, 10, 3_600_000_000),
+        quota(Algorithm::FixedWindow, 10, 7_200_000_000),
+        quota(Algorithm::SlidingLog, 10, 3_600_000_000),
+        quota(Algorithm::LeakyBucket, 10, 1_800_000_000),
+    ];
+    let key = "tl:{k}:r:0";
+    let mut admitted = admit(&store, &on(key, variants[0], 1), T0, 8);
+    assert_eq!(admitted, 8);
+    for (i, q) in variants.iter().enumerate().skip(1) {
+        admitted += admit(&store, &on(key, *q, 1), T0 + i as u64 * 1000, 20);
+    }
+    assert_eq!(admitted, 10, "the chain admitted more than any one variant's limit");
+}
+
+/// Issue #24, defect 2, as a property: after a reload from any rule to any other, the new rule
+/// admits at most its limit minus what the old one had admitted (the consumption carries over),
+/// so the two together never admit more than the larger limit.
+#[test]
+fn a_reload_never_admits_more_than_the_new_rule_would_have() {
+    use proptest::prelude::*;
+    let mut runner = proptest::test_runner::TestRunner::new(proptest::test_runner::Config::with_cases(512));
+    let rule = (
+        0usize..5,
+        1u64..30,
+        prop_oneof![Just(1_000_000u64), Just(60_000_000), Just(3_600_000_000)],
+    );
+    runner
+        .run(
+            &(rule.clone(), rule, 0usize..40, 0usize..40),
+            |((a, la, wa), (b, lb, wb), n1, n2)| {
+                let store = MemoryStore::new(Arc::new(FakeClock::new(T0)), 1000);
+                let (qa, qb) = (quota(ALL[a], la, wa), quota(ALL[b], lb, wb));
+                let before = admit(&store, &on("tl:{p}:r:0", qa, 1), T0, n1) as u64;
+                let after = admit(&store, &on("tl:{p}:r:0", qb, 1), T0, n2) as u64;
+                prop_assert!(
+                    after <= lb - before.min(lb),
+                    "{qa:?} -> {qb:?}: {before} before, {after} after"
+                );
+                prop_assert!(before + after <= la.max(lb));
+                Ok(())
+            },
+        )
+        .unwrap();
+}
+
+/// Issue #24, defect 3: a refund names the instant its check was decided, so units spent in
+/// window [0, 2) are not taken off window [2, 4).
+#[test]
+fn a_refund_comes_off_the_window_it_was_spent_in() {
+    // Fixed window 2/2s: R1 at 0.2 s, two more in [2, 4); R1's client leaves at 3.9 s.
+    let store = MemoryStore::new(Arc::new(FakeClock::new(T0)), 1000);
+    let c = on("tl:{u}:user:0", quota(Algorithm::FixedWindow, 2, 2_000_000), 1);
+    let first = store.check_at(std::slice::from_ref(&c), T0 + 200_000);
+    assert!(first[0].allowed);
+    assert_eq!(first[0].at_us, T0 + 200_000);
+    let t = T0 + 3_900_000;
+    assert_eq!(admit(&store, &c, t, 2), 2);
+    store.refund_spent(&[(c.clone(), first[0].at_us)]);
+    assert_eq!(admit(&store, &c, t, 1), 0, "the refund minted quota in [2, 4)");
+
+    // Sliding window 2/2s: R1's unit is the previous window's when it is refunded, so it comes
+    // off `previous`, and the current window's count still weighs fully in the next one.
+    let store = MemoryStore::new(Arc::new(FakeClock::new(T0)), 1000);
+    let c = on("tl:{u}:user:0", quota(Algorithm::SlidingWindow, 2, 2_000_000), 1);
+    let first = store.check_at(std::slice::from_ref(&c), T0 + 200_000);
+    assert_eq!(admit(&store, &c, T0 + 2_000_001, 1), 1);
+    store.refund_spent(&[(c.clone(), first[0].at_us)]);
+    assert_eq!(admit(&store, &c, T0 + 2_000_001, 2), 1);
+    assert_eq!(
+        admit(&store, &c, T0 + 4_000_001, 1),
+        0,
+        "the refund was taken off the wrong window"
+    );
+}
+
+/// Issue #24, defect 3, as a property: random interleavings of checks and refunds of checks that
+/// were admitted never leave more than the limit outstanding at one instant.
+#[test]
+fn checks_and_refunds_never_exceed_a_limit() {
+    use proptest::prelude::*;
+    let mut runner = proptest::test_runner::TestRunner::new(proptest::test_runner::Config::with_cases(256));
+    let ops = proptest::collection::vec((any::<bool>(), 1u64..4, any::<prop::sample::Index>()), 1..80);
+    runner
+        .run(&(0usize..5, 1u64..12, ops), |(a, limit, ops)| {
+            let store = MemoryStore::new(Arc::new(FakeClock::new(T0)), 1000);
+            let q = quota(ALL[a], limit.max(3), 60_000_000);
+            let mut held: Vec<(LimitCheck, u64)> = Vec::new();
+            for (is_check, cost, pick) in ops {
+                if is_check || held.is_empty() {
+                    let c = on("tl:{r}:r:0", q, cost);
+                    let o = store.check_at(std::slice::from_ref(&c), T0);
+                    if o[0].allowed {
+                        held.push((c, o[0].at_us));
+                    }
+                } else {
+                    let spent = held.swap_remove(pick.index(held.len()));
+                    store.refund_spent(&[spent]);
+                }
+                let outstanding: u64 = held.iter().map(|(c, _)| c.cost).sum();
+                prop_assert!(outstanding <= q.limit.get(), "{outstanding} > {}", q.limit);
+            }
+            Ok(())
+        })
+        .unwrap();
+}
+
+/// Issue #24, defect 14: under key pressure the store forgets keys that would admit before a
+/// key that is denying, and counts what it had to evict.
+#[test]
+fn eviction_keeps_denying_keys_and_counts_evictions() {
+    let store = MemoryStore::new(Arc::new(FakeClock::new(T0)), 64 * 16);
+    let login = on("tl:{login}:login:0", quota(Algorithm::SlidingLog, 3, 900_000_000), 1);
+    assert_eq!(admit(&store, &login, T0, 5), 3);
+    for i in 0..3000 {
+        let spam = on(
+            &format!("tl:{{h{i}}}:hdr:0"),
+            quota(Algorithm::FixedWindow, 100, 3_600_000_000),
+            1,
+        );
+        store.check_at(std::slice::from_ref(&spam), T0 + 1);
+    }
+    assert_eq!(
+        admit(&store, &login, T0 + 2, 3),
+        0,
+        "the denying login counter was evicted"
+    );
+    let (forced, denying) = store.evictions();
+    assert!(forced > 0, "evictions were not counted");
+    assert_eq!(denying, 0);
+}

@@ -19,6 +19,8 @@ use std::sync::Arc;
 
 use redis::Value;
 
+use crate::limiter::StoreKey;
+
 use crate::limiter::breaker::Breaker;
 
 /// Slots in a Redis Cluster.
@@ -34,7 +36,7 @@ pub(crate) fn slot_of(key: &str) -> u16 {
             .filter(|&close| close > 0)
             .map(|close| &rest[..close])
     });
-    (crc16(tagged.unwrap_or(b)) % SLOT_COUNT as u16) as u16
+    crc16(tagged.unwrap_or(b)) % SLOT_COUNT as u16
 }
 
 /// CRC16/XMODEM (polynomial 0x1021), the checksum Redis Cluster hashes keys with.
@@ -162,6 +164,35 @@ fn parse_cluster_slots(reply: &Value) -> Vec<(u16, u16, String)> {
         .collect()
 }
 
+/// Group check indexes by hash tag (one group per Redis Cluster slot), in first-seen order.
+/// Requests carry a handful of limits, so a linear scan beats hashing.
+pub(crate) fn group_by_tag<'a>(keys: impl Iterator<Item = &'a StoreKey>) -> Vec<Vec<usize>> {
+    let mut tags: Vec<&str> = Vec::new();
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    for (i, k) in keys.enumerate() {
+        let tag = k.hash_tag();
+        match tags.iter().position(|t| *t == tag) {
+            Some(g) => groups[g].push(i),
+            None => {
+                tags.push(tag);
+                groups.push(vec![i]);
+            }
+        }
+    }
+    groups
+}
+
+/// True when every key shares the first key's hash tag (the common case: no grouping needed).
+pub(crate) fn one_tag<'a>(mut keys: impl Iterator<Item = &'a StoreKey>) -> bool {
+    match keys.next() {
+        Some(first) => {
+            let tag = first.hash_tag();
+            keys.all(|k| k.hash_tag() == tag)
+        }
+        None => true,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -173,7 +204,7 @@ mod tests {
         assert_eq!(slot_of("bar"), 5061);
         assert_eq!(slot_of("tl:{foo}:rule:0"), 12182);
         assert_eq!(slot_of("{}x"), slot_of("{}x"));
-        assert_eq!(slot_of("123456789"), 0x31C3 % 16384);
+        assert_eq!(slot_of("123456789"), 0x31C3);
     }
 
     #[test]

@@ -3,6 +3,8 @@
 
 use std::num::NonZeroU64;
 
+use super::conn::connect_timeout;
+use super::protocol::{check_cmd, checked, parse_packed, peeked, script_cmd, Mode};
 use super::*;
 
 fn check(key: &str, algorithm: Algorithm, shadow: bool) -> LimitCheck {
@@ -111,63 +113,7 @@ fn evalsha_command_layout() {
     );
 }
 
-#[test]
-fn parse_reply_maps_fields_and_missing_keys() {
-    let v = Value::Array(
-        [7, 1, 3, 100, 0, 5, 0, 0, 50, 40, 0, -1, 0, 0, 0, 0]
-            .into_iter()
-            .map(Value::Int)
-            .collect(),
-    );
-    let (now, outs) = parse_reply(v, 3, peeked).unwrap();
-    assert_eq!(now, 7);
-    assert_eq!(
-        outs[0],
-        Some(Outcome {
-            allowed: true,
-            remaining: 3,
-            reset_us: 100,
-            retry_after_us: 0,
-            delay_us: 5,
-            at_us: 7
-        })
-    );
-    assert_eq!(
-        outs[1],
-        Some(Outcome {
-            allowed: false,
-            remaining: 0,
-            reset_us: 50,
-            retry_after_us: 40,
-            delay_us: 0,
-            at_us: 7
-        })
-    );
-    assert_eq!(outs[2], None);
-}
-
-#[test]
-fn parse_reply_rejects_bad_shapes() {
-    assert!(matches!(
-        parse_reply(Value::Int(1), 0, peeked),
-        Err(StoreError::Protocol(_))
-    ));
-    assert!(matches!(
-        parse_reply(Value::Array(vec![Value::Int(1), Value::Int(1)]), 1, peeked),
-        Err(StoreError::Protocol(_))
-    ));
-    let bad = Value::Array(vec![
-        Value::Int(1),
-        Value::Nil,
-        Value::Int(0),
-        Value::Int(0),
-        Value::Int(0),
-        Value::Int(0),
-    ]);
-    assert!(matches!(parse_reply(bad, 1, peeked), Err(StoreError::Protocol(_))));
-}
-
-/// A packed `check` reply as the script builds it.
+/// A packed reply as the script builds it.
 fn packed(nums: &[f64]) -> Value {
     Value::BulkString(nums.iter().flat_map(|f| f.to_le_bytes()).collect())
 }
@@ -175,7 +121,12 @@ fn packed(nums: &[f64]) -> Value {
 #[test]
 fn parse_packed_reads_doubles_and_rejects_bad_shapes() {
     let now = 1_796_025_623_586_863.0; // 16 digits: exact as a double
-    let (t, outs) = parse_packed(packed(&[now, 1.0, 4.0, 1e6, 0.0, 0.0, 0.0, 0.0, 5e5, 5e5, 0.0]), 2).unwrap();
+    let (t, outs) = parse_packed(
+        packed(&[now, 1.0, 4.0, 1e6, 0.0, 0.0, 0.0, 0.0, 5e5, 5e5, 0.0]),
+        2,
+        checked,
+    )
+    .unwrap();
     assert_eq!(t, 1_796_025_623_586_863);
     assert_eq!(
         outs,
@@ -199,15 +150,24 @@ fn parse_packed_reads_doubles_and_rejects_bad_shapes() {
         ]
     );
     // Out-of-range values (never sent) read as 0 rather than wrapping.
-    let (_, outs) = parse_packed(packed(&[1.0, 1.0, -5.0, f64::NAN, 1e300, 0.0]), 1).unwrap();
+    let (_, outs) = parse_packed(packed(&[1.0, 1.0, -5.0, f64::NAN, 1e300, 0.0]), 1, checked).unwrap();
     assert_eq!((outs[0].remaining, outs[0].reset_us, outs[0].retry_after_us), (0, 0, 0));
+    // A peek marks a missing key with allowed = 2.
+    let (_, outs) = parse_packed(
+        packed(&[7.0, 2.0, 0.0, 0.0, 0.0, 0.0, 1.0, 3.0, 9.0, 0.0, 0.0]),
+        2,
+        peeked,
+    )
+    .unwrap();
+    assert_eq!(outs[0], None);
+    assert_eq!(outs[1].map(|o| o.remaining), Some(3));
     // Wrong length, or not a bulk string.
     assert!(matches!(
-        parse_packed(packed(&[1.0, 1.0]), 1),
+        parse_packed(packed(&[1.0, 1.0]), 1, checked),
         Err(StoreError::Protocol(_))
     ));
     assert!(matches!(
-        parse_packed(Value::Array(vec![Value::Int(1)]), 0),
+        parse_packed(Value::Array(vec![Value::Int(1)]), 0, checked),
         Err(StoreError::Protocol(_))
     ));
 }

@@ -1,0 +1,93 @@
+//! Which limit binds, and what the headers say about it (issue #24, defects 9-11).
+
+use std::num::NonZeroU64;
+
+use super::*;
+use crate::limiter::Algorithm;
+
+fn o(allowed: bool, remaining: u64, reset_us: u64, retry_after_us: u64) -> Outcome {
+    Outcome {
+        allowed,
+        remaining,
+        reset_us,
+        retry_after_us,
+        delay_us: 0,
+        at_us: 1_800_000_000_400_000,
+    }
+}
+
+#[test]
+fn the_binding_denial_is_the_one_exhausted_longest() {
+    // [1/2s, 1/60s], both exhausted: the 60 s limit binds, not the first listed.
+    let outs = [o(false, 0, 2_000_000, 1_600_000), o(false, 0, 60_000_000, 59_600_000)];
+    assert_eq!(binding_index(outs.iter().map(|x| (false, *x, 1))), Some(1));
+    // A shadow or unchecked limit never binds, however long.
+    let outs = [o(false, 0, 2_000_000, 1_600_000), o(false, 0, 60_000_000, 59_600_000)];
+    assert_eq!(
+        binding_index(outs.iter().enumerate().map(|(i, x)| (i == 1, *x, 1))),
+        Some(0)
+    );
+}
+
+#[test]
+fn on_an_allow_the_fewest_requests_left_then_the_longest_reset_bind() {
+    let outs = [
+        o(true, 0, 2_000_000, 0),
+        o(true, 0, 60_000_000, 0),
+        o(true, 3, 90_000_000, 0),
+    ];
+    assert_eq!(binding_index(outs.iter().map(|x| (false, *x, 1))), Some(1));
+    // Remaining is compared in requests of each rule's cost: 9 units at cost 5 is 1 request.
+    let outs = [o(true, 2, 1_000_000, 0), o(true, 9, 1_000_000, 0)];
+    assert_eq!(
+        binding_index(outs.iter().zip([1, 5]).map(|(x, c)| (false, *x, c))),
+        Some(1)
+    );
+}
+
+#[test]
+fn q_and_r_count_requests_of_the_rules_cost() {
+    let quota = Quota::window(
+        Algorithm::FixedWindow,
+        NonZeroU64::new(100).unwrap(),
+        NonZeroU64::new(60_000_000).unwrap(),
+    );
+    let out = o(true, 7, 60_000_000, 0);
+    let b = Binding {
+        rule: "r",
+        quota,
+        cost: 5,
+        outcome: &out,
+    };
+    assert_eq!((b.quota_requests(), b.remaining_requests()), (20, 1));
+    let mut h = HeaderMap::new();
+    write(&mut h, &b, true, true, 1_800_000_000_000_000);
+    assert_eq!(h[&RATELIMIT_POLICY], "\"r\";q=20;w=60");
+    assert_eq!(h[&RATELIMIT], "\"r\";r=1;t=60");
+    assert_eq!(h[&X_LIMIT], "20");
+    assert_eq!(h[&X_REMAINING], "1");
+}
+
+#[test]
+fn the_reset_second_is_never_before_the_real_instant() {
+    let quota = Quota::window(
+        Algorithm::SlidingLog,
+        NonZeroU64::new(1).unwrap(),
+        NonZeroU64::new(1_000_000).unwrap(),
+    );
+    // Decided at x.4 s with 0.9 s to wait: free at (x+1).3 s, so the reset second is x + 2
+    // (floor(now) + ceil(retry) said x + 1: 0.3 s early).
+    for retry in [1u64, 300_000, 900_000, 1_000_000, 1_600_001] {
+        let out = o(false, 0, retry, retry);
+        let b = Binding {
+            rule: "r",
+            quota,
+            cost: 1,
+            outcome: &out,
+        };
+        let at = b.reset_at_secs(0);
+        let free = out.at_us + retry;
+        assert!(at * 1_000_000 >= free, "retry {retry}: reset {at} is before {free}");
+        assert!(at * 1_000_000 < free + 1_000_000, "retry {retry}: reset {at} is late");
+    }
+}

@@ -1,0 +1,357 @@
+//! Connections to Redis: opening them, the shared state every call reads, and rebuilding the
+//! whole connection when a shard keeps failing.
+//!
+//! # Connections and concurrency
+//! * Standalone: one [`ConnectionManager`] (a multiplexed, pipelined connection that reconnects
+//!   by itself when the TCP connection drops) with connection and response timeouts and
+//!   `TCP_NODELAY`.
+//! * Cluster: one async [`ClusterConnection`] (multiplexed connections to every node) with
+//!   `response_timeout`, `connection_timeout`, two retries and millisecond retry waits —
+//!   `MOVED`/`ASK`/`TRYAGAIN`/`READONLY` are retried by the client within the deadline.
+//!
+//! Both are cheap to clone (an `Arc` or a channel sender). The current connection sits in an
+//! [`ArcSwapOption`]: each call loads it, clones it out and drops the guard *before* awaiting, so
+//! no lock or guard is ever held across an `.await` and requests never contend on it.
+//!
+//! # A frozen node
+//! A master stopped with `SIGSTOP` keeps its TCP connections open: the client keeps routing its
+//! slots to it and times out forever, even after a replica took over. When a shard's breaker
+//! opens (see `slots`), and then every probe period while one is open, the store rebuilds the
+//! whole connection from the configured URLs (which re-reads the cluster topology) in a spawned
+//! task — at most once per [`REBUILD_INTERVAL`], one at a time — and swaps it in. Requests never
+//! wait for a rebuild.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arc_swap::{ArcSwap, ArcSwapOption};
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClientBuilder;
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
+use redis::io::tcp::TcpSettings;
+use redis::{Cmd, ErrorKind, IntoConnectionInfo, RedisError, ServerErrorKind, Value};
+
+use super::protocol::{check_cmd, checked, parse_packed, script_cmd, Mode};
+use super::{slots, RedisMode};
+use crate::limiter::{LimitCheck, Outcome, StoreError};
+
+/// Minimum time between two connection rebuilds.
+pub const REBUILD_INTERVAL: Duration = Duration::from_millis(500);
+
+/// A live connection of either kind. Cloning is cheap and shares the underlying connection.
+#[derive(Clone)]
+pub(super) enum Conn {
+    /// Standalone server.
+    Single(ConnectionManager),
+    /// Cluster.
+    Cluster(ClusterConnection),
+}
+
+impl Conn {
+    /// Send one command, routed by its first key in a cluster.
+    pub(super) async fn query(&mut self, cmd: &Cmd) -> Result<Value, RedisError> {
+        match self {
+            Conn::Single(c) => cmd.query_async(c).await,
+            Conn::Cluster(c) => cmd.query_async(c).await,
+        }
+    }
+
+    /// Send one command to every master (the server itself when standalone); `Ok` only if
+    /// every one of them succeeded. Each node's reply is inspected: the client's aggregating
+    /// response policies pass a node's error reply through as a value.
+    pub(super) async fn query_all_masters(&mut self, cmd: Cmd) -> Result<(), RedisError> {
+        match self {
+            Conn::Single(c) => cmd.query_async::<Value>(c).await.map(|_| ()),
+            Conn::Cluster(c) => {
+                let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+                match c.route_command(cmd, routing).await? {
+                    Value::Map(replies) => {
+                        for (_, reply) in replies {
+                            reply.extract_error()?;
+                        }
+                        Ok(())
+                    }
+                    other => other.extract_error().map(|_| ()),
+                }
+            }
+        }
+    }
+}
+
+/// State shared by every clone of the store and by the rebuild task.
+pub(super) struct Inner {
+    /// Standalone or cluster.
+    pub(super) mode: RedisMode,
+    /// The configured URLs (the server, or cluster seeds), for rebuilds.
+    pub(super) urls: Vec<String>,
+    /// Deadline of one store call.
+    pub(super) timeout: Duration,
+    /// The current connection; swapped whole by a rebuild, loaded and cloned by every call.
+    pub(super) conn: ArcSwapOption<Conn>,
+    /// SHA1 of [`SCRIPT_SOURCE`], for EVALSHA.
+    pub(super) sha: String,
+    /// When the last rebuild started, in milliseconds since `epoch` (0 = never).
+    pub(super) last_rebuild_ms: AtomicU64,
+    /// A rebuild task is running (single flight).
+    pub(super) rebuilding: AtomicBool,
+    /// Connection rebuilds completed so far (for tests and logs).
+    pub(super) rebuilds: AtomicU64,
+    /// Origin of `last_rebuild_ms`.
+    pub(super) epoch: Instant,
+    /// Which shard owns each slot, with one breaker per shard (see [`slots`]). Loaded once per
+    /// check and swapped whole by a refresh.
+    pub(super) topo: ArcSwap<slots::Topology>,
+    /// Consecutive failed calls that open a shard's breaker.
+    pub(super) threshold: u32,
+    /// The configured URLs with passwords redacted, for logs.
+    pub(super) targets: String,
+    /// Repeated rebuild failures are logged at most once a minute.
+    pub(super) rebuild_log: crate::log_throttle::LogThrottle,
+    /// Batched `check` calls sent so far (see [`batch`]).
+    pub(super) batch_calls: AtomicU64,
+    /// Requests those calls carried.
+    pub(super) batch_requests: AtomicU64,
+}
+
+/// Map a client error to a store error: a timeout, a connection-level (transient) failure, or
+/// an error the script or a command raised on a healthy server (permanent).
+pub(super) fn store_err(e: RedisError) -> StoreError {
+    if e.is_timeout() {
+        StoreError::Timeout
+    } else if is_health_error(&e) {
+        StoreError::Redis(e.to_string())
+    } else {
+        StoreError::Script(e.to_string())
+    }
+}
+
+/// True when `e` says something about the connection's health (as opposed to an error the
+/// script or a command raised on a healthy server).
+fn is_health_error(e: &RedisError) -> bool {
+    !matches!(
+        e.kind(),
+        ErrorKind::Server(
+            ServerErrorKind::ResponseError
+                | ServerErrorKind::ExecAbort
+                | ServerErrorKind::NoScript
+                | ServerErrorKind::CrossSlot
+                | ServerErrorKind::NoPerm
+                | ServerErrorKind::NotBusy
+                | ServerErrorKind::NoSub
+        ) | ErrorKind::Extension
+            | ErrorKind::UnexpectedReturnType
+            | ErrorKind::Client
+            | ErrorKind::InvalidClientConfig
+    )
+}
+
+/// True for a NOSCRIPT reply.
+pub(super) fn is_noscript(e: &RedisError) -> bool {
+    e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) || e.code() == Some("NOSCRIPT")
+}
+
+/// The connection timeout used when (re)connecting: a few call deadlines, within [100ms, 1s].
+pub(super) fn connect_timeout(timeout: Duration) -> Duration {
+    timeout
+        .saturating_mul(4)
+        .clamp(Duration::from_millis(100), Duration::from_secs(1))
+}
+
+/// Open a connection of `mode` to `urls`.
+pub(super) async fn open(mode: RedisMode, urls: &[String], timeout: Duration) -> Result<Conn, StoreError> {
+    let ct = connect_timeout(timeout);
+    // Bound the whole handshake (several nodes for a cluster, one retry for a server).
+    let deadline = ct.saturating_mul(3);
+    let nodelay = TcpSettings::default().set_nodelay(true);
+    match mode {
+        RedisMode::Single => {
+            let url = urls
+                .first()
+                .ok_or_else(|| StoreError::Redis("no Redis URL configured".into()))?;
+            let info = url.as_str().into_connection_info().map_err(store_err)?;
+            let info = info.set_tcp_settings(nodelay);
+            let client = redis::Client::open(info).map_err(store_err)?;
+            let config = ConnectionManagerConfig::new()
+                .set_response_timeout(Some(timeout))
+                .set_connection_timeout(Some(ct))
+                .set_number_of_retries(1)
+                .set_min_delay(Duration::from_millis(5))
+                .set_max_delay(Duration::from_millis(50));
+            let cm = tokio::time::timeout(deadline, ConnectionManager::new_with_config(client, config))
+                .await
+                .map_err(|_| StoreError::Timeout)?
+                .map_err(store_err)?;
+            Ok(Conn::Single(cm))
+        }
+        RedisMode::Cluster => {
+            if urls.is_empty() {
+                return Err(StoreError::Redis("no Redis Cluster seed URL configured".into()));
+            }
+            let client = ClusterClientBuilder::new(urls.iter().map(String::as_str))
+                .connection_timeout(ct)
+                .response_timeout(timeout)
+                .retries(2)
+                .min_retry_wait(1)
+                .max_retry_wait(10)
+                .tcp_settings(nodelay)
+                .build()
+                .map_err(store_err)?;
+            let cc = tokio::time::timeout(deadline, client.get_async_connection())
+                .await
+                .map_err(|_| StoreError::Timeout)?
+                .map_err(store_err)?;
+            Ok(Conn::Cluster(cc))
+        }
+    }
+}
+
+impl Inner {
+    /// A clone of the current connection (the guard is dropped before any await). `Err` while
+    /// no connection was ever established (Redis was down at start-up): the failure counts
+    /// towards a rebuild, which keeps trying in the background.
+    pub(super) fn conn(&self) -> Result<Conn, RedisError> {
+        match &*self.conn.load() {
+            Some(c) => Ok(Conn::clone(c)),
+            None => Err(RedisError::from((ErrorKind::Io, "not connected to Redis yet"))),
+        }
+    }
+
+    /// Start a rebuild in the background unless one runs or one started recently.
+    pub(super) fn maybe_rebuild(self: &Arc<Self>) {
+        let now_ms = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let last = self.last_rebuild_ms.load(Ordering::Relaxed);
+        let interval = u64::try_from(REBUILD_INTERVAL.as_millis()).unwrap_or(500);
+        if last != 0 && now_ms.saturating_sub(last) < interval {
+            return;
+        }
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if self
+            .rebuilding
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed)
+            .is_err()
+        {
+            return;
+        }
+        self.last_rebuild_ms.store(now_ms.max(1), Ordering::Relaxed);
+        let inner = Arc::clone(self);
+        handle.spawn(async move {
+            match open(inner.mode, &inner.urls, inner.timeout).await {
+                Ok(conn) => {
+                    inner.conn.store(Some(Arc::new(conn)));
+                    inner.rebuilds.fetch_add(1, Ordering::Relaxed);
+                    inner.refresh_topology().await;
+                    let unlogged_failures = inner.rebuild_log.reset();
+                    tracing::warn!(
+                        mode = ?inner.mode,
+                        targets = %inner.targets,
+                        unlogged_failures,
+                        "redis connection rebuilt after repeated failures"
+                    );
+                }
+                Err(e) => {
+                    if let Some(suppressed) = inner.rebuild_log.allow() {
+                        tracing::warn!(
+                            mode = ?inner.mode,
+                            targets = %inner.targets,
+                            error = %e,
+                            suppressed,
+                            "redis connection rebuild failed (repeats are logged at most once a minute, `suppressed` counts the others)"
+                        );
+                    }
+                }
+            }
+            inner.rebuilding.store(false, Ordering::Release);
+        });
+    }
+
+    /// Re-read which master owns which slot (cluster only; a failed read keeps the old map).
+    pub(super) async fn refresh_topology(&self) {
+        if self.mode != RedisMode::Cluster {
+            return;
+        }
+        let Ok(mut conn) = self.conn() else { return };
+        let cmd = redis::cmd("CLUSTER").arg("SLOTS").to_owned();
+        if let Ok(Ok(reply)) = tokio::time::timeout(connect_timeout(self.timeout), conn.query(&cmd)).await {
+            if let Some(t) = self.topo.load().refreshed(&reply, self.threshold) {
+                self.topo.store(Arc::new(t));
+            }
+        }
+    }
+
+    /// Count one call to `shard` towards its breaker; log when it opens, and rebuild the
+    /// connection then (a frozen master is never given up on by the client by itself).
+    pub(super) fn shard_failure(self: &Arc<Self>, shard: &slots::Shard, e: &StoreError) {
+        if shard.breaker.failure() {
+            tracing::error!(shard = %shard.addr, error = %e, "store shard failing: its circuit breaker opened; limits kept on it now follow their rule's failure policy");
+            self.maybe_rebuild();
+        }
+    }
+
+    /// Run the limit script built by `build` (given the SHA for `EVALSHA`, or `None` for
+    /// `EVAL` with the source) and return the raw reply: `EVALSHA` first, `EVAL` on NOSCRIPT.
+    async fn run_script(&self, build: impl Fn(Option<&str>) -> Cmd) -> Result<Value, RedisError> {
+        let mut conn = self.conn()?;
+        let cmd = build(Some(&self.sha));
+        match conn.query(&cmd).await {
+            Err(e) if is_noscript(&e) => {
+                drop(cmd);
+                conn.query(&build(None)).await
+            }
+            r => r,
+        }
+    }
+
+    /// One script call bounded by the deadline; the raw reply. (Failures are counted by the
+    /// caller, against the breaker of the shard it called.)
+    async fn script(&self, build: impl Fn(Option<&str>) -> Cmd) -> Result<Value, StoreError> {
+        match tokio::time::timeout(self.timeout, self.run_script(build)).await {
+            Ok(r) => r.map_err(store_err),
+            Err(_) => Err(StoreError::Timeout),
+        }
+    }
+
+    /// A `peek` or `refund` call on `checks` (all on one slot): Redis' `now` and one entry per
+    /// check, built by `map` from the reply's `allowed` integer and the outcome.
+    pub(super) async fn call<'c, I, T>(
+        &self,
+        mode: Mode,
+        now: Option<u64>,
+        checks: I,
+        map: fn(u64, Outcome) -> T,
+    ) -> Result<(u64, Vec<T>), StoreError>
+    where
+        I: Iterator<Item = &'c LimitCheck> + Clone + ExactSizeIterator,
+    {
+        let n = checks.len();
+        let value = self.script(|sha| script_cmd(sha, mode, now, checks.clone())).await?;
+        parse_packed(value, if mode == Mode::Refund { 0 } else { n }, map)
+    }
+
+    /// A `check` call on a batch of requests (all on one slot): Redis' `now` and one outcome
+    /// per limit, request after request.
+    pub(super) async fn check_batch<'c, R>(
+        &self,
+        now: Option<u64>,
+        requests: R,
+    ) -> Result<(u64, Vec<Outcome>), StoreError>
+    where
+        R: Iterator<Item = &'c [LimitCheck]> + Clone,
+    {
+        let n = requests.clone().map(<[LimitCheck]>::len).sum();
+        let value = self.script(|sha| check_cmd(sha, now, requests.clone())).await?;
+        parse_packed(value, n, checked)
+    }
+
+    /// Any command, bounded by the deadline.
+    pub(super) async fn command(&self, cmd: &Cmd) -> Result<Value, StoreError> {
+        let mut conn = self.conn().map_err(store_err)?;
+        match tokio::time::timeout(self.timeout, conn.query(cmd)).await {
+            Ok(r) => r.map_err(store_err),
+            Err(_) => Err(StoreError::Timeout),
+        }
+    }
+}

@@ -1,0 +1,515 @@
+//! The Redis and Redis Cluster store.
+//!
+//! # The script
+//! Every algorithm lives in `lua/` as a fragment; [`SCRIPT_SOURCE`] concatenates them with
+//! `lua/check.lua`, the dispatcher, into **one** script. One `EVALSHA` therefore checks every
+//! limit of a request that lives on one Redis Cluster slot (all keys sharing one `{hash tag}`),
+//! whatever their algorithms, atomically: evaluate every key, and spend only if no non-shadow
+//! key denied. Time comes from Redis `TIME` inside the script (tests may pass `now`), so
+//! gateways with skewed clocks agree, and every written key gets its expiry in the same script.
+//!
+//! The script is called by its precomputed SHA1. On `NOSCRIPT` (a fresh or restarted node, a
+//! failover to a replica that never saw the script, `SCRIPT FLUSH`) the same call is repeated
+//! as `EVAL` with the source, which also caches the script on that node; in a cluster the
+//! `EVAL` is routed by key like the `EVALSHA`, so it lands on exactly the node that lacked it.
+//!
+//! # Several slots: all or nothing with refunds
+//! [`RedisStore::check`] groups the checks by hash tag and sends one script call per group,
+//! concurrently. If any non-shadow limit in any group denied, the groups whose script spent
+//! (no non-shadow denial inside that group) are refunded with the `now` their script used, so
+//! a rejected request consumes nothing anywhere.
+//!
+//! **Transient over-count bound.** Between a group's spend and its refund (about one extra
+//! round trip; at most `timeout` while the refund is in flight), each key of that group holds
+//! at most `cost` extra units per concurrently rejected cross-slot request. A request checked
+//! in that interval may therefore be *denied* by quota that is about to be given back; nothing
+//! is ever *over-admitted*. If the refund itself fails (the node dies in between) those units
+//! stay spent until the bucket refills or the window passes: again an under-admission, bounded
+//! by one window. Refunds run in a spawned task so they finish even when the caller's timeout
+//! drops the check future. If a group *errors* while another spent, the spend stays (the
+//! rule's failure policy then decides the request; if it forwards the request, the spend was
+//! right; if it rejects it, that is a bounded under-admission).
+//!
+//! # Batching
+//! Production checks (`now` from Redis) do not call Redis themselves: they go to the store's
+//! batch task (module `batch`), which keeps at most one call in flight per slot and sends what
+//! queued meanwhile as one `check` call (the script's batch layout, see `lua/check.lua`). Tests
+//! that pass an explicit `now` send a batch of one directly. Peek, refund and reset are rare and
+//! not batched.
+//!
+//! # Failure, per shard
+//! Each master has its own circuit breaker (module `slots`): a request's limits on a failed
+//! shard fail (and follow their rule's failure policy); the rest are decided as usual.
+//!
+//! # Layout
+//! | module | what it does |
+//! |---|---|
+//! | `conn` | connections, the shared state, connection rebuilds |
+//! | `protocol` | the script, the commands it is sent, its one reply format |
+//! | `slots` | slot of a key, grouping by slot, shards and their breakers |
+//! | `batch` | one call in flight per slot; what queues meanwhile goes out as one batch |
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arc_swap::{ArcSwap, ArcSwapOption};
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+use redis::{Cmd, IntoConnectionInfo, Value};
+
+pub use batch::MAX_BATCH;
+pub use conn::REBUILD_INTERVAL;
+pub use protocol::SCRIPT_SOURCE;
+
+use super::algorithm::{Algorithm, Quota};
+use super::{Checked, LimitCheck, Outcome, Store, StoreError, StoreKey};
+use conn::{is_noscript, open, Conn, Inner};
+use protocol::{peeked, Mode};
+use slots::{group_by_tag, one_tag};
+
+/// The key [`Store::probe`] checks (a cost-0 token-bucket check: it admits nothing and expires
+/// within a millisecond). Outside any key prefix so it can never collide with a limit.
+pub const PROBE_KEY: &str = "tollgate:probe:{tollgate-probe}";
+
+/// Standalone Redis or Redis Cluster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RedisMode {
+    /// One server (`store.kind: redis`).
+    Single,
+    /// A cluster, from any seed nodes (`store.kind: redis_cluster`).
+    Cluster,
+}
+
+/// A store on Redis or Redis Cluster. See the module docs.
+pub struct RedisStore {
+    /// Shared with the rebuild, refund and batch tasks.
+    inner: Arc<Inner>,
+    /// The batch task that sends every production check (see [`batch`]). Dropping the store
+    /// drops this sender, which ends the task.
+    batches: batch::Batches,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("mode", &self.inner.mode)
+            .field("urls", &self.inner.urls.len())
+            .field("timeout", &self.inner.timeout)
+            .finish()
+    }
+}
+
+/// The URLs for logs, passwords redacted.
+fn redacted_targets(urls: &[String]) -> String {
+    urls.iter().map(|u| redact_url(u)).collect::<Vec<_>>().join(",")
+}
+
+impl RedisStore {
+    /// Connect to `urls` (one server, or cluster seeds). `timeout` is the per-check deadline;
+    /// it also bounds every Redis response, and connecting takes at most a few times it.
+    ///
+    /// When Redis cannot be reached now, the store still starts (so the gateway serves, with each
+    /// rule's failure policy) and keeps connecting in the background; only a configuration
+    /// error (a malformed URL) fails here.
+    /// `threshold` consecutive failed calls open one shard's breaker.
+    pub async fn connect(
+        mode: RedisMode,
+        urls: &[String],
+        timeout: Duration,
+        threshold: u32,
+    ) -> Result<Self, StoreError> {
+        let conn = match open(mode, urls, timeout).await {
+            Ok(c) => Some(Arc::new(c)),
+            Err(e) if urls.iter().all(|u| u.as_str().into_connection_info().is_ok()) && !urls.is_empty() => {
+                tracing::warn!(error = %e, ?mode, targets = %redacted_targets(urls), "Redis is unreachable at start-up; serving with each rule's failure policy and retrying in the background");
+                None
+            }
+            Err(e) => return Err(e),
+        };
+        let sha = redis::Script::new(SCRIPT_SOURCE).get_hash().to_owned();
+        let inner = Arc::new(Inner {
+            mode,
+            urls: urls.to_vec(),
+            timeout,
+            conn: ArcSwapOption::new(conn),
+            sha,
+            last_rebuild_ms: AtomicU64::new(0),
+            rebuilding: AtomicBool::new(false),
+            rebuilds: AtomicU64::new(0),
+            epoch: Instant::now(),
+            topo: ArcSwap::from_pointee(slots::Topology::single(
+                urls.first().map_or_else(String::new, |u| redact_url(u)),
+                threshold,
+            )),
+            threshold: threshold.max(1),
+            targets: redacted_targets(urls),
+            rebuild_log: crate::log_throttle::LogThrottle::new(Duration::from_secs(60)),
+            batch_calls: AtomicU64::new(0),
+            batch_requests: AtomicU64::new(0),
+        });
+        inner.refresh_topology().await;
+        let batches = batch::Batches::spawn(Arc::clone(&inner));
+        Ok(RedisStore { inner, batches })
+    }
+
+    /// Standalone or cluster.
+    pub fn mode(&self) -> RedisMode {
+        self.inner.mode
+    }
+
+    /// The per-call deadline this store was built with.
+    pub fn timeout(&self) -> Duration {
+        self.inner.timeout
+    }
+
+    /// The SHA1 of [`SCRIPT_SOURCE`] that `EVALSHA` uses.
+    pub fn script_sha(&self) -> &str {
+        &self.inner.sha
+    }
+
+    /// How many times the connection was rebuilt after repeated failures.
+    pub fn rebuilds(&self) -> u64 {
+        self.inner.rebuilds.load(Ordering::Relaxed)
+    }
+
+    /// Batched `check` calls sent so far and the requests they carried: under load there are
+    /// fewer calls than requests (see the module docs, "Batching").
+    pub fn batch_stats(&self) -> (u64, u64) {
+        (
+            self.inner.batch_calls.load(Ordering::Relaxed),
+            self.inner.batch_requests.load(Ordering::Relaxed),
+        )
+    }
+
+    /// [`Store::check`] at an explicit `now` (microseconds since the epoch) instead of Redis
+    /// `TIME` when `now` is `Some` — differential tests drive Redis and the memory store with
+    /// the same clock. `None` is the production path.
+    ///
+    /// Each slot's call is bounded by `store.timeout` and gated by its shard's breaker, so a
+    /// failed shard fails only its own checks (in [`Checked::failed`]); a denial from a healthy
+    /// slot stands, and the healthy slots that spent for a denied request are refunded.
+    pub async fn check_at(&self, checks: &[LimitCheck], now: Option<u64>) -> Checked {
+        if checks.is_empty() {
+            return Checked::default();
+        }
+        let start = Instant::now();
+        if one_tag(checks.iter().map(|c| &c.key)) {
+            // Fast path: one slot, one script call, no grouping.
+            return match self.check_group(now, checks.to_vec()).await {
+                Ok((_, outcomes)) => Checked {
+                    outcomes,
+                    failed: Vec::new(),
+                },
+                Err(e) => Checked::all_failed(checks.len(), e),
+            };
+        }
+        let groups = group_by_tag(checks.iter().map(|c| &c.key));
+        let calls = groups
+            .iter()
+            .map(|g| self.check_group(now, g.iter().map(|&i| checks[i].clone()).collect()));
+        let results = futures_util::future::join_all(calls).await;
+        let mut out = Checked {
+            outcomes: vec![Outcome::default(); checks.len()],
+            failed: Vec::new(),
+        };
+        let mut answered: Vec<(&[usize], u64)> = Vec::with_capacity(groups.len());
+        for (g, r) in groups.iter().zip(results) {
+            match r {
+                Ok((group_now, outs)) => {
+                    answered.push((g, group_now));
+                    for (&i, o) in g.iter().zip(outs) {
+                        out.outcomes[i] = o;
+                    }
+                }
+                Err(e) => out.failed.extend(g.iter().map(|&i| (i, e.clone()))),
+            }
+        }
+        let outcomes = &out.outcomes;
+        let denied = |i: usize| !outcomes[i].allowed && !checks[i].shadow;
+        if !answered.iter().any(|(g, _)| g.iter().any(|&i| denied(i))) {
+            return out;
+        }
+        // Blocked by a healthy slot: give back what the groups that spent (no non-shadow denial
+        // inside) took, in the window their script counted it in.
+        let mut refunds: Vec<(u64, Vec<LimitCheck>)> = Vec::new();
+        for (g, group_now) in &answered {
+            if g.iter().any(|&i| denied(i)) {
+                continue; // this group's script wrote nothing
+            }
+            let spent: Vec<LimitCheck> = g
+                .iter()
+                .filter(|&&i| outcomes[i].allowed && checks[i].cost > 0)
+                .map(|&i| checks[i].clone())
+                .collect();
+            if !spent.is_empty() {
+                refunds.push((*group_now, spent));
+            }
+        }
+        if !refunds.is_empty() {
+            self.spawn_refunds(refunds, start).await;
+        }
+        out
+    }
+
+    /// One slot's checks: refused at once while its shard's breaker is open, else one call
+    /// bounded by `store.timeout` whose result counts towards that breaker.
+    async fn check_group(&self, now: Option<u64>, checks: Vec<LimitCheck>) -> batch::Answer {
+        let slot = checks.first().map_or(0, |c| slots::slot_of(c.key.as_str()));
+        let shard = Arc::clone(self.inner.topo.load().shard_for(slot));
+        if shard.breaker.is_open() {
+            return Err(StoreError::CircuitOpen);
+        }
+        let res = match tokio::time::timeout(self.inner.timeout, self.check_slot(now, slot, checks)).await {
+            Ok(r) => r,
+            Err(_) => Err(StoreError::Timeout),
+        };
+        match &res {
+            Ok(_) => shard.breaker.success(),
+            Err(e) => self.inner.shard_failure(&shard, e),
+        }
+        res
+    }
+
+    /// Check one request's limits on one slot: through the batch task in production
+    /// (`now == None`); as a call of its own when a test drives time.
+    async fn check_slot(&self, now: Option<u64>, slot: u16, checks: Vec<LimitCheck>) -> batch::Answer {
+        match now {
+            None => self.batches.check(slot, checks).await,
+            Some(_) => self.inner.check_batch(now, std::iter::once(checks.as_slice())).await,
+        }
+    }
+
+    /// Refund `(now, checks)` groups in a spawned task, so they complete even if the caller
+    /// drops this future, and wait for them for at most half of the remaining deadline (a slow
+    /// refund never turns a denial into a store failure).
+    async fn spawn_refunds(&self, refunds: Vec<(u64, Vec<LimitCheck>)>, start: Instant) {
+        let inner = Arc::clone(&self.inner);
+        let task = async move {
+            let calls = refunds
+                .iter()
+                .map(|(now, cs)| inner.call(Mode::Refund, Some(*now), cs.iter(), peeked));
+            for r in futures_util::future::join_all(calls).await {
+                if let Err(e) = r {
+                    tracing::warn!(error = %e, "refund of a rejected cross-slot request failed");
+                }
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(handle) => {
+                let join = handle.spawn(task);
+                let budget = self.inner.timeout.saturating_sub(start.elapsed()) / 2;
+                let _ = tokio::time::timeout(budget, join).await;
+            }
+            Err(_) => task.await,
+        }
+    }
+
+    /// Peek at `checks` grouped by slot, concurrently; one entry per check.
+    async fn peek_groups(&self, checks: &[LimitCheck]) -> Result<Vec<Option<Outcome>>, StoreError> {
+        if checks.is_empty() {
+            return Ok(Vec::new());
+        }
+        let inner = &self.inner;
+        let groups = group_by_tag(checks.iter().map(|c| &c.key));
+        let calls = groups
+            .iter()
+            .map(|g| inner.call(Mode::Peek, None, g.iter().map(|&i| &checks[i]), peeked));
+        let results = futures_util::future::join_all(calls).await;
+        let mut out = vec![None; checks.len()];
+        for (g, r) in groups.iter().zip(results) {
+            let (_, outs) = r?;
+            for (&i, o) in g.iter().zip(outs) {
+                out[i] = o;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Probe every shard whose breaker is open (after re-reading the slot map and, at most once
+    /// per [`REBUILD_INTERVAL`], rebuilding the connection) and close the breakers of those that
+    /// answer the script path again. Returns how many breakers are still open.
+    pub async fn heal(&self) -> usize {
+        let inner = &self.inner;
+        if inner.topo.load().open_shards().next().is_none() {
+            return 0;
+        }
+        inner.maybe_rebuild();
+        inner.refresh_topology().await;
+        let open: Vec<Arc<slots::Shard>> = inner.topo.load().open_shards().cloned().collect();
+        for shard in &open {
+            let mut cmd = redis::cmd("EVALSHA");
+            cmd.arg(&inner.sha).arg(0).arg("peek").arg("");
+            let probe = async {
+                let mut conn = inner.conn()?;
+                match (&mut conn, shard.probe_slot) {
+                    (Conn::Cluster(c), Some(slot)) => {
+                        let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::new(
+                            slot,
+                            SlotAddr::Master,
+                        )));
+                        match c.route_command(cmd.clone(), route.clone()).await {
+                            Err(e) if is_noscript(&e) => {
+                                let mut load = redis::cmd("SCRIPT");
+                                load.arg("LOAD").arg(SCRIPT_SOURCE);
+                                c.route_command(load, route.clone()).await?;
+                                c.route_command(cmd, route).await
+                            }
+                            r => r,
+                        }
+                    }
+                    _ => match conn.query(&cmd).await {
+                        Err(e) if is_noscript(&e) => {
+                            let mut load = redis::cmd("SCRIPT");
+                            load.arg("LOAD").arg(SCRIPT_SOURCE);
+                            conn.query(&load).await?;
+                            conn.query(&cmd).await
+                        }
+                        r => r,
+                    },
+                }
+            };
+            match tokio::time::timeout(inner.timeout.max(Duration::from_millis(100)), probe).await {
+                Ok(Ok(_)) => {
+                    if shard.breaker.close() {
+                        tracing::warn!(shard = %shard.addr, "store shard is back: its circuit breaker closed");
+                    }
+                }
+                Ok(Err(e)) => {
+                    tracing::debug!(shard = %shard.addr, error = %e, "store shard probe failed; breaker stays open")
+                }
+                Err(_) => tracing::debug!(shard = %shard.addr, "store shard probe timed out; breaker stays open"),
+            }
+        }
+        inner.topo.load().open_shards().count()
+    }
+
+    /// Number of shards whose breaker is open now.
+    pub fn open_breakers(&self) -> usize {
+        self.inner.topo.load().open_shards().count()
+    }
+}
+
+impl Store for RedisStore {
+    async fn check(&self, checks: &[LimitCheck]) -> Checked {
+        self.check_at(checks, None).await
+    }
+
+    /// Refund each slot's spending at the `now` its check used, so window units come off the
+    /// window they were counted in.
+    async fn refund(&self, spent: &[(LimitCheck, u64)]) -> Result<(), StoreError> {
+        if spent.is_empty() {
+            return Ok(());
+        }
+        let groups = group_by_tag(spent.iter().map(|(c, _)| &c.key));
+        let inner = &self.inner;
+        let calls = groups.iter().map(|g| {
+            let at = g.first().map(|&i| spent[i].1);
+            inner.call(Mode::Refund, at, g.iter().map(|&i| &spent[i].0), peeked)
+        });
+        for r in futures_util::future::join_all(calls).await {
+            r?;
+        }
+        Ok(())
+    }
+
+    async fn peek(&self, checks: &[LimitCheck]) -> Result<Vec<Option<Outcome>>, StoreError> {
+        self.peek_groups(checks).await
+    }
+
+    async fn reset(&self, keys: &[StoreKey]) -> Result<(), StoreError> {
+        if keys.is_empty() {
+            return Ok(());
+        }
+        // One DEL per slot (a multi-key DEL must stay within one slot in a cluster).
+        let groups = group_by_tag(keys.iter());
+        let cmds: Vec<Cmd> = groups
+            .iter()
+            .map(|g| {
+                let mut cmd = redis::cmd("DEL");
+                for &i in g {
+                    cmd.arg(keys[i].as_str());
+                }
+                cmd
+            })
+            .collect();
+        let results = futures_util::future::join_all(cmds.iter().map(|c| self.inner.command(c))).await;
+        for r in results {
+            r?;
+        }
+        Ok(())
+    }
+
+    /// A cost-0 token-bucket check on [`PROBE_KEY`] through the real EVALSHA path (routing,
+    /// script, writes); in a cluster also a keyless run of the script on every master (loading
+    /// it where it is missing), so a frozen or scriptless master fails the probe.
+    async fn probe(&self) -> Result<(), StoreError> {
+        let probe = LimitCheck {
+            key: StoreKey(PROBE_KEY.to_owned()),
+            quota: Quota::bucket(
+                Algorithm::TokenBucket,
+                std::num::NonZeroU64::MIN,
+                std::num::NonZeroU64::MIN,
+            ),
+            cost: 0,
+            shadow: false,
+        };
+        if let Some((_, e)) = self
+            .check_at(std::slice::from_ref(&probe), None)
+            .await
+            .failed
+            .into_iter()
+            .next()
+        {
+            return Err(e);
+        }
+        if self.inner.mode == RedisMode::Cluster {
+            let peek = || {
+                let mut c = redis::cmd("EVALSHA");
+                c.arg(&self.inner.sha).arg(0).arg("peek").arg("");
+                c
+            };
+            let inner = &self.inner;
+            let res = tokio::time::timeout(inner.timeout, async {
+                let mut conn = inner.conn()?;
+                match conn.query_all_masters(peek()).await {
+                    Err(e) if is_noscript(&e) => {
+                        let mut load = redis::cmd("SCRIPT");
+                        load.arg("LOAD").arg(SCRIPT_SOURCE);
+                        conn.query_all_masters(load).await?;
+                        conn.query_all_masters(peek()).await
+                    }
+                    r => r,
+                }
+                .map(|()| Value::Okay)
+            })
+            .await;
+            match res {
+                Ok(r) => r.map(|_| ()).map_err(conn::store_err)?,
+                Err(_) => return Err(StoreError::Timeout),
+            }
+        }
+        Ok(())
+    }
+}
+
+mod batch;
+mod conn;
+mod protocol;
+mod slots;
+
+/// `url` with any password replaced by `***`, for logs.
+pub fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let creds = &url[scheme + 3..at];
+            match creds.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
+                None => format!("{}***{}", &url[..scheme + 3], &url[at..]),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,172 @@
+//! The wire protocol of the limit script: the commands the store sends and the replies it
+//! reads. See `lua/check.lua` for the layout of KEYS, ARGV and the reply.
+
+use redis::{Cmd, Value};
+
+use crate::limiter::{LimitCheck, Outcome, StoreError};
+
+/// The combined limit script: the shared helpers, one fragment per algorithm, and the
+/// dispatcher `lua/check.lua` (see each file's header for KEYS, ARGV and the reply).
+pub const SCRIPT_SOURCE: &str = concat!(
+    include_str!("../../../lua/common.lua"),
+    include_str!("../../../lua/token_bucket.lua"),
+    include_str!("../../../lua/leaky_bucket.lua"),
+    include_str!("../../../lua/fixed_window.lua"),
+    include_str!("../../../lua/sliding_log.lua"),
+    include_str!("../../../lua/sliding_window.lua"),
+    include_str!("../../../lua/check.lua"),
+);
+
+/// What the script should do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Mode {
+    /// Evaluate every key; spend all admitted ones unless a non-shadow key denied.
+    Check,
+    /// Give back `cost` on every key.
+    Refund,
+    /// Evaluate with cost 0, write nothing.
+    Peek,
+}
+
+impl Mode {
+    pub(super) fn as_str(self) -> &'static str {
+        match self {
+            Mode::Check => "check",
+            Mode::Refund => "refund",
+            Mode::Peek => "peek",
+        }
+    }
+}
+
+/// `EVALSHA sha` (or `EVAL source` when `sha` is `None`), before the key count.
+fn script_head(sha: Option<&str>) -> Cmd {
+    match sha {
+        Some(sha) => {
+            let mut c = redis::cmd("EVALSHA");
+            c.arg(sha);
+            c
+        }
+        None => {
+            let mut c = redis::cmd("EVAL");
+            c.arg(SCRIPT_SOURCE);
+            c
+        }
+    }
+}
+
+/// Append the 5 script arguments of one limit.
+fn limit_args(cmd: &mut Cmd, c: &LimitCheck) {
+    cmd.arg(c.quota.algorithm.code())
+        .arg(c.quota.limit.get())
+        .arg(c.quota.interval_us.get())
+        .arg(c.cost)
+        .arg(if c.shadow { "1" } else { "0" });
+}
+
+/// The script's `now` argument: explicit, or "" for Redis `TIME`.
+fn now_arg(cmd: &mut Cmd, now: Option<u64>) {
+    match now {
+        Some(now) => cmd.arg(now),
+        None => cmd.arg(""),
+    };
+}
+
+/// Build the `check` call for a batch of `requests` (each one request's limits, all on one
+/// slot), in the script's batch layout: keys of every request, then `check`, `now`, the
+/// request count, and per request its limit count and 5 arguments per limit.
+pub(super) fn check_cmd<'c, R>(sha: Option<&str>, now: Option<u64>, requests: R) -> Cmd
+where
+    R: Iterator<Item = &'c [LimitCheck]> + Clone,
+{
+    let mut cmd = script_head(sha);
+    cmd.arg(requests.clone().map(<[LimitCheck]>::len).sum::<usize>());
+    for r in requests.clone() {
+        for c in r {
+            cmd.arg(c.key.as_str());
+        }
+    }
+    cmd.arg(Mode::Check.as_str());
+    now_arg(&mut cmd, now);
+    cmd.arg(requests.clone().count());
+    for r in requests {
+        cmd.arg(r.len());
+        for c in r {
+            limit_args(&mut cmd, c);
+        }
+    }
+    cmd
+}
+
+/// Build a `peek` or `refund` call for `checks` (all on one slot): 5 arguments per key.
+pub(super) fn script_cmd<'c>(
+    sha: Option<&str>,
+    mode: Mode,
+    now: Option<u64>,
+    checks: impl Iterator<Item = &'c LimitCheck> + Clone,
+) -> Cmd {
+    let mut cmd = script_head(sha);
+    cmd.arg(checks.clone().count());
+    for c in checks.clone() {
+        cmd.arg(c.key.as_str());
+    }
+    cmd.arg(mode.as_str());
+    now_arg(&mut cmd, now);
+    for c in checks {
+        limit_args(&mut cmd, c);
+    }
+    cmd
+}
+
+/// A peek reply entry: `allowed == 2` marks a key that does not exist.
+pub(super) fn peeked(allowed: u64, o: Outcome) -> Option<Outcome> {
+    (allowed != 2).then_some(o)
+}
+
+/// A check reply entry.
+pub(super) fn checked(_allowed: u64, o: Outcome) -> Outcome {
+    o
+}
+
+/// Parse a reply, the one format of every mode: `[now, (allowed, remaining, reset, retry,
+/// delay) * n]` packed as little-endian doubles in one bulk string (see `lua/check.lua`); each
+/// entry mapped by `map` from its `allowed` code and outcome, straight into the result.
+pub(super) fn parse_packed<T>(value: Value, n: usize, map: fn(u64, Outcome) -> T) -> Result<(u64, Vec<T>), StoreError> {
+    let bytes = match value {
+        Value::BulkString(b) => b,
+        other => return Err(StoreError::Protocol(format!("expected a packed reply, got {other:?}"))),
+    };
+    if bytes.len() != 8 * (1 + 5 * n) {
+        return Err(StoreError::Protocol(format!(
+            "expected {} packed numbers, got {} bytes",
+            1 + 5 * n,
+            bytes.len()
+        )));
+    }
+    // Every value is an integer in 0 ..= 2^53; anything else (never sent) reads as 0.
+    let mut nums = bytes.chunks_exact(8).map(|c| {
+        let f = c.try_into().map_or(0.0, f64::from_le_bytes);
+        if (0.0..=9_007_199_254_740_992.0).contains(&f) {
+            f as u64
+        } else {
+            0
+        }
+    });
+    let mut next = || nums.next().unwrap_or(0);
+    let now = next();
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let allowed = next();
+        out.push(map(
+            allowed,
+            Outcome {
+                allowed: allowed == 1,
+                remaining: next(),
+                reset_us: next(),
+                retry_after_us: next(),
+                delay_us: next(),
+                at_us: now,
+            },
+        ));
+    }
+    Ok((now, out))
+}

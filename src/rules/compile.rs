@@ -1,0 +1,460 @@
+//! Validation: a parsed rules file into a [`RuleSet`], every error naming file, line, column
+//! and rule; specificity; unreachable rules.
+
+use std::collections::{HashMap, HashSet};
+use std::num::{NonZeroU32, NonZeroU64};
+use std::path::Path;
+use std::sync::Arc;
+
+use http::{HeaderName, Method};
+use serde_saphyr::{Location, Spanned};
+use sha2::Digest;
+
+use super::{KeyKind, Pattern, Rule, RuleSet, Specificity};
+use crate::config::raw::{RawOverride, RawRule, RawRules, RawWindow};
+use crate::config::{duration, ConfigError};
+use crate::limiter::{Algorithm, FailurePolicy, Quota};
+
+fn name_ok(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 64 && s.chars().all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c))
+}
+
+/// Parse `N/s`, `N/m`, `N/h`, `N/d` or `N/<duration>` into µs per unit.
+pub fn parse_rate(s: &str) -> Result<NonZeroU64, String> {
+    let (n, per) = s
+        .split_once('/')
+        .ok_or_else(|| format!("rate {s:?}: want N/s, N/m, N/h or N/<duration>"))?;
+    let n: u64 = n
+        .trim()
+        .parse()
+        .map_err(|_| format!("rate {s:?}: {n:?} is not a positive integer"))?;
+    if n == 0 {
+        return Err(format!("rate {s:?} must be positive"));
+    }
+    let per_us: u64 = match per.trim() {
+        "s" | "sec" | "second" => 1_000_000,
+        "m" | "min" | "minute" => 60_000_000,
+        "h" | "hour" => 3_600_000_000,
+        "d" | "day" => 86_400_000_000,
+        other => humantime::parse_duration(other)
+            .map_err(|_| format!("rate {s:?}: unknown unit {other:?}"))?
+            .as_micros() as u64,
+    };
+    let interval = (per_us + n / 2) / n;
+    NonZeroU64::new(interval).ok_or_else(|| format!("rate {s:?} is faster than one per microsecond"))
+}
+
+/// The compiler's context: file and defaults.
+struct Ctx<'a> {
+    file: &'a Path,
+    default_alg: Algorithm,
+}
+
+impl Ctx<'_> {
+    fn err(&self, loc: &Location, msg: impl Into<String>) -> ConfigError {
+        ConfigError::at(self.file, loc, msg)
+    }
+
+    fn positive(&self, rule: &str, field: &str, v: &Spanned<i64>) -> Result<NonZeroU64, ConfigError> {
+        u64::try_from(v.value).ok().and_then(NonZeroU64::new).ok_or_else(|| {
+            self.err(
+                &v.referenced,
+                format!("rule {rule:?}: {field} must be a positive integer, got {}", v.value),
+            )
+        })
+    }
+
+    /// `q` when both stores compute it exactly (see [`Quota::bounds_error`]).
+    fn bounded(&self, rule: &str, at: &Location, q: Quota) -> Result<Quota, ConfigError> {
+        match q.bounds_error(0) {
+            None => Ok(q),
+            Some(m) => Err(self.err(at, format!("rule {rule:?}: {m}"))),
+        }
+    }
+
+    fn window(&self, rule: &str, w: &Spanned<String>) -> Result<NonZeroU64, ConfigError> {
+        let d = duration(self.file, w)?;
+        let us = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+        if us < 1000 {
+            return Err(self.err(&w.referenced, format!("rule {rule:?}: window must be at least 1ms")));
+        }
+        NonZeroU64::new(us).ok_or_else(|| self.err(&w.referenced, "window must be positive"))
+    }
+
+    /// Build the quotas from limit/window, limits:, or rate/capacity.
+    #[allow(clippy::too_many_arguments)]
+    fn quotas(
+        &self,
+        rule: &str,
+        loc: &Location,
+        alg: Algorithm,
+        limit: &Option<Spanned<i64>>,
+        window: &Option<Spanned<String>>,
+        limits: &Option<Vec<Spanned<RawWindow>>>,
+        rate: &Option<Spanned<String>>,
+        capacity: &Option<Spanned<i64>>,
+    ) -> Result<Vec<Quota>, ConfigError> {
+        if alg.is_bucket() {
+            if limit.is_some() || window.is_some() || limits.is_some() {
+                return Err(self.err(
+                    loc,
+                    format!(
+                        "rule {rule:?}: {} takes rate and capacity, not limit/window",
+                        alg.as_str()
+                    ),
+                ));
+            }
+            let rate = rate
+                .as_ref()
+                .ok_or_else(|| self.err(loc, format!("rule {rule:?}: {} needs rate", alg.as_str())))?;
+            let interval =
+                parse_rate(&rate.value).map_err(|m| self.err(&rate.referenced, format!("rule {rule:?}: {m}")))?;
+            let cap = capacity
+                .as_ref()
+                .ok_or_else(|| self.err(loc, format!("rule {rule:?}: {} needs capacity", alg.as_str())))?;
+            let q = Quota::bucket(alg, self.positive(rule, "capacity", cap)?, interval);
+            return self.bounded(rule, &cap.referenced, q).map(|q| vec![q]);
+        }
+        if rate.is_some() || capacity.is_some() {
+            return Err(self.err(
+                loc,
+                format!(
+                    "rule {rule:?}: {} takes limit and window, not rate/capacity",
+                    alg.as_str()
+                ),
+            ));
+        }
+        let mut out = Vec::new();
+        match (limit, window, limits) {
+            (Some(l), Some(w), None) => {
+                let q = Quota::window(alg, self.positive(rule, "limit", l)?, self.window(rule, w)?);
+                out.push(self.bounded(rule, &l.referenced, q)?)
+            }
+            (None, None, Some(ls)) if !ls.is_empty() => {
+                for lw in ls {
+                    let q = Quota::window(
+                        alg,
+                        self.positive(rule, "limit", &lw.value.limit)?,
+                        self.window(rule, &lw.value.window)?,
+                    );
+                    out.push(self.bounded(rule, &lw.value.limit.referenced, q)?);
+                }
+                let mut seen = HashSet::new();
+                for (q, lw) in out.iter().zip(ls) {
+                    if !seen.insert(q.window_us) {
+                        return Err(self.err(
+                            &lw.referenced,
+                            format!("rule {rule:?}: two limits with the same window"),
+                        ));
+                    }
+                }
+            }
+            (Some(_), None, None) => return Err(self.err(loc, format!("rule {rule:?}: limit needs a window"))),
+            (None, Some(_), None) => return Err(self.err(loc, format!("rule {rule:?}: window needs a limit"))),
+            (None, None, None) => return Err(self.err(loc, format!("rule {rule:?}: needs limit + window, or limits:"))),
+            _ => {
+                return Err(self.err(
+                    loc,
+                    format!("rule {rule:?}: use either limit + window or limits:, not both"),
+                ))
+            }
+        }
+        Ok(out)
+    }
+
+    fn algorithm(&self, rule: &str, a: &Option<Spanned<String>>) -> Result<Algorithm, ConfigError> {
+        match a {
+            None => Ok(self.default_alg),
+            Some(a) => Algorithm::parse(&a.value).ok_or_else(|| {
+                self.err(
+                    &a.referenced,
+                    format!(
+                        "rule {rule:?}: unknown algorithm {:?} (token_bucket | leaky_bucket | fixed_window | sliding_log | sliding_window)",
+                        a.value
+                    ),
+                )
+            }),
+        }
+    }
+}
+
+fn failure_policy(
+    file: &Path,
+    f: &Option<Spanned<String>>,
+    share: Option<&Spanned<u32>>,
+    default: FailurePolicy,
+) -> Result<FailurePolicy, ConfigError> {
+    let share = match share {
+        Some(s) => Some(
+            NonZeroU32::new(s.value)
+                .ok_or_else(|| ConfigError::at(file, &s.referenced, "local_share must be at least 1"))?,
+        ),
+        None => None,
+    };
+    let mut p = match f {
+        None => default,
+        Some(f) => match f.value.as_str() {
+            "open" => FailurePolicy::Open,
+            "closed" => FailurePolicy::Closed,
+            "local" => FailurePolicy::Local { share: NonZeroU32::MIN },
+            other => {
+                return Err(ConfigError::at(
+                    file,
+                    &f.referenced,
+                    format!("unknown failure policy {other:?} (open | closed | local)"),
+                ))
+            }
+        },
+    };
+    if let (FailurePolicy::Local { share: s }, Some(n)) = (&mut p, share) {
+        *s = n;
+    }
+    Ok(p)
+}
+
+impl RuleSet {
+    /// Load and validate a rules file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::file(path, format!("cannot read: {e}")))?;
+        Self::from_str(path, &text)
+    }
+
+    /// Parse and validate rules text (`path` names it in errors).
+    pub fn from_str(path: &Path, text: &str) -> Result<Self, ConfigError> {
+        let raw: RawRules = crate::config::parse_str(path, text)?;
+        let mut set = Self::compile(path, raw)?;
+        set.version = hex::encode(&sha2::Sha256::digest(text.as_bytes())[..8]);
+        Ok(set)
+    }
+
+    /// Validate parsed rules.
+    pub fn compile(file: &Path, raw: RawRules) -> Result<Self, ConfigError> {
+        let default_alg = match &raw.defaults.algorithm {
+            Some(a) => Algorithm::parse(&a.value)
+                .ok_or_else(|| ConfigError::at(file, &a.referenced, format!("unknown algorithm {:?}", a.value)))?,
+            None => Algorithm::SlidingWindow,
+        };
+        let default_failure = failure_policy(
+            file,
+            &raw.defaults.failure,
+            raw.defaults.local_share.as_ref(),
+            FailurePolicy::Open,
+        )?;
+        let ctx = Ctx { file, default_alg };
+        let mut rules: Vec<Rule> = Vec::new();
+        let mut names: HashSet<String> = HashSet::new();
+        for (index, sr) in raw.rules.iter().enumerate() {
+            let r: &RawRule = &sr.value;
+            let loc = &sr.referenced;
+            let name = r.name.value.as_str();
+            if !name_ok(name) {
+                return Err(ctx.err(
+                    &r.name.referenced,
+                    format!("rule name {name:?}: use 1-64 letters, digits, '_', '-', '.'"),
+                ));
+            }
+            if !names.insert(name.to_string()) {
+                return Err(ctx.err(&r.name.referenced, format!("duplicate rule name {name:?}")));
+            }
+            let key = KeyKind::parse(&r.key.value).ok_or_else(|| {
+                ctx.err(
+                    &r.key.referenced,
+                    format!(
+                        "rule {name:?}: unknown key kind {:?} (user | ip | org | global | header:<Name>)",
+                        r.key.value
+                    ),
+                )
+            })?;
+            let alg = ctx.algorithm(name, &r.algorithm)?;
+            let limits = ctx.quotas(name, loc, alg, &r.limit, &r.window, &r.limits, &r.rate, &r.capacity)?;
+            let cost = match &r.cost {
+                Some(c) => ctx.positive(name, "cost", c)?.get(),
+                None => 1,
+            };
+            let check_cost = |qs: &[Quota], at: &Location| -> Result<(), ConfigError> {
+                for q in qs {
+                    if let Some(m) = q.bounds_error(cost) {
+                        return Err(ctx.err(at, format!("rule {name:?}: {m}")));
+                    }
+                    if cost > q.limit.get() {
+                        let what = if q.algorithm.is_bucket() { "capacity" } else { "limit" };
+                        return Err(ctx.err(
+                            at,
+                            format!(
+                                "rule {name:?}: cost {cost} is above the {what} {}: no request could ever pass",
+                                q.limit
+                            ),
+                        ));
+                    }
+                }
+                Ok(())
+            };
+            check_cost(&limits, r.cost.as_ref().map_or(loc, |c| &c.referenced))?;
+            let failure = failure_policy(
+                file,
+                &r.failure,
+                r.local_share.as_ref().or(raw.defaults.local_share.as_ref()),
+                default_failure,
+            )?;
+            if r.local_share.is_some() && !matches!(failure, FailurePolicy::Local { .. }) {
+                return Err(ctx.err(loc, format!("rule {name:?}: local_share needs failure: local")));
+            }
+            let mut overrides = HashMap::new();
+            for (who, o) in &r.overrides {
+                let ov: &RawOverride = &o.value;
+                // An override replaces the limits; unspecified fields inherit the rule's.
+                let (limit, window, limits_o, rate, capacity) = if alg.is_bucket() {
+                    (
+                        None,
+                        None,
+                        None,
+                        ov.rate.clone().or_else(|| r.rate.clone()),
+                        ov.capacity.clone().or_else(|| r.capacity.clone()),
+                    )
+                } else if ov.limits.is_some() {
+                    (None, None, clone_windows(&ov.limits), None, None)
+                } else if ov.limit.is_some() || ov.window.is_some() {
+                    let window = ov.window.clone().or_else(|| r.window.clone());
+                    (ov.limit.clone().or_else(|| r.limit.clone()), window, None, None, None)
+                } else {
+                    return Err(ctx.err(&o.referenced, format!("rule {name:?}: override {who:?} sets no limit")));
+                };
+                if !alg.is_bucket() && (ov.rate.is_some() || ov.capacity.is_some()) {
+                    return Err(ctx.err(
+                        &o.referenced,
+                        format!("rule {name:?}: override {who:?}: rate/capacity on a window algorithm"),
+                    ));
+                }
+                let qs = ctx.quotas(name, &o.referenced, alg, &limit, &window, &limits_o, &rate, &capacity)?;
+                check_cost(&qs, &o.referenced)?;
+                overrides.insert(who.clone(), qs);
+            }
+            let m = &r.matcher;
+            let pattern = Pattern::parse(&m.path.value)
+                .map_err(|e| ctx.err(&m.path.referenced, format!("rule {name:?}: {e}")))?;
+            let methods = match &m.methods {
+                None => None,
+                Some(ms) => {
+                    let mut out = Vec::new();
+                    for x in ms {
+                        let up = x.value.to_ascii_uppercase();
+                        let meth = Method::from_bytes(up.as_bytes()).map_err(|_| {
+                            ctx.err(&x.referenced, format!("rule {name:?}: invalid method {:?}", x.value))
+                        })?;
+                        out.push(meth);
+                    }
+                    if out.is_empty() {
+                        None
+                    } else {
+                        Some(out)
+                    }
+                }
+            };
+            let mut headers = Vec::new();
+            for (h, v) in &m.header {
+                let hn = HeaderName::from_bytes(h.as_bytes())
+                    .map_err(|_| ctx.err(&m.path.referenced, format!("rule {name:?}: invalid header name {h:?}")))?;
+                headers.push((hn, v.clone()));
+            }
+            let specificity = Specificity {
+                class: pattern.class,
+                literal_len: pattern.literal_len,
+                methods: methods.is_some(),
+                tier: m.tier.is_some(),
+                extra: usize::from(m.host.is_some()) + headers.len(),
+            };
+            rules.push(Rule {
+                name: Arc::from(name),
+                index,
+                pattern,
+                methods,
+                tier: m.tier.clone(),
+                host: m.host.as_ref().map(|h| h.to_ascii_lowercase()),
+                headers,
+                key,
+                limits,
+                overrides,
+                cost,
+                failure,
+                shadow: r.shadow,
+                specificity,
+                line: loc.line(),
+            });
+        }
+        // Unreachable rules: B is shadowed when an earlier-or-more-specific A of the same key kind
+        // matches every request B matches. `covers` needs the same path pattern, so only rules
+        // of one (key kind, pattern) group are compared: linear in the rule count for distinct
+        // patterns, instead of every pair.
+        let mut groups: HashMap<(String, &str), Vec<&Rule>> = HashMap::new();
+        for r in &rules {
+            groups
+                .entry((r.key.to_text(), r.pattern.source.as_str()))
+                .or_default()
+                .push(r);
+        }
+        let mut shadowed: Option<(&Rule, &Rule)> = None;
+        for group in groups.values().filter(|g| g.len() > 1) {
+            for b in group {
+                for a in group {
+                    if a.index != b.index
+                        && covers(a, b)
+                        && (a.specificity > b.specificity || (a.specificity == b.specificity && a.index < b.index))
+                        && shadowed.is_none_or(|(sb, _)| b.index < sb.index)
+                    {
+                        shadowed = Some((b, a));
+                    }
+                }
+            }
+        }
+        if let Some((b, a)) = shadowed {
+            let loc = &raw.rules[b.index].referenced;
+            return Err(ctx.err(
+                loc,
+                format!(
+                    "rule {:?} is unreachable: rule {:?} (line {}) matches every request it does and wins",
+                    b.name, a.name, a.line
+                ),
+            ));
+        }
+        let mut set = RuleSet {
+            rules,
+            ..Default::default()
+        };
+        set.index();
+        Ok(set)
+    }
+}
+
+fn clone_windows(w: &Option<Vec<Spanned<RawWindow>>>) -> Option<Vec<Spanned<RawWindow>>> {
+    w.as_ref().map(|v| {
+        v.iter()
+            .map(|s| {
+                Spanned::new(
+                    RawWindow {
+                        limit: s.value.limit.clone(),
+                        window: s.value.window.clone(),
+                    },
+                    s.referenced,
+                    s.defined,
+                )
+            })
+            .collect()
+    })
+}
+
+/// Does `a` match every request `b` matches? Conservative: only when the paths are the same
+/// pattern and each of `a`'s conditions is implied by `b`'s.
+fn covers(a: &Rule, b: &Rule) -> bool {
+    if a.pattern.source != b.pattern.source {
+        return false;
+    }
+    let methods = match (&a.methods, &b.methods) {
+        (None, _) => true,
+        (Some(_), None) => false,
+        (Some(am), Some(bm)) => bm.iter().all(|m| am.contains(m)),
+    };
+    let tier = a.tier.is_none() || a.tier == b.tier;
+    let host = a.host.is_none() || a.host == b.host;
+    let headers = a.headers.iter().all(|h| b.headers.contains(h));
+    methods && tier && host && headers
+}
