@@ -526,7 +526,7 @@ fn keys_endpoint_answers_404_for_unknown_identities_and_lists_only_applicable_ru
     let dir = tempfile::tempdir().unwrap();
     let keys = "keys:\n  - { id: cust_42, sha256: 2bb80d537b1da3e38bd30361aa855686bde0eacd7162fef6a25fe97bf527a25b, tier: pro, org: acme }\n";
     std::fs::write(dir.path().join("keys.yaml"), keys).unwrap();
-    let rules = "rules:\n  - { name: per-user, match: { path: \"/**\" }, key: user, limit: 5, window: 1m }\n  - { name: per-ip, match: { path: \"/**\" }, key: ip, limit: 50, window: 1m }\n  - { name: per-org, match: { path: \"/**\" }, key: org, algorithm: token_bucket, rate: 10/s, capacity: 100 }\n";
+    let rules = "rules:\n  - { name: per-user, match: { path: \"/**\" }, key: user, limit: 5, window: 1m }\n  - { name: per-ip, match: { path: \"/**\" }, key: ip, limit: 50, window: 1m }\n  - { name: per-org, match: { path: \"/**\" }, key: org, algorithm: token_bucket, rate: 10/s, capacity: 100 }\n  - { name: free-only, match: { path: \"/**\", tier: free }, key: user, limit: 3, window: 1m }\n";
     let (port, admin_port) = (free_port(), free_port());
     let body = format!("{}keys_file: keys.yaml\n", upstream_yaml(&up));
     let p = write(dir.path(), port, &format!("127.0.0.1:{admin_port}"), &body, rules);
@@ -557,7 +557,7 @@ fn keys_endpoint_answers_404_for_unknown_identities_and_lists_only_applicable_ru
         (body, names)
     };
     let (body, names) = rules_of("cust_42");
-    assert_eq!(names, ["per-user"], "{body}");
+    assert_eq!(names, ["per-user"], "only user rules, and not the free tier's: {body}");
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["counters"][0]["remaining"], 3, "{v}");
     assert_eq!(v["identity"], "api_key");
