@@ -262,14 +262,25 @@ impl Gateway {
         Ok(gw)
     }
 
-    /// Reload rules and keys. On error the old snapshot stays in force. Also notices (warning
+    /// Reload rules, API keys and JWT keys. On error the old ones all stay in force. Also notices (warning
     /// and `tollgate_config_file_changed`) when the gateway config file itself was edited: its
     /// settings (listeners, store, identity) need a restart.
     pub async fn reload(&self, why: &str) -> Result<ReloadReport, ConfigError> {
         let _guard = self.reload_lock.lock().await;
         self.check_config_file();
-        match load_snapshot(&self.config, &self.metrics) {
-            Ok(snap) => {
+        // The JWT keys (public key / JWKS files) reload with the rules: all or nothing.
+        let loaded = load_snapshot(&self.config, &self.metrics).and_then(|snap| {
+            let jwt = match &self.config.identity.jwt {
+                Some(k) => Some(k.prepare()?),
+                None => None,
+            };
+            Ok((snap, jwt))
+        });
+        match loaded {
+            Ok((snap, jwt)) => {
+                if let (Some(keys), Some(v)) = (&self.config.identity.jwt, jwt) {
+                    keys.install(v);
+                }
                 let old = self.snapshot.load();
                 let rules = Changes::between(&rule_signatures(&old.rules), &rule_signatures(&snap.rules));
                 let keys = Changes::between(&key_entries(&old.keys), &key_entries(&snap.keys));

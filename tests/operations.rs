@@ -827,3 +827,68 @@ fn demo_runs_from_any_directory_and_hash_key_reads_stdin() {
     let help = tollgate(&[]).args(["hash-key", "--help"]).output().unwrap();
     assert!(text(&help.stdout).contains("standard input"), "{}", text(&help.stdout));
 }
+
+fn jwt_fixture(name: &str) -> Vec<u8> {
+    std::fs::read(format!("{}/tests/fixtures/jwt/{name}", env!("CARGO_MANIFEST_DIR"))).unwrap()
+}
+
+#[test]
+fn a_rotated_jwt_public_key_is_picked_up_without_a_restart() {
+    use jsonwebtoken::{encode, Algorithm, EncodingKey, Header};
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let up = echo_upstream(&rt);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("jwt.pem"), jwt_fixture("rsa_public.pem")).unwrap();
+    let (port, admin_port) = (free_port(), free_port());
+    let body = format!(
+        "{}identity:\n  jwt:\n    algorithms: [RS256, ES256]\n    public_key_file: jwt.pem\n",
+        upstream_yaml(&up)
+    );
+    let p = write(dir.path(), port, &format!("127.0.0.1:{admin_port}"), &body, USER_RULES);
+    let _gw = run(&p, &[], port, admin_port);
+    let exp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 3600;
+    let claims = serde_json::json!({"sub": "alice", "exp": exp});
+    let rsa = encode(
+        &Header::new(Algorithm::RS256),
+        &claims,
+        &EncodingKey::from_rsa_pem(&jwt_fixture("rsa_private.pem")).unwrap(),
+    )
+    .unwrap();
+    let ec = encode(
+        &Header::new(Algorithm::ES256),
+        &claims,
+        &EncodingKey::from_ec_pem(&jwt_fixture("ec_private_pk8.pem")).unwrap(),
+    )
+    .unwrap();
+    let kind = |token: &str| -> String {
+        let (s, body) = admin_call(
+            "GET",
+            &format!("http://127.0.0.1:{admin_port}/explain?path=/x"),
+            Some(&format!("Bearer {token}")),
+        );
+        assert_eq!(s, 200, "{body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        v["identity"]["kind"].as_str().unwrap().to_string()
+    };
+    assert_eq!(kind(&rsa), "jwt");
+    assert_eq!(kind(&ec), "ip", "not signed by the configured key");
+    // Rotate: the file now holds the EC key (an editor's atomic rename).
+    atomic_write(
+        &dir.path().join("jwt.pem"),
+        &String::from_utf8(jwt_fixture("ec_public.pem")).unwrap(),
+    );
+    let rotated = wait_for(Duration::from_secs(5), Duration::from_millis(50), || {
+        (kind(&ec) == "jwt").then_some(())
+    });
+    assert!(rotated.is_some(), "the new key was not picked up");
+    assert_eq!(kind(&rsa), "ip", "the old key is gone");
+    // A broken key file is refused and the current key stays.
+    atomic_write(&dir.path().join("jwt.pem"), "not a key");
+    let (s, _) = admin_call("POST", &format!("http://127.0.0.1:{admin_port}/reload"), None);
+    assert_eq!(s, 422);
+    assert_eq!(kind(&ec), "jwt");
+}

@@ -15,7 +15,7 @@ use http::HeaderName;
 use ipnet::IpNet;
 use serde_saphyr::{Location, Spanned};
 
-use crate::identity::jwt::JwtVerifier;
+use crate::identity::jwt::JwtKeys;
 
 /// A config error, rendered `file:line:col: message`.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -294,7 +294,7 @@ pub struct IdentityConfig {
     /// Header carrying the API key.
     pub api_key_header: HeaderName,
     /// JWT verification, if configured.
-    pub jwt: Option<std::sync::Arc<JwtVerifier>>,
+    pub jwt: Option<std::sync::Arc<JwtKeys>>,
     /// Peers whose X-Forwarded-For is believed.
     pub trusted_proxies: Vec<IpNet>,
     /// IPv6 addresses collapse to this prefix.
@@ -609,7 +609,7 @@ impl GatewayConfig {
             None => 64,
         };
         let jwt = match &id.jwt {
-            Some(j) => Some(std::sync::Arc::new(JwtVerifier::compile(f, dir, j)?)),
+            Some(j) => Some(std::sync::Arc::new(JwtKeys::compile(f, dir, j)?)),
             None => None,
         };
         let identity = IdentityConfig {

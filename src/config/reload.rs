@@ -1,4 +1,4 @@
-//! Live reload of the rules and keys files.
+//! Live reload of the rules and keys files (and the JWT key files).
 //!
 //! Three triggers: a file-system watcher on the files' parent directories (so editor atomic
 //! renames and Kubernetes `..data` symlink swaps are seen), `SIGHUP`, and `POST /reload`. A
@@ -39,6 +39,10 @@ pub fn spawn_watcher(gw: Arc<Gateway>, mut stop: watch::Receiver<bool>) {
     // The gateway file is watched too, not to apply it (that needs a restart) but to say that
     // the running config no longer matches it (`Gateway::check_config_file`).
     files.push(gw.config.path.clone());
+    // JWT public key / JWKS files reload like the rules (key rotation without a restart).
+    if let Some(jwt) = &gw.config.identity.jwt {
+        files.extend(jwt.files());
+    }
     let (tx, mut rx) = mpsc::channel::<&'static str>(4);
 
     // File-system notifications: watch each parent directory, not the file itself.
