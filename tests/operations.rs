@@ -732,6 +732,7 @@ fn each_request_is_counted_once_by_how_it_ended_and_removed_rules_lose_their_ser
         "tollgate_memory_store_keys ",
         "tollgate_leaky_bucket_queued_requests 0",
         "tollgate_process_resident_memory_bytes ",
+        "tollgate_process_cpu_milliseconds ",
         "tollgate_upstream_failures_total 0",
         "tollgate_requests_total{rule=\"doomed\"",
     ] {
