@@ -112,11 +112,10 @@ async fn route(gw: Arc<Gateway>, req: Request<Incoming>, peer: SocketAddr) -> Re
                     "keys": r.keys,
                     "config_file_changed": gw.metrics.config_file_changed.get() == 1,
                 })),
-                Err(e) => {
-                    let mut r = respond::json_ok(&json!({"result": "error", "error": e.to_string()}));
-                    *r.status_mut() = StatusCode::UNPROCESSABLE_ENTITY;
-                    r
-                }
+                Err(e) => respond::json(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    &json!({"result": "error", "error": e.to_string()}),
+                ),
             }
         }
         (Method::GET, "/explain") => {
@@ -158,9 +157,7 @@ async fn route(gw: Arc<Gateway>, req: Request<Incoming>, peer: SocketAddr) -> Re
             let states = match gw.limiter.store.peek(&all).await {
                 Ok(s) => s,
                 Err(e) => {
-                    let mut r = respond::json_ok(&json!({"error": e.to_string()}));
-                    *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
-                    return r;
+                    return respond::json(StatusCode::SERVICE_UNAVAILABLE, &json!({"error": e.to_string()}));
                 }
             };
             let kept: Vec<(&Candidate, Option<crate::limiter::Outcome>)> = candidates
@@ -187,11 +184,10 @@ async fn route(gw: Arc<Gateway>, req: Request<Incoming>, peer: SocketAddr) -> Re
                         );
                         respond::json_ok(&json!({"result": "reset", "counters": keys.len()}))
                     }
-                    Err(e) => {
-                        let mut r = respond::json_ok(&json!({"result": "error", "error": e.to_string()}));
-                        *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
-                        r
-                    }
+                    Err(e) => respond::json(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        &json!({"result": "error", "error": e.to_string()}),
+                    ),
                 };
             }
             let counters: Vec<Value> = kept

@@ -242,6 +242,15 @@ pub fn rate_limited(b: &Binding<'_>, ietf: bool, legacy: bool, now_us: u64) -> R
     resp
 }
 
+/// A JSON answer with `status` (admin API: a refused reload, a store error).
+pub fn json(status: StatusCode, v: &serde_json::Value) -> Response<ProxyBody> {
+    let mut resp = json_ok(v);
+    *resp.status_mut() = status;
+    resp.headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    resp
+}
+
 /// A JSON 200 (admin API).
 pub fn json_ok(v: &serde_json::Value) -> Response<ProxyBody> {
     let mut resp = Response::new(full(v.to_string()));
