@@ -1,5 +1,5 @@
 //! The admin listener (`admin_listen`, loopback by default): `/healthz`, `/readyz`, `/metrics`,
-//! `/rules`, `/reload`, `/explain`, `/keys/{identity}`.
+//! `/status`, `/rules`, `/reload`, `/explain`, `/keys/{identity}`.
 //!
 //! `/healthz`, `/readyz` and `/metrics` are open; every other endpoint needs the admin token when
 //! one is configured ([`auth`]). Mutations (reload, counter reset) are written to the audit log
@@ -89,6 +89,26 @@ async fn route(gw: Arc<Gateway>, req: Request<Incoming>, peer: SocketAddr) -> Re
                 gw.metrics.encode(),
                 "application/openmetrics-text; version=1.0.0; charset=utf-8",
             )
+        }
+        (Method::GET, "/status") => {
+            let store = gw.store_ready().await;
+            let snap = gw.snapshot.load();
+            respond::json_ok(&json!({
+                "ready": true,
+                "store": {
+                    "kind": crate::describe::store_kind(gw.config.store.kind),
+                    "ok": store.is_ok(),
+                    "error": store.err().map(|e| e.to_string()),
+                    "breakers_open": gw.metrics.breaker_open.get(),
+                },
+                "rules_version": snap.rules.version,
+                "rules": snap.rules.rules.len(),
+                "api_keys": snap.keys.len(),
+                "last_reload_success": gw.metrics.last_reload_success.get() == 1,
+                "last_reload_success_at": gw.metrics.last_reload_success_timestamp.get(),
+                "config_file_changed": gw.metrics.config_file_changed.get() == 1,
+                "version": env!("CARGO_PKG_VERSION"),
+            }))
         }
         (Method::GET, "/rules") => respond::json_ok(&rules_json(&gw.snapshot.load())),
         (Method::POST, "/reload") => {

@@ -176,6 +176,12 @@ fn readiness_does_not_depend_on_redis_but_store_readiness_does() {
     });
     assert!(store_down.is_some(), "/readyz?store=1 did not report the dead store");
     assert_eq!(status_of(&format!("{admin}/readyz")), 200, "readiness followed Redis");
+    let (s, body) = admin_call("GET", &format!("{admin}/status"), None);
+    assert_eq!(s, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["ready"], true, "{v}");
+    assert_eq!(v["store"]["ok"], false, "{v}");
+    assert_eq!(v["store"]["kind"], "redis", "{v}");
     assert_eq!(status_of(&format!("{base}/open/x")), 200);
     assert_eq!(status_of(&format!("{base}/closed/x")), 503);
 }
@@ -320,6 +326,7 @@ fn the_admin_token_guards_every_endpoint_but_health_readiness_and_metrics() {
     let right = [format!("Bearer {TOKEN}"), basic("admin", TOKEN), basic("", TOKEN)];
     let protected = [
         ("GET", "/rules"),
+        ("GET", "/status"),
         ("GET", "/explain?method=GET&path=/x"),
         ("GET", "/keys/cust_42"),
         ("DELETE", "/keys/cust_42"),
