@@ -181,14 +181,15 @@ impl RedisStore {
     /// Each slot's call is bounded by `store.timeout` and gated by its shard's breaker, so a
     /// failed shard fails only its own checks (in [`Checked::failed`]); a denial from a healthy
     /// slot stands, and the healthy slots that spent for a denied request are refunded.
-    pub async fn check_at(&self, checks: &[LimitCheck], now: Option<u64>) -> Checked {
+    pub async fn check_at<C: AsRef<LimitCheck> + Sync>(&self, checks: &[C], now: Option<u64>) -> Checked {
         if checks.is_empty() {
             return Checked::default();
         }
         let start = Instant::now();
-        if one_tag(checks.iter().map(|c| &c.key)) {
+        let owned = || checks.iter().map(|c| c.as_ref().clone());
+        if one_tag(checks.iter().map(|c| &c.as_ref().key)) {
             // Fast path: one slot, one script call, no grouping.
-            return match self.check_group(now, checks.to_vec()).await {
+            return match self.check_group(now, owned().collect()).await {
                 Ok((_, outcomes)) => Checked {
                     outcomes,
                     failed: Vec::new(),
@@ -196,6 +197,7 @@ impl RedisStore {
                 Err(e) => Checked::all_failed(checks.len(), e),
             };
         }
+        let checks: Vec<LimitCheck> = owned().collect();
         let groups = group_by_tag(checks.iter().map(|c| &c.key));
         let calls = groups
             .iter()
@@ -383,7 +385,7 @@ impl RedisStore {
 }
 
 impl Store for RedisStore {
-    async fn check(&self, checks: &[LimitCheck]) -> Checked {
+    async fn check<C: AsRef<LimitCheck> + Sync>(&self, checks: &[C]) -> Checked {
         self.check_at(checks, None).await
     }
 

@@ -19,60 +19,35 @@ use crate::gateway::Gateway;
 use crate::http::headers::{self, Binding};
 use crate::http::respond::{self, GatewayError};
 use crate::http::{forward, BoxError, ProxyBody};
-use crate::identity::{identify, Identity};
+use crate::identity::Identity;
 use crate::limiter::{local_share, FailurePolicy, LimitCheck, Source, StoreError, Verdict};
-use crate::rules::{caller, key_value, normalize, KeyValue, RequestInfo};
+use crate::rules::caller;
 
-/// The checks of one request and the rule each came from.
-struct Plan {
-    /// What to ask the store.
-    checks: Vec<LimitCheck>,
-    /// Failure policy per check.
-    policies: Vec<FailurePolicy>,
-    /// Rule index per check.
-    owners: Vec<u32>,
-}
+pub mod plan;
 
-impl Plan {
-    /// The headers' view of check `i` with outcome `o` reached through `source`: the quota
-    /// enforced is this node's share of it when the rule fell back to the local store.
-    fn binding<'a>(
-        &'a self,
-        snap: &'a crate::gateway::Snapshot,
-        i: usize,
-        o: &'a crate::limiter::Outcome,
-        source: Source,
-    ) -> Binding<'a> {
-        let check = match (source, self.policies[i]) {
-            (Source::Local, FailurePolicy::Local { share }) => local_share(&self.checks[i], share),
-            _ => self.checks[i].clone(),
-        };
-        Binding {
-            rule: &snap.rules.rules[self.owners[i] as usize].name,
-            quota: check.quota,
-            cost: check.cost,
-            outcome: o,
-        }
+pub use plan::host_for_matching;
+use plan::{RequestParts, RequestPlan};
+
+/// The headers' view of planned check `i` with outcome `o` reached through `source`: the quota
+/// enforced is this node's share of it when the rule fell back to the local store.
+fn binding_of<'a>(
+    plan: &RequestPlan,
+    snap: &'a crate::gateway::Snapshot,
+    i: usize,
+    o: &'a crate::limiter::Outcome,
+    source: Source,
+) -> Binding<'a> {
+    let p = &plan.checks[i];
+    let check = match (source, p.policy) {
+        (Source::Local, FailurePolicy::Local { share }) => local_share(&p.check, share),
+        _ => p.check.clone(),
+    };
+    Binding {
+        rule: &snap.rules.rules[p.rule as usize].name,
+        quota: check.quota,
+        cost: check.cost,
+        outcome: o,
     }
-}
-
-/// Host without port, from `Host` or the URI authority (HTTP/2).
-fn request_host<B>(req: &Request<B>) -> Option<&str> {
-    let raw = match req.headers().get(header::HOST) {
-        Some(h) => h.to_str().ok()?,
-        None => req.uri().host()?,
-    };
-    Some(host_for_matching(raw))
-}
-
-/// A `Host` value as rules match it: without the port, and without a trailing dot
-/// (`api.example.` is `api.example`: one name, one rule).
-pub fn host_for_matching(raw: &str) -> &str {
-    let host = match raw.rfind(':') {
-        Some(i) if !raw.ends_with(']') && raw[i + 1..].bytes().all(|b| b.is_ascii_digit()) => &raw[..i],
-        _ => raw,
-    };
-    host.strip_suffix('.').unwrap_or(host)
 }
 
 /// Refuses requests a proxy must not pass on.
@@ -106,74 +81,6 @@ impl Gateway {
         }
     }
 
-    /// Build the store checks for a request: the chosen rule of each key kind, its limits
-    /// (or the caller's override), one hash per distinct key value.
-    fn plan(
-        &self,
-        snap: &crate::gateway::Snapshot,
-        req_headers: &http::HeaderMap,
-        ident: &Identity,
-        info: &RequestInfo<'_>,
-    ) -> Plan {
-        let selected = snap.rules.select(info);
-        let mut plan = Plan {
-            checks: Vec::with_capacity(selected.len() + 1),
-            policies: Vec::with_capacity(selected.len() + 1),
-            owners: Vec::with_capacity(selected.len() + 1),
-        };
-        if selected.is_empty() {
-            return plan;
-        }
-        let ip_text: Arc<str> = if ident.kind == crate::identity::IdentityKind::Ip {
-            ident.id.clone()
-        } else {
-            Arc::from(ident.ip.to_string())
-        };
-        let mut last: Option<(KeyValue<'_>, String)> = None;
-        for ri in selected {
-            let rule = &snap.rules.rules[ri as usize];
-            let Some(value) = key_value(&rule.key, ident, req_headers, &ip_text) else {
-                continue;
-            };
-            let limits = rule.limits_for(ident);
-            if let (KeyValue::Global, Some(keys)) = (value, snap.global_keys.get(ri as usize)) {
-                // Global counters have fixed keys, built when the rules loaded.
-                if keys.len() >= limits.len() {
-                    for (q, key) in limits.iter().zip(keys) {
-                        plan.checks.push(LimitCheck {
-                            key: key.clone(),
-                            quota: *q,
-                            cost: rule.cost,
-                            shadow: rule.shadow,
-                        });
-                        plan.policies.push(rule.failure);
-                        plan.owners.push(ri);
-                    }
-                    continue;
-                }
-            }
-            let tag = match &last {
-                Some((v, t)) if *v == value && value != KeyValue::Global => t.clone(),
-                _ => {
-                    let t = value.tag(&self.keys, &rule.name);
-                    last = Some((value, t.clone()));
-                    t
-                }
-            };
-            for (n, q) in limits.iter().enumerate() {
-                plan.checks.push(LimitCheck {
-                    key: self.keys.key(&tag, &rule.name, n),
-                    quota: *q,
-                    cost: rule.cost,
-                    shadow: rule.shadow,
-                });
-                plan.policies.push(rule.failure);
-                plan.owners.push(ri);
-            }
-        }
-        plan
-    }
-
     async fn handle_inner(
         self: Arc<Self>,
         req: Request<Incoming>,
@@ -192,18 +99,14 @@ impl Gateway {
         }
         let snap = self.snapshot.load();
         let now_us = self.clock.now_us();
-        let now_secs = now_us / 1_000_000;
-        let ident = identify(req.headers(), peer.ip(), &snap.keys, &self.config.identity, now_secs);
-        let path = normalize(req.uri().path());
-        let info = RequestInfo {
+        let parts = RequestParts {
             method: req.method(),
-            path: &path,
-            host: request_host(&req),
+            uri: req.uri(),
             headers: req.headers(),
-            tier: &ident.tier,
+            peer: peer.ip(),
         };
-        let plan = self.plan(&snap, req.headers(), &ident, &info);
-        drop(path);
+        let plan = plan::plan(&snap, &self.keys, &self.config.identity, parts, now_us / 1_000_000);
+        let ident = &plan.identity;
 
         let mut binding: Option<(usize, crate::limiter::Outcome, Source)> = None;
         let mut delay_us = 0u64;
@@ -212,17 +115,17 @@ impl Gateway {
             self.metrics.unmatched.inc();
         } else {
             let started = Instant::now();
-            let verdict = self.limiter.check(&plan.checks, &plan.policies).await;
+            let verdict = self.limiter.check(&plan.checks).await;
             self.metrics.check_latency.observe(started.elapsed().as_secs_f64());
-            self.account(&snap, &plan, &verdict, &ident);
+            self.account(&snap, &plan, &verdict, ident);
             // Fail closed wins over everything: the store is down and the rule says so.
             if let Some(i) = plan
                 .checks
                 .iter()
                 .zip(&verdict.outcomes)
-                .position(|(c, (_, s))| !c.shadow && *s == Source::FailClosed)
+                .position(|(c, (_, s))| !c.check.shadow && *s == Source::FailClosed)
             {
-                let rule = &snap.rules.rules[plan.owners[i] as usize];
+                let rule = &snap.rules.rules[plan.checks[i].rule as usize];
                 return Err(GatewayError::LimiterUnavailable {
                     rule: rule.name.to_string(),
                     retry_after_secs: 1,
@@ -234,12 +137,12 @@ impl Gateway {
                 plan.checks
                     .iter()
                     .zip(&verdict.outcomes)
-                    .map(|(c, (o, src))| (c.shadow || *src == Source::FailOpen, *o, c.cost)),
+                    .map(|(c, (o, src))| (c.check.shadow || *src == Source::FailOpen, *o, c.check.cost)),
             );
             if let Some(i) = idx {
                 let (o, src) = verdict.outcomes[i];
                 if !o.allowed {
-                    let b = plan.binding(&snap, i, &o, src);
+                    let b = binding_of(&plan, &snap, i, &o, src);
                     let lim = &self.config.limits;
                     return Ok(respond::rate_limited(&b, lim.ietf_headers, lim.legacy_headers, now_us));
                 }
@@ -270,7 +173,7 @@ impl Gateway {
 
         let mut resp = self.forward(req, peer).await?;
         if let Some((i, o, src)) = binding {
-            let b = plan.binding(&snap, i, &o, src);
+            let b = binding_of(&plan, &snap, i, &o, src);
             let lim = &self.config.limits;
             headers::write(resp.headers_mut(), &b, lim.ietf_headers, lim.legacy_headers, now_us);
         }
@@ -278,7 +181,7 @@ impl Gateway {
     }
 
     /// Metrics and logs for one verdict.
-    fn account(&self, snap: &crate::gateway::Snapshot, plan: &Plan, verdict: &Verdict, ident: &Identity) {
+    fn account(&self, snap: &crate::gateway::Snapshot, plan: &RequestPlan, verdict: &Verdict, ident: &Identity) {
         if let Some(e) = &verdict.store_error {
             match e {
                 StoreError::Timeout => self.metrics.store_timeout.inc(),
@@ -287,7 +190,8 @@ impl Gateway {
             };
         }
         let mut last_rule = u32::MAX;
-        for ((c, (o, src)), ri) in plan.checks.iter().zip(&verdict.outcomes).zip(&plan.owners) {
+        for (p, (o, src)) in plan.checks.iter().zip(&verdict.outcomes) {
+            let (c, ri) = (&p.check, &p.rule);
             // One count per rule: its first denying limit, else its first limit.
             let first_of_rule = *ri != last_rule;
             last_rule = *ri;
