@@ -1,7 +1,13 @@
 //! The admin listener (`admin_listen`, loopback by default): `/healthz`, `/readyz`, `/metrics`,
 //! `/rules`, `/reload`, `/explain`, `/keys/{identity}`.
+//!
+//! `/healthz`, `/readyz` and `/metrics` are open; every other endpoint needs the admin token when
+//! one is configured ([`auth`]). Mutations (reload, counter reset) are written to the audit log
+//! (tracing target `tollgate::audit`) with the caller's address, never with the token.
 
-use std::net::IpAddr;
+pub mod auth;
+
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 use http::{HeaderMap, Method, Request, Response, StatusCode};
@@ -25,7 +31,7 @@ use crate::rules::{caller, key_value, normalize, window_text, KeyKind, RequestIn
 /// Serve the admin API until `stop`.
 pub async fn serve(gw: Arc<Gateway>, listener: TcpListener, mut stop: watch::Receiver<bool>) {
     loop {
-        let (stream, _) = tokio::select! {
+        let (stream, peer) = tokio::select! {
             r = listener.accept() => match r { Ok(x) => x, Err(_) => continue },
             _ = stop.changed() => return,
         };
@@ -33,7 +39,7 @@ pub async fn serve(gw: Arc<Gateway>, listener: TcpListener, mut stop: watch::Rec
         tokio::spawn(async move {
             let svc = service_fn(move |req| {
                 let gw = gw.clone();
-                async move { Ok::<_, std::convert::Infallible>(route(gw, req).await) }
+                async move { Ok::<_, std::convert::Infallible>(route(gw, req, peer).await) }
             });
             let _ = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
@@ -51,29 +57,61 @@ fn query_param<'a>(q: &'a str, name: &str) -> Option<std::borrow::Cow<'a, str>> 
     })
 }
 
-async fn route(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<ProxyBody> {
+async fn route(gw: Arc<Gateway>, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
     let path = req.uri().path().to_string();
     let query = req.uri().query().unwrap_or("").to_string();
+    if !auth::is_open(req.method(), &path) && !auth::allowed(gw.config.admin.token.as_ref(), req.headers()) {
+        if req.headers().contains_key(http::header::AUTHORIZATION) {
+            tracing::warn!(target: "tollgate::audit", caller = %peer, method = %req.method(), path = %path, "admin request with a wrong token refused");
+        }
+        return GatewayError::Unauthorized.into_response();
+    }
     match (req.method().clone(), path.as_str()) {
         (Method::GET, "/healthz") => respond::text(StatusCode::OK, "ok\n", "text/plain"),
-        (Method::GET, "/readyz") => match gw.ready().await {
-            Ok(()) => respond::text(StatusCode::OK, "ready\n", "text/plain"),
+        // Readiness is "config loaded and listeners up": this listener only runs once both are
+        // bound. It never depends on the store, or a store outage would take every replica out
+        // of its Service and undo fail-open. `?store=1` asks about the store instead.
+        (Method::GET, "/readyz") if query_param(&query, "store").is_none_or(|v| v == "0") => {
+            respond::text(StatusCode::OK, "ready\n", "text/plain")
+        }
+        (Method::GET, "/readyz") => match gw.store_ready().await {
+            Ok(()) => respond::text(StatusCode::OK, "store ok\n", "text/plain"),
             Err(e) => respond::text(
                 StatusCode::SERVICE_UNAVAILABLE,
-                format!("not ready: {e}\n"),
+                format!("store unavailable: {e}\n"),
                 "text/plain",
             ),
         },
-        (Method::GET, "/metrics") => respond::text(
-            StatusCode::OK,
-            gw.metrics.encode(),
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        ),
+        (Method::GET, "/metrics") => {
+            gw.refresh_gauges();
+            respond::text(
+                StatusCode::OK,
+                gw.metrics.encode(),
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )
+        }
         (Method::GET, "/rules") => respond::json_ok(&rules_json(&gw.snapshot.load())),
         (Method::POST, "/reload") => {
             let _ = req.into_body().collect().await;
-            match gw.reload("admin").await {
-                Ok(v) => respond::json_ok(&json!({"result": "ok", "version": v})),
+            let result = gw.reload("admin").await;
+            tracing::info!(
+                target: "tollgate::audit",
+                caller = %peer,
+                action = "reload",
+                ok = result.is_ok(),
+                version = result.as_ref().map_or("", |r| r.version.as_str()),
+                changed = result.as_ref().is_ok_and(|r| r.changed),
+                "admin: POST /reload"
+            );
+            match result {
+                Ok(r) => respond::json_ok(&json!({
+                    "result": "ok",
+                    "version": r.version,
+                    "changed": r.changed,
+                    "rules": r.rules,
+                    "keys": r.keys,
+                    "config_file_changed": gw.metrics.config_file_changed.get() == 1,
+                })),
                 Err(e) => {
                     let mut r = respond::json_ok(&json!({"result": "error", "error": e.to_string()}));
                     *r.status_mut() = StatusCode::UNPROCESSABLE_ENTITY;
@@ -113,12 +151,40 @@ async fn route(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<ProxyBody> 
                 return GatewayError::NotFound.into_response();
             }
             let snap = gw.snapshot.load();
-            let (checks, meta) = identity_checks(&gw.keys, &snap, &who);
+            let candidates = identity_checks(&gw.keys, &snap, &who);
+            let all: Vec<LimitCheck> = candidates.checks.iter().map(|c| c.check.clone()).collect();
+            // Peek first: which counters exist decides which rules apply to values tollgate cannot
+            // enumerate (JWT users, orgs from tokens, header values), and whether it exists at all.
+            let states = match gw.limiter.store.peek(&all).await {
+                Ok(s) => s,
+                Err(e) => {
+                    let mut r = respond::json_ok(&json!({"error": e.to_string()}));
+                    *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+                    return r;
+                }
+            };
+            let kept: Vec<(&Candidate, Option<crate::limiter::Outcome>)> = candidates
+                .checks
+                .iter()
+                .zip(states)
+                .filter(|(c, s)| c.certain || s.is_some())
+                .collect();
+            let tracked = kept.iter().any(|(_, s)| s.is_some());
+            if !candidates.known && !tracked {
+                return GatewayError::UnknownIdentity.into_response();
+            }
             if m == Method::DELETE {
-                let keys: Vec<StoreKey> = checks.iter().map(|c| c.key.clone()).collect();
+                let keys: Vec<StoreKey> = kept.iter().map(|(c, _)| c.check.key.clone()).collect();
                 return match gw.limiter.reset(&keys).await {
                     Ok(()) => {
-                        tracing::info!(identity = %identity_hash(&gw.keys, &snap, &who), counters = keys.len(), "counters reset by admin");
+                        tracing::info!(
+                            target: "tollgate::audit",
+                            caller = %peer,
+                            action = "reset",
+                            identity_hash = %identity_hash(&gw.keys, &snap, &who),
+                            counters = keys.len(),
+                            "admin: DELETE /keys: counters reset"
+                        );
                         respond::json_ok(&json!({"result": "reset", "counters": keys.len()}))
                     }
                     Err(e) => {
@@ -128,46 +194,66 @@ async fn route(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<ProxyBody> 
                     }
                 };
             }
-            match gw.limiter.store.peek(&checks).await {
-                Ok(states) => {
-                    let counters: Vec<Value> = states
-                        .iter()
-                        .zip(&checks)
-                        .zip(&meta)
-                        .map(|((s, c), (rule, kind))| {
-                            json!({
-                                "rule": rule,
-                                "key_kind": kind,
-                                "algorithm": c.quota.algorithm.as_str(),
-                                "limit": c.quota.limit.get(),
-                                "window": window_text(c.quota.window_us.get()),
-                                "remaining": s.map_or(c.quota.limit.get(), |o| o.remaining),
-                                "reset_ms": s.map_or(0, |o| o.reset_us / 1000),
-                                "tracked": s.is_some(),
-                            })
-                        })
-                        .collect();
-                    respond::json_ok(
-                        &json!({"identity_hash": identity_hash(&gw.keys, &snap, &who), "counters": counters}),
-                    )
-                }
-                Err(e) => {
-                    let mut r = respond::json_ok(&json!({"error": e.to_string()}));
-                    *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
-                    r
-                }
-            }
+            let counters: Vec<Value> = kept
+                .iter()
+                .map(|(c, s)| {
+                    let q = &c.check.quota;
+                    let mut v = json!({
+                        "rule": c.rule,
+                        "key_kind": c.kind,
+                        "algorithm": q.algorithm.as_str(),
+                        "limit": q.limit.get(),
+                        "remaining": s.as_ref().map_or(q.limit.get(), |o| o.remaining),
+                        "reset_ms": s.as_ref().map_or(0, |o| o.reset_us / 1000),
+                        "tracked": s.is_some(),
+                    });
+                    if let (Value::Object(o), Value::Object(w)) = (&mut v, quota_json(q)) {
+                        o.extend(w);
+                    }
+                    v
+                })
+                .collect();
+            respond::json_ok(&json!({
+                "identity": candidates.kind,
+                "identity_hash": identity_hash(&gw.keys, &snap, &who),
+                "counters": counters,
+            }))
         }
         _ => GatewayError::NotFound.into_response(),
     }
 }
 
+/// One counter an identity value may have.
+struct Candidate {
+    /// The check (cost 0) naming the counter.
+    check: LimitCheck,
+    /// Its rule.
+    rule: String,
+    /// The rule's key kind.
+    kind: String,
+    /// The rule certainly applies to this value (a registered key id's user rules, an IP's ip
+    /// and user rules, a registered org's org rules); otherwise only when a counter exists.
+    certain: bool,
+}
+
+/// What `/keys/{identity}` knows about a value before looking at the store.
+struct Candidates {
+    /// Every counter it may have.
+    checks: Vec<Candidate>,
+    /// Known without counters: a registered key id or org, an IP, or an override's id.
+    known: bool,
+    /// What the value was taken for: `api_key`, `ip`, `org` or `user` (a JWT user, a header value).
+    kind: &'static str,
+}
+
 /// Every counter an identity value (user id, key id, IP, org, header value) can have, with
 /// the namespace each rule's key kind gives that value (see `limiter::keys`): a registered key
 /// id is an API key, an address is an IP, anything else a JWT user.
-fn identity_checks(keys: &KeyBuilder, snap: &Snapshot, who: &str) -> (Vec<LimitCheck>, Vec<(String, String)>) {
+fn identity_checks(keys: &KeyBuilder, snap: &Snapshot, who: &str) -> Candidates {
     let is_ip = who.parse::<IpAddr>().is_ok();
-    let caller_ns = if snap.keys.has_id(who) {
+    let is_key = snap.keys.has_id(who);
+    let is_org = snap.keys.entries().any(|(_, e)| e.org.as_deref() == Some(who));
+    let caller_ns = if is_key {
         Namespace::ApiKey
     } else if is_ip {
         Namespace::Ip
@@ -175,29 +261,60 @@ fn identity_checks(keys: &KeyBuilder, snap: &Snapshot, who: &str) -> (Vec<LimitC
         Namespace::Jwt
     };
     let mut checks = Vec::new();
-    let mut meta = Vec::new();
+    let mut has_override = false;
     for r in &snap.rules.rules {
-        let ns = match r.key {
+        let (ns, certain) = match r.key {
             KeyKind::Global => continue,
-            KeyKind::User => caller_ns,
-            KeyKind::Ip if is_ip => Namespace::Ip,
+            KeyKind::User => (caller_ns, is_key || is_ip),
+            KeyKind::Ip if is_ip => (Namespace::Ip, true),
             KeyKind::Ip => continue,
-            KeyKind::Org => Namespace::Org,
-            KeyKind::Header(_) => Namespace::Header,
+            KeyKind::Org if is_ip => continue,
+            KeyKind::Org => (Namespace::Org, is_org),
+            KeyKind::Header(_) => (Namespace::Header, false),
         };
         let tag = keys.tag(ns, who.as_bytes());
-        let limits = r.overrides.get(who).unwrap_or(&r.limits);
+        let over = r.overrides.get(who);
+        has_override |= over.is_some();
+        let limits = over.unwrap_or(&r.limits);
         for (n, q) in limits.iter().enumerate() {
-            checks.push(LimitCheck {
-                key: keys.key(&tag, &r.name, n),
-                quota: *q,
-                cost: 0,
-                shadow: r.shadow,
+            checks.push(Candidate {
+                check: LimitCheck {
+                    key: keys.key(&tag, &r.name, n),
+                    quota: *q,
+                    cost: 0,
+                    shadow: r.shadow,
+                },
+                rule: r.name.to_string(),
+                kind: r.key.to_text(),
+                certain: certain || over.is_some(),
             });
-            meta.push((r.name.to_string(), r.key.to_text()));
         }
     }
-    (checks, meta)
+    let kind = if is_key {
+        "api_key"
+    } else if is_ip {
+        "ip"
+    } else if is_org {
+        "org"
+    } else {
+        "user"
+    };
+    Candidates {
+        checks,
+        known: is_key || is_ip || is_org || has_override,
+        kind,
+    }
+}
+
+/// A limit as it is written: `{rate, capacity}` for a bucket, `{limit, window}` for a window.
+fn quota_json(q: &crate::limiter::Quota) -> Value {
+    use crate::limiter::Algorithm;
+    match q.algorithm {
+        Algorithm::TokenBucket | Algorithm::LeakyBucket => {
+            json!({"rate": crate::describe::rate(q.interval_us.get()), "capacity": q.limit.get()})
+        }
+        _ => json!({"limit": q.limit.get(), "window": window_text(q.window_us.get())}),
+    }
 }
 
 /// The hash an identity value is logged under (its caller namespace, as in `identity_checks`).
@@ -224,9 +341,9 @@ fn rule_json(r: &Rule) -> Value {
         },
         "key": r.key.to_text(),
         "algorithm": r.limits.first().map(|q| q.algorithm.as_str()),
-        "limits": r.limits.iter().map(|q| json!({"limit": q.limit.get(), "window": window_text(q.window_us.get())})).collect::<Vec<_>>(),
+        "limits": r.limits.iter().map(quota_json).collect::<Vec<_>>(),
         "cost": r.cost,
-        "failure": format!("{:?}", r.failure).to_lowercase(),
+        "failure": crate::describe::failure(&r.failure),
         "shadow": r.shadow,
         "overrides": r.overrides.keys().collect::<Vec<_>>(),
     })

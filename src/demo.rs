@@ -111,10 +111,61 @@ pub async fn start_echo() -> std::io::Result<SocketAddr> {
     Ok(addr)
 }
 
-/// Run the demo until Ctrl-C / SIGTERM.
-pub async fn run(config_path: &Path) -> Result<(), Box<dyn std::error::Error>> {
+/// The demo config built into the binary (`config/demo/`), so `tollgate demo` works from any
+/// directory.
+const DEMO_FILES: [(&str, &str); 3] = [
+    ("gateway.yaml", include_str!("../config/demo/gateway.yaml")),
+    ("rules.yaml", include_str!("../config/demo/rules.yaml")),
+    ("keys.yaml", include_str!("../config/demo/keys.yaml")),
+];
+
+/// Write the built-in demo config into a fresh directory under the system temp dir; returns
+/// the gateway file's path.
+fn write_demo_config() -> std::io::Result<std::path::PathBuf> {
+    let dir = std::env::temp_dir().join(format!("tollgate-demo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    for (name, text) in DEMO_FILES {
+        std::fs::write(dir.join(name), text)?;
+    }
+    Ok(dir.join("gateway.yaml"))
+}
+
+/// Run the demo until Ctrl-C / SIGTERM: the built-in config unless `config_path` is given,
+/// with optional listen addresses (the admin one must be loopback: the demo has no token).
+pub async fn run(
+    config_path: Option<&Path>,
+    listen: Option<SocketAddr>,
+    admin_listen: Option<SocketAddr>,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let (config_path, written) = match config_path {
+        Some(p) => (p.to_path_buf(), false),
+        None => (write_demo_config()?, true),
+    };
+    let result = run_with(&config_path, listen, admin_listen).await;
+    if written {
+        if let Some(dir) = config_path.parent() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+    result
+}
+
+async fn run_with(
+    config_path: &Path,
+    listen: Option<SocketAddr>,
+    admin_listen: Option<SocketAddr>,
+) -> Result<(), Box<dyn std::error::Error>> {
     let echo = start_echo().await?;
     let mut config = GatewayConfig::load(config_path, &EnvOverrides::from_env())?;
+    if let Some(l) = listen {
+        config.listen = l;
+    }
+    if let Some(a) = admin_listen {
+        if !a.ip().is_loopback() && config.admin.token.is_none() {
+            return Err(format!("demo: --admin-listen {a} is not loopback and the demo admin API has no token").into());
+        }
+        config.admin_listen = a;
+    }
     config.upstream.url = format!("http://{echo}").parse()?;
     config.upstream.authority = echo.to_string().parse()?;
     let running = crate::gateway::start(config).await?;

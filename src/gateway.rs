@@ -1,6 +1,7 @@
 //! The running gateway: shared state, the proxy and admin listeners, graceful shutdown, and the
 //! background tasks (store probe, file watching).
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
@@ -59,13 +60,92 @@ pub struct Gateway {
     pub shadow_seen: AtomicU64,
     /// Serialises reloads (never held across request handling).
     reload_lock: tokio::sync::Mutex<()>,
+    /// Upstream failures are logged at most once a second.
+    pub upstream_log: crate::log_throttle::LogThrottle,
+    /// SHA-256 of the gateway config file as it was read at start (`None`: not readable then).
+    config_digest: Option<[u8; 32]>,
+}
+
+/// What one successful reload changed.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct ReloadReport {
+    /// The rules version now in force.
+    pub version: String,
+    /// Did anything change (rules or keys)?
+    pub changed: bool,
+    /// Rules added, removed, changed (by name).
+    pub rules: Changes,
+    /// API keys added, removed, changed (by key hash).
+    pub keys: Changes,
+}
+
+/// Counts of added, removed and changed entries.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Changes {
+    /// New entries.
+    pub added: u64,
+    /// Entries gone.
+    pub removed: u64,
+    /// Entries present before and after, but different.
+    pub changed: u64,
+}
+
+impl Changes {
+    /// Compare two maps of name → comparable value.
+    fn between<K: Ord, V: PartialEq>(old: &BTreeMap<K, V>, new: &BTreeMap<K, V>) -> Self {
+        let mut c = Changes::default();
+        for (k, v) in new {
+            match old.get(k) {
+                None => c.added += 1,
+                Some(o) if o != v => c.changed += 1,
+                Some(_) => {}
+            }
+        }
+        c.removed = old.keys().filter(|k| !new.contains_key(k)).count() as u64;
+        c
+    }
+
+    fn any(&self) -> bool {
+        *self != Changes::default()
+    }
+}
+
+/// Each rule's name → everything that decides its behaviour, as comparable text.
+fn rule_signatures(rules: &RuleSet) -> BTreeMap<String, String> {
+    rules
+        .rules
+        .iter()
+        .map(|r| {
+            let overrides: BTreeMap<&String, String> = r.overrides.iter().map(|(k, v)| (k, format!("{v:?}"))).collect();
+            let sig = format!(
+                "{}|{:?}|{:?}|{:?}|{overrides:?}",
+                crate::describe::rule(r),
+                r.limits,
+                r.headers,
+                r.host
+            );
+            (r.name.to_string(), sig)
+        })
+        .collect()
+}
+
+/// Each key hash → its entry.
+fn key_entries(keys: &KeyRegistry) -> BTreeMap<[u8; 32], crate::identity::keys::KeyEntry> {
+    keys.entries().map(|(h, e)| (*h, e.clone())).collect()
+}
+
+/// SHA-256 of a file's bytes, `None` if it cannot be read.
+fn file_digest(path: &std::path::Path) -> Option<[u8; 32]> {
+    use sha2::{Digest, Sha256};
+    std::fs::read(path).ok().map(|b| Sha256::digest(&b).into())
 }
 
 /// Load rules and keys into a snapshot, resolving metric handles.
 pub fn load_snapshot(config: &GatewayConfig, metrics: &Metrics) -> Result<Snapshot, ConfigError> {
-    let rules = RuleSet::load(&config.rules_file)?;
+    let rules =
+        RuleSet::load(&config.rules_file).map_err(|e| e.named_in(&config.path, "rules_file", config.rules_file_at))?;
     let keys = match &config.keys_file {
-        Some(k) => KeyRegistry::load(k)?,
+        Some(k) => KeyRegistry::load(k).map_err(|e| e.named_in(&config.path, "keys_file", config.keys_file_at))?,
         None => KeyRegistry::empty(),
     };
     let rule_metrics = rules.rules.iter().map(|r| metrics.rule(&r.name)).collect();
@@ -128,6 +208,8 @@ impl Gateway {
         let metrics = Metrics::new();
         let snap = load_snapshot(&config, &metrics)?;
         metrics.set_rules_version(&snap.rules.version);
+        metrics.reload_succeeded(snap.loaded_at);
+        let config_digest = file_digest(&config.path);
         let sc = &config.store;
         let store = match sc.kind {
             StoreKind::Memory => Backend::Memory(Arc::new(
@@ -173,38 +255,110 @@ impl Gateway {
             clock,
             shadow_seen: AtomicU64::new(0),
             reload_lock: tokio::sync::Mutex::new(()),
+            upstream_log: crate::log_throttle::LogThrottle::new(Duration::from_secs(1)),
+            config_digest,
             config,
         });
         Ok(gw)
     }
 
-    /// Reload rules and keys. On error the old snapshot stays in force.
-    pub async fn reload(&self, why: &str) -> Result<String, ConfigError> {
+    /// Reload rules and keys. On error the old snapshot stays in force. Also notices (warning
+    /// and `tollgate_config_file_changed`) when the gateway config file itself was edited: its
+    /// settings (listeners, store, identity) need a restart.
+    pub async fn reload(&self, why: &str) -> Result<ReloadReport, ConfigError> {
         let _guard = self.reload_lock.lock().await;
+        self.check_config_file();
         match load_snapshot(&self.config, &self.metrics) {
             Ok(snap) => {
+                let old = self.snapshot.load();
+                let rules = Changes::between(&rule_signatures(&old.rules), &rule_signatures(&snap.rules));
+                let keys = Changes::between(&key_entries(&old.keys), &key_entries(&snap.keys));
                 let version = snap.rules.version.clone();
-                let changed = self.snapshot.load().rules.version != version;
+                let changed = rules.any() || keys.any() || old.rules.version != version;
+                let old_rules: Vec<String> = old.rules.rules.iter().map(|r| r.name.to_string()).collect();
+                drop(old);
                 self.metrics.set_rules_version(&version);
+                self.metrics.reload_succeeded(snap.loaded_at);
+                self.metrics
+                    .reload_changed("rules", rules.added, rules.removed, rules.changed);
+                self.metrics
+                    .reload_changed("keys", keys.added, keys.removed, keys.changed);
+                if rules.removed > 0 {
+                    // Drop the series of rules that no longer exist.
+                    let now: std::collections::HashSet<&str> = snap.rules.rules.iter().map(|r| &*r.name).collect();
+                    for r in old_rules.iter().filter(|r| !now.contains(r.as_str())) {
+                        self.metrics.forget_rule(r);
+                    }
+                }
                 self.snapshot.store(Arc::new(snap));
                 if let Some(d) = &self.limiter.deny {
                     // Limits may have changed: cached denials may no longer be true.
                     d.clear();
                 }
                 self.metrics.reload_ok.inc();
-                tracing::info!(trigger = why, version = %version, changed, "rules reloaded");
-                Ok(version)
+                tracing::info!(
+                    trigger = why,
+                    version = %version,
+                    changed,
+                    rules_added = rules.added,
+                    rules_removed = rules.removed,
+                    rules_changed = rules.changed,
+                    keys_added = keys.added,
+                    keys_removed = keys.removed,
+                    keys_changed = keys.changed,
+                    "rules and keys reloaded"
+                );
+                Ok(ReloadReport {
+                    version,
+                    changed,
+                    rules,
+                    keys,
+                })
             }
             Err(e) => {
                 self.metrics.reload_error.inc();
+                self.metrics.last_reload_success.set(0);
                 tracing::error!(trigger = why, error = %e, "reload refused; previous rules stay in force");
                 Err(e)
             }
         }
     }
 
-    /// Is the gateway ready: config loaded and the store answering the script path?
-    pub async fn ready(&self) -> Result<(), StoreError> {
+    /// Refresh the gauges that are read rather than counted (memory store size, process memory
+    /// and descriptors); `/metrics` calls this before encoding.
+    pub fn refresh_gauges(&self) {
+        let mem = match &self.limiter.store {
+            Backend::Memory(m) => m,
+            Backend::Redis(_) => &self.limiter.local,
+        };
+        self.metrics
+            .memory_store_keys
+            .set(i64::try_from(mem.len()).unwrap_or(i64::MAX));
+        self.metrics.refresh_process();
+    }
+
+    /// Compare the gateway config file with the one read at start. Its settings are not applied
+    /// live (listeners, store and identity are built once), so an edit is reported: a warning
+    /// when the file starts to differ, and the `tollgate_config_file_changed` gauge while it does.
+    pub fn check_config_file(&self) -> bool {
+        let now = file_digest(&self.config.path);
+        let differs = now != self.config_digest;
+        let was = self.metrics.config_file_changed.get() == 1;
+        if differs && !was {
+            tracing::warn!(
+                file = %self.config.path.display(),
+                "the gateway config file changed on disk; its settings are not reloaded live: restart tollgate to apply them (rules and keys files do reload)"
+            );
+        } else if !differs && was {
+            tracing::info!(file = %self.config.path.display(), "the gateway config file matches the running config again");
+        }
+        self.metrics.config_file_changed.set(i64::from(differs));
+        differs
+    }
+
+    /// Does the store answer the real script path (within a short deadline)? `/readyz?store=1`
+    /// asks this; `/readyz` itself does not (readiness never depends on the store).
+    pub async fn store_ready(&self) -> Result<(), StoreError> {
         match tokio::time::timeout(
             self.config.store.timeout.max(Duration::from_millis(200)),
             self.limiter.store.probe(),
@@ -290,7 +444,18 @@ pub async fn start_with(gw: Arc<Gateway>) -> Result<Running, StartError> {
     crate::config::reload::spawn_watcher(gw.clone(), rx.clone());
     tokio::spawn(crate::admin::serve(gw.clone(), admin, rx.clone()));
     let done = tokio::spawn(serve(gw.clone(), listener, rx));
-    tracing::info!(%addr, %admin_addr, store = ?gw.config.store.kind, upstream = %gw.config.upstream.url, "tollgate listening");
+    tracing::info!(
+        %addr,
+        %admin_addr,
+        store = crate::describe::store_kind(gw.config.store.kind),
+        upstream = %gw.config.upstream.url,
+        admin_token = gw.config.admin.token.is_some(),
+        "tollgate listening"
+    );
+    // Every start, not only the first: `admin.insecure`, ignored overrides, risky timeouts.
+    for note in &gw.config.notes {
+        tracing::warn!("{note}");
+    }
     Ok(Running {
         addr,
         admin_addr,
@@ -338,8 +503,10 @@ pub async fn serve(gw: Arc<Gateway>, listener: TcpListener, mut stop: watch::Rec
     let mut h1 = hyper::server::conn::http1::Builder::new();
     h1.timer(TokioTimer::new())
         .header_read_timeout(sc.header_read_timeout)
-        .max_buf_size(sc.max_header_bytes.max(8192))
-        .max_headers(100)
+        // Twice the configured limits: within them tollgate checks the limits itself and
+        // answers a JSON 431 (`respond.rs`); past them hyper's parser answers an empty one.
+        .max_buf_size(sc.max_header_bytes.saturating_mul(2).max(8192))
+        .max_headers(2 * crate::proxy::MAX_HEADERS)
         .keep_alive(true);
     let mut h2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
     h2.timer(TokioTimer::new())
@@ -375,6 +542,7 @@ pub async fn serve(gw: Arc<Gateway>, listener: TcpListener, mut stop: watch::Rec
             async move { Ok::<_, std::convert::Infallible>(gw.handle(req, peer).await) }
         });
         let (h1, h2, drained, mut stop) = (h1.clone(), h2.clone(), drained.clone(), stop.clone());
+        let open = crate::metrics::InFlight::enter(&gw.metrics.open_connections);
         let first_byte = sc.header_read_timeout;
         tokio::spawn(async move {
             // hyper's header timer starts only with the first request: a client that connects
@@ -398,6 +566,7 @@ pub async fn serve(gw: Arc<Gateway>, listener: TcpListener, mut stop: watch::Rec
                 tracing::debug!(error = %e, %peer, "connection ended with error");
             }
             drop(permit);
+            drop(open);
             drop(drained);
         });
     }

@@ -19,16 +19,20 @@
 //! | [`metrics`] | Prometheus metrics with handles resolved at rule load |
 //! | [`clock`] | injectable time ([`clock::FakeClock`] for tests) |
 //! | [`demo`] | `tollgate demo`: an echo upstream plus the gateway on the memory store |
+//! | [`log_throttle`] | rate-limited logging of errors that repeat during an outage |
+//! | [`describe`] | plain-language descriptions of the loaded config for `check` and the admin API |
 #![warn(missing_docs)]
 
 pub mod admin;
 pub mod clock;
 pub mod config;
 pub mod demo;
+pub mod describe;
 pub mod gateway;
 pub mod http;
 pub mod identity;
 pub mod limiter;
+pub mod log_throttle;
 pub mod metrics;
 pub mod proxy;
 pub mod rules;

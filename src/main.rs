@@ -64,15 +64,28 @@ enum Command {
         ip: std::net::IpAddr,
     },
     /// Print the SHA-256 line to paste into keys.yaml.
+    #[command(
+        after_help = "Without KEY the key is read from standard input (one line), which keeps it out of \
+                      the shell history and the process list: `tollgate hash-key < key.txt`. An empty key \
+                      is refused."
+    )]
     HashKey {
-        /// The API key.
-        key: String,
+        /// The API key; read from standard input when omitted (preferred: argv is visible to
+        /// other users of the machine and lands in shell history).
+        key: Option<String>,
     },
-    /// Run the embedded demo (echo upstream + gateway on the memory store).
+    /// Run the embedded demo (echo upstream + gateway on the memory store). Works from any
+    /// directory: the demo config is built into the binary.
     Demo {
-        /// Demo gateway config.
-        #[arg(long, default_value = "config/demo/gateway.yaml")]
-        config: PathBuf,
+        /// A demo gateway config of your own instead of the built-in one.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Proxy address (default 127.0.0.1:8080).
+        #[arg(long)]
+        listen: Option<std::net::SocketAddr>,
+        /// Admin address (default 127.0.0.1:9090; loopback only).
+        #[arg(long)]
+        admin_listen: Option<std::net::SocketAddr>,
     },
 }
 
@@ -99,10 +112,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let command = cli.command.unwrap_or(Command::Run { config: cli.config });
     match command {
-        Command::HashKey { key } => {
-            println!("    sha256: {}", tollgate::identity::keys::hash_key(&key));
-            ExitCode::SUCCESS
-        }
+        Command::HashKey { key } => hash_key(key),
         Command::Check { config } => check(&config),
         Command::Explain {
             config,
@@ -122,11 +132,40 @@ fn main() -> ExitCode {
                 Ok(())
             })
         }
-        Command::Demo { config } => {
+        Command::Demo {
+            config,
+            listen,
+            admin_listen,
+        } => {
             init_logs(cli.log_format.or(Some(LogFormat::Human)));
-            runtime(async move { tollgate::demo::run(&config).await.map_err(|e| e.to_string()) })
+            runtime(async move {
+                tollgate::demo::run(config.as_deref(), listen, admin_listen)
+                    .await
+                    .map_err(|e| e.to_string())
+            })
         }
     }
+}
+
+/// `tollgate hash-key [KEY]`: the key from argv, or one line of standard input.
+fn hash_key(key: Option<String>) -> ExitCode {
+    let key = match key {
+        Some(k) => k,
+        None => {
+            let mut line = String::new();
+            if let Err(e) = std::io::stdin().read_line(&mut line) {
+                eprintln!("tollgate hash-key: cannot read standard input: {e}");
+                return ExitCode::FAILURE;
+            }
+            line.trim_end_matches(['\n', '\r']).to_string()
+        }
+    };
+    if key.is_empty() {
+        eprintln!("tollgate hash-key: refusing an empty key (pass it as an argument or on standard input)");
+        return ExitCode::FAILURE;
+    }
+    println!("    sha256: {}", tollgate::identity::keys::hash_key(&key));
+    ExitCode::SUCCESS
 }
 
 fn runtime(f: impl std::future::Future<Output = Result<(), String>>) -> ExitCode {
@@ -163,17 +202,24 @@ fn load_all(config: &std::path::Path) -> Result<(GatewayConfig, tollgate::gatewa
 }
 
 fn check(config: &std::path::Path) -> ExitCode {
+    use tollgate::describe;
     match load_all(config) {
         Ok((cfg, snap)) => {
             println!("{}: ok", config.display());
+            println!("  listen {}", cfg.listen);
+            let access = match (&cfg.admin.token_env, cfg.admin.insecure) {
+                (Some(env), _) => format!("token from ${env}"),
+                (None, true) => "no token, admin.insecure: true".to_string(),
+                (None, false) => "no token, loopback only".to_string(),
+            };
+            println!("  admin  {} ({access})", cfg.admin_listen);
             println!(
-                "  listen {} (admin {}), upstream {}",
-                cfg.listen, cfg.admin_listen, cfg.upstream.url
+                "  upstream {} (connect timeout {}, request timeout {})",
+                cfg.upstream.url,
+                humantime::format_duration(cfg.upstream.connect_timeout),
+                humantime::format_duration(cfg.upstream.request_timeout)
             );
-            println!(
-                "  store {:?} {:?}, timeout {:?}",
-                cfg.store.kind, cfg.store.urls, cfg.store.timeout
-            );
+            println!("  store {}", describe::store(&cfg));
             println!(
                 "  rules {} ({} rules, version {})",
                 cfg.rules_file.display(),
@@ -181,23 +227,14 @@ fn check(config: &std::path::Path) -> ExitCode {
                 snap.rules.version
             );
             for r in &snap.rules.rules {
-                let lim: Vec<String> = r
-                    .limits
-                    .iter()
-                    .map(|q| format!("{}/{}", q.limit, tollgate::rules::window_text(q.window_us.get())))
-                    .collect();
-                println!(
-                    "    {:<24} {:<10} {:<15} {:<14} {}",
-                    r.name,
-                    r.key.to_text(),
-                    r.limits[0].algorithm.as_str(),
-                    lim.join(","),
-                    r.pattern.source
-                );
+                println!("    {}", describe::rule(r));
             }
             match &cfg.keys_file {
                 Some(k) => println!("  keys {} ({} keys)", k.display(), snap.keys.len()),
                 None => println!("  keys: none"),
+            }
+            for n in &cfg.notes {
+                println!("  note: {n}");
             }
             ExitCode::SUCCESS
         }

@@ -3,6 +3,7 @@
 //! when rules load ([`Metrics::rule`]), so the request path only increments atomics.
 
 use std::sync::Arc;
+use std::time::SystemTime;
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
 use prometheus_client::metrics::counter::Counter;
@@ -51,6 +52,70 @@ struct StatusLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CodeLabels {
+    code: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BuildLabels {
+    version: &'static str,
+}
+
+/// How a request ended, for `tollgate_responses_total{result}`: one count per request.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum Final {
+    /// The upstream answered 1xx.
+    upstream_1xx,
+    /// The upstream answered 2xx.
+    upstream_2xx,
+    /// The upstream answered 3xx.
+    upstream_3xx,
+    /// The upstream answered 4xx.
+    upstream_4xx,
+    /// The upstream answered 5xx.
+    upstream_5xx,
+    /// tollgate answered 429 (over quota).
+    rate_limited,
+    /// tollgate answered 503 (store down on a fail-closed rule, or over `max_connections`).
+    unavailable,
+    /// tollgate answered another 4xx (bad request, body too large, ...).
+    local_4xx,
+    /// tollgate answered another 5xx (502 and 504: upstream unreachable or too slow).
+    local_5xx,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FinalLabels {
+    result: Final,
+}
+
+/// Decrements its gauge when dropped: counts things in progress (connections, queued requests)
+/// whatever way they end.
+#[derive(Debug)]
+pub struct InFlight(Gauge);
+
+impl InFlight {
+    /// Increment `g` until the returned guard is dropped.
+    pub fn enter(g: &Gauge) -> Self {
+        g.inc();
+        InFlight(g.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ChangeLabels {
+    file: &'static str,
+    change: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct VersionLabels {
     version: String,
 }
@@ -96,7 +161,8 @@ pub struct Metrics {
     pub memory_evicted: Counter,
     /// Of those, entries that were denying (`kind="denying"`): each lets a caller through early.
     pub memory_evicted_denying: Counter,
-    /// `tollgate_upstream_responses_total{status}` handles: 1xx..5xx, then "error".
+    /// `tollgate_upstream_responses_total{status}` handles 1xx..5xx, then
+    /// `tollgate_upstream_failures_total` (no response: refused, reset, timed out).
     pub upstream_status: [Counter; 6],
     /// Upstream latency.
     pub upstream_latency: Histogram,
@@ -104,10 +170,33 @@ pub struct Metrics {
     pub reload_ok: Counter,
     /// Reloads refused.
     pub reload_error: Counter,
+    /// 1 when the last reload succeeded (and at start), 0 after a refused one.
+    pub last_reload_success: Gauge,
+    /// Unix time of the last successful load (start or reload).
+    pub last_reload_success_timestamp: Gauge,
+    /// `tollgate_reload_changes_total{file,change}`.
+    reload_changes: Family<ChangeLabels, Counter>,
+    /// 1 while gateway.yaml on disk differs from the one this process started with.
+    pub config_file_changed: Gauge,
     /// `tollgate_rules_info{version}`.
     rules_info: Family<VersionLabels, Gauge>,
-    /// Responses the gateway itself produced for bad requests and errors.
-    local_errors: Family<StatusLabels, Counter>,
+    /// Responses the gateway itself produced, by exact code.
+    local_errors: Family<CodeLabels, Counter>,
+    /// `tollgate_responses_total{result}`, one handle per [`Final`], in its order.
+    finals: [Counter; 9],
+    /// Client connections open now (proxy listener).
+    pub open_connections: Gauge,
+    /// Requests waiting their turn in a leaky bucket now.
+    pub leaky_queue: Gauge,
+    /// Keys the memory store tracks (the primary store when memory, else the `failure: local`
+    /// fallback), refreshed at each scrape.
+    pub memory_store_keys: Gauge,
+    /// Process resident memory, refreshed at each scrape (Linux).
+    pub process_resident_memory: Gauge,
+    /// Process open file descriptors, refreshed at each scrape (Linux).
+    pub process_open_fds: Gauge,
+    /// Process start, unix seconds.
+    pub process_start_time: Gauge,
 }
 
 impl Metrics {
@@ -163,7 +252,13 @@ impl Metrics {
             upstream.clone(),
         );
         let st = |s: &str| upstream.get_or_create(&StatusLabels { status: s.into() }).clone();
-        let upstream_status = [st("1xx"), st("2xx"), st("3xx"), st("4xx"), st("5xx"), st("error")];
+        let upstream_failures = Counter::default();
+        registry.register(
+            "upstream_failures",
+            "Upstream requests that got no response (refused, reset, timed out)",
+            upstream_failures.clone(),
+        );
+        let upstream_status = [st("1xx"), st("2xx"), st("3xx"), st("4xx"), st("5xx"), upstream_failures];
         let upstream_latency = Histogram::new(exponential_buckets(0.0001, 2.0, 18));
         registry.register(
             "upstream_duration_seconds",
@@ -174,17 +269,101 @@ impl Metrics {
         registry.register("reloads", "Rule/key reloads by result", reloads.clone());
         let reload_ok = reloads.get_or_create(&ResultLabels { result: "ok".into() }).clone();
         let reload_error = reloads.get_or_create(&ResultLabels { result: "error".into() }).clone();
+        let last_reload_success = Gauge::default();
+        registry.register(
+            "last_reload_success",
+            "1 if the last load of the rules and keys (start or reload) succeeded, 0 if it was refused",
+            last_reload_success.clone(),
+        );
+        let last_reload_success_timestamp = Gauge::default();
+        registry.register(
+            "last_reload_success_timestamp_seconds",
+            "Unix time of the last successful load of the rules and keys",
+            last_reload_success_timestamp.clone(),
+        );
+        let reload_changes = Family::<ChangeLabels, Counter>::default();
+        registry.register(
+            "reload_changes",
+            "Rules and API keys added, removed or changed by reloads",
+            reload_changes.clone(),
+        );
+        let config_file_changed = Gauge::default();
+        registry.register(
+            "config_file_changed",
+            "1 while the gateway config file differs from the one running (restart to apply it)",
+            config_file_changed.clone(),
+        );
         let rules_info = Family::<VersionLabels, Gauge>::default();
         registry.register(
             "rules_info",
             "The loaded rule-set version (value 1)",
             rules_info.clone(),
         );
-        let local_errors = Family::<StatusLabels, Counter>::default();
+        let local_errors = Family::<CodeLabels, Counter>::default();
         registry.register(
             "local_responses",
-            "Responses made by the gateway itself, by status",
+            "Responses made by the gateway itself, by exact status code",
             local_errors.clone(),
+        );
+        let finals = Family::<FinalLabels, Counter>::default();
+        registry.register(
+            "responses",
+            "Requests by how they ended (one count per request): upstream_1xx..5xx, rate_limited, unavailable, local_4xx, local_5xx",
+            finals.clone(),
+        );
+        let finals = [
+            Final::upstream_1xx,
+            Final::upstream_2xx,
+            Final::upstream_3xx,
+            Final::upstream_4xx,
+            Final::upstream_5xx,
+            Final::rate_limited,
+            Final::unavailable,
+            Final::local_4xx,
+            Final::local_5xx,
+        ]
+        .map(|result| finals.get_or_create(&FinalLabels { result }).clone());
+        let build_info = Family::<BuildLabels, Gauge>::default();
+        registry.register("build_info", "tollgate's version (value 1)", build_info.clone());
+        build_info
+            .get_or_create(&BuildLabels {
+                version: env!("CARGO_PKG_VERSION"),
+            })
+            .set(1);
+        let gauge = |registry: &mut Registry, name: &str, help: &str| {
+            let g = Gauge::default();
+            registry.register(name, help, g.clone());
+            g
+        };
+        let open_connections = gauge(
+            &mut registry,
+            "open_connections",
+            "Client connections open on the proxy listener",
+        );
+        let leaky_queue = gauge(
+            &mut registry,
+            "leaky_bucket_queued_requests",
+            "Requests admitted by a leaky bucket and waiting their turn",
+        );
+        let memory_store_keys = gauge(
+            &mut registry,
+            "memory_store_keys",
+            "Keys tracked by the memory store (the primary store, or the failure: local fallback)",
+        );
+        let process_resident_memory = gauge(&mut registry, "process_resident_memory_bytes", "Resident memory");
+        let process_open_fds = gauge(&mut registry, "process_open_fds", "Open file descriptors");
+        let process_start_time = gauge(
+            &mut registry,
+            "process_start_time_seconds",
+            "Process start, unix seconds",
+        );
+        process_start_time.set(
+            i64::try_from(
+                SystemTime::now()
+                    .duration_since(SystemTime::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs()),
+            )
+            .unwrap_or(0),
         );
         Arc::new(Metrics {
             registry,
@@ -202,8 +381,19 @@ impl Metrics {
             upstream_latency,
             reload_ok,
             reload_error,
+            last_reload_success,
+            last_reload_success_timestamp,
+            reload_changes,
+            config_file_changed,
             rules_info,
             local_errors,
+            finals,
+            open_connections,
+            leaky_queue,
+            memory_store_keys,
+            process_resident_memory,
+            process_open_fds,
+            process_start_time,
         })
     }
 
@@ -237,13 +427,87 @@ impl Metrics {
             .set(1);
     }
 
-    /// Count a response the gateway made itself.
+    /// Count what one reload changed in `file` (`rules` or `keys`).
+    pub fn reload_changed(&self, file: &'static str, added: u64, removed: u64, changed: u64) {
+        for (change, n) in [("added", added), ("removed", removed), ("changed", changed)] {
+            if n > 0 {
+                self.reload_changes
+                    .get_or_create(&ChangeLabels { file, change })
+                    .inc_by(n);
+            }
+        }
+    }
+
+    /// Record a successful load (start or reload) at unix time `now`.
+    pub fn reload_succeeded(&self, now: SystemTime) {
+        self.last_reload_success.set(1);
+        let secs = now.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        self.last_reload_success_timestamp
+            .set(i64::try_from(secs).unwrap_or(i64::MAX));
+    }
+
+    /// Count a response the gateway made itself (not the 429 of the deny path: see
+    /// [`Metrics::rate_limited`]), in `local_responses{code}` and `responses{result}`.
     pub fn local_response(&self, status: u16) {
         self.local_errors
-            .get_or_create(&StatusLabels {
-                status: status.to_string(),
+            .get_or_create(&CodeLabels {
+                code: status.to_string(),
             })
             .inc();
+        let result = match status {
+            429 => Final::rate_limited,
+            503 => Final::unavailable,
+            500..=599 => Final::local_5xx,
+            _ => Final::local_4xx,
+        };
+        self.finals[result as usize].inc();
+    }
+
+    /// Count a 429 answered on the deny path (hot: one atomic add).
+    pub fn rate_limited(&self) {
+        self.finals[Final::rate_limited as usize].inc();
+    }
+
+    /// Count a response forwarded from the upstream with `status`.
+    pub fn upstream_response(&self, status: u16) {
+        let result = match status {
+            100..=199 => Final::upstream_1xx,
+            200..=299 => Final::upstream_2xx,
+            300..=399 => Final::upstream_3xx,
+            400..=499 => Final::upstream_4xx,
+            _ => Final::upstream_5xx,
+        };
+        self.finals[result as usize].inc();
+    }
+
+    /// Forget the per-rule series of a rule that no longer exists (after a reload).
+    pub fn forget_rule(&self, name: &str) {
+        for decision in [
+            Decision::allowed,
+            Decision::denied,
+            Decision::would_deny,
+            Decision::fail_open,
+            Decision::fail_closed,
+            Decision::local,
+        ] {
+            self.requests.remove(&RuleLabels {
+                rule: name.to_string(),
+                decision,
+            });
+        }
+    }
+
+    /// Refresh the process gauges from `/proc/self` (Linux; elsewhere they stay 0).
+    pub fn refresh_process(&self) {
+        if let Ok(statm) = std::fs::read_to_string("/proc/self/statm") {
+            if let Some(pages) = statm.split_whitespace().nth(1).and_then(|p| p.parse::<i64>().ok()) {
+                self.process_resident_memory.set(pages.saturating_mul(4096));
+            }
+        }
+        if let Ok(dir) = std::fs::read_dir("/proc/self/fd") {
+            self.process_open_fds
+                .set(i64::try_from(dir.count()).unwrap_or(i64::MAX));
+        }
     }
 
     /// The text exposition.

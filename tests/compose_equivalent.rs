@@ -41,6 +41,8 @@ fn the_shipped_cluster_config_enforces_its_rules() {
         .env_remove("TOLLGATE_LISTEN")
         .env_remove("TOLLGATE_REDIS_URLS")
         .env_remove("TOLLGATE_REDIS_URL")
+        // The shipped config reads its admin token from here (docker-compose.yml sets it).
+        .env("TOLLGATE_ADMIN_TOKEN", "compose-equivalent-test-token")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -50,7 +52,7 @@ fn the_shipped_cluster_config_enforces_its_rules() {
         let c = client();
         let t0 = Instant::now();
         while c
-            .get(format!("http://127.0.0.1:{admin}/readyz"))
+            .get(format!("http://127.0.0.1:{admin}/readyz?store=1"))
             .send()
             .await
             .map(|r| r.status().as_u16())

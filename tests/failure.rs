@@ -126,8 +126,18 @@ async fn standalone_kill_then_restart() {
     let r = c.get(format!("{}/local/x", gw.url)).send().await.unwrap();
     assert_eq!(r.headers()["ratelimit-policy"], "\"local\";q=3;w=3600");
     assert_eq!(r.headers()["x-ratelimit-limit"], "3");
+    // Readiness never depends on the store (fail-open keeps serving, so the pod stays in its
+    // Service); the store's own health is `/readyz?store=1` and the breaker gauge.
     assert_eq!(
         c.get(format!("{}/readyz", gw.admin)).send().await.unwrap().status(),
+        200
+    );
+    assert_eq!(
+        c.get(format!("{}/readyz?store=1", gw.admin))
+            .send()
+            .await
+            .unwrap()
+            .status(),
         503
     );
     let m = get_text(&c, format!("{}/metrics", gw.admin)).await;
@@ -150,7 +160,11 @@ async fn standalone_kill_then_restart() {
     eprintln!("limits enforced again {took:?} after restart");
     assert_eq!(exactly_n_admitted(&c, &gw.url, "after-restart", 8).await, 5);
     assert_eq!(
-        c.get(format!("{}/readyz", gw.admin)).send().await.unwrap().status(),
+        c.get(format!("{}/readyz?store=1", gw.admin))
+            .send()
+            .await
+            .unwrap()
+            .status(),
         200
     );
     gw.running.stop().await;
@@ -336,6 +350,15 @@ async fn starts_while_redis_is_down_and_picks_it_up_later() {
     assert_eq!(status(&c, &format!("{}/closed/x", gw.url)).await, 503);
     assert_eq!(
         c.get(format!("{}/readyz", gw.admin)).send().await.unwrap().status(),
+        200,
+        "ready without Redis: the listener is up and fail-open rules serve"
+    );
+    assert_eq!(
+        c.get(format!("{}/readyz?store=1", gw.admin))
+            .send()
+            .await
+            .unwrap()
+            .status(),
         503
     );
     redis.restart();

@@ -3,6 +3,7 @@
 //!
 //! Every error names `file:line:col`. Durations are humantime strings (`5ms`, `1s`, `15m`).
 
+pub mod admin;
 pub mod raw;
 pub mod reload;
 
@@ -18,7 +19,7 @@ use crate::identity::jwt::JwtVerifier;
 
 /// A config error, rendered `file:line:col: message`.
 #[derive(Debug, Clone, thiserror::Error)]
-#[error("{}:{line}:{col}: {message}", file.display())]
+#[error("{}: {message}", Position(self))]
 pub struct ConfigError {
     /// The file.
     pub file: PathBuf,
@@ -31,6 +32,20 @@ pub struct ConfigError {
 }
 
 impl ConfigError {
+    /// An error about a whole file named in the gateway file (it cannot be read): point at the
+    /// line that names it, `at` in `gateway`, instead of at no position in the file itself.
+    pub fn named_in(self, gateway: &Path, field: &str, at: Option<(u64, u64)>) -> Self {
+        match at {
+            Some((line, col)) if self.line == 0 => ConfigError {
+                message: format!("{field} {}: {}", self.file.display(), self.message),
+                file: gateway.to_path_buf(),
+                line,
+                col,
+            },
+            _ => self,
+        }
+    }
+
     /// An error at `loc` in `file`.
     pub fn at(file: &Path, loc: &Location, message: impl Into<String>) -> Self {
         ConfigError {
@@ -52,6 +67,20 @@ impl ConfigError {
     }
 }
 
+/// `file:line:col`, or `file` alone when the position is unknown.
+struct Position<'a>(&'a ConfigError);
+
+impl std::fmt::Display for Position<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let e = self.0;
+        if e.line == 0 {
+            write!(f, "{}", e.file.display())
+        } else {
+            write!(f, "{}:{}:{}", e.file.display(), e.line, e.col)
+        }
+    }
+}
+
 /// Read and parse a YAML file into `T`, mapping parse errors to `file:line:col`.
 pub fn parse_file<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, ConfigError> {
     let text = std::fs::read_to_string(path).map_err(|e| ConfigError::file(path, format!("cannot read: {e}")))?;
@@ -63,8 +92,14 @@ pub fn parse_str<T: serde::de::DeserializeOwned>(path: &Path, text: &str) -> Res
     serde_saphyr::from_str::<T>(text).map_err(|e| {
         let (line, col) = e.location().map(|l| (l.line(), l.column())).unwrap_or((0, 0));
         let msg = e.without_snippet().to_string();
-        // The rendered message may itself carry a position and a snippet: keep its first line.
-        let msg = msg.lines().next().unwrap_or("invalid YAML").to_string();
+        // The rendered message may itself carry a position and a snippet: keep its first line,
+        // without the position (it is printed once, in front).
+        let msg = msg.lines().next().unwrap_or("invalid YAML");
+        let msg = match msg.rfind(" at line ") {
+            Some(i) if line != 0 => &msg[..i],
+            _ => msg,
+        };
+        let msg = did_you_mean(msg);
         ConfigError {
             file: path.to_path_buf(),
             line,
@@ -72,6 +107,45 @@ pub fn parse_str<T: serde::de::DeserializeOwned>(path: &Path, text: &str) -> Res
             message: msg,
         }
     })
+}
+
+/// For "unknown field `x`, expected one of a, b, c": name the closest expected field.
+fn did_you_mean(msg: &str) -> String {
+    let Some(rest) = msg.strip_prefix("unknown field `") else {
+        return msg.to_string();
+    };
+    let Some((field, rest)) = rest.split_once('`') else {
+        return msg.to_string();
+    };
+    let Some(list) = rest
+        .strip_prefix(", expected one of ")
+        .or_else(|| rest.strip_prefix(", expected "))
+    else {
+        return msg.to_string();
+    };
+    let best = list
+        .split(", ")
+        .map(|c| c.trim_matches('`'))
+        .map(|c| (edit_distance(field, c), c))
+        .min();
+    match best {
+        Some((d, c)) if d <= 2.max(field.len() / 3) => format!("{msg}; did you mean `{c}`?"),
+        _ => msg.to_string(),
+    }
+}
+
+/// Levenshtein distance (field names are short).
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1; b.len() + 1];
+        for (j, cb) in b.iter().enumerate() {
+            cur[j + 1] = (prev[j] + usize::from(ca != *cb)).min(prev[j + 1] + 1).min(cur[j] + 1);
+        }
+        prev = cur;
+    }
+    prev[b.len()]
 }
 
 /// Parse a humantime duration held in a spanned string.
@@ -85,6 +159,84 @@ fn opt_duration(file: &Path, s: &Option<Spanned<String>>, default: Duration) -> 
         Some(s) => duration(file, s),
         None => Ok(default),
     }
+}
+
+/// A duration that must be more than zero (`field` names it in the error).
+fn positive_duration(
+    file: &Path,
+    s: &Option<Spanned<String>>,
+    field: &str,
+    default: Duration,
+) -> Result<Duration, ConfigError> {
+    let d = opt_duration(file, s, default)?;
+    match s {
+        Some(s) if d.is_zero() => Err(ConfigError::at(
+            file,
+            &s.referenced,
+            format!("{field}: {:?} is zero; it must be more than 0", s.value),
+        )),
+        _ => Ok(d),
+    }
+}
+
+/// A count that must be at least `min` (`field` names it in the error). Nothing is silently
+/// raised: a value `run` could not honour is refused by `check` too.
+fn at_least<T>(file: &Path, s: &Option<Spanned<T>>, field: &str, min: T, default: T) -> Result<T, ConfigError>
+where
+    T: Copy + PartialOrd + std::fmt::Display,
+{
+    match s {
+        Some(v) if v.value < min => Err(ConfigError::at(
+            file,
+            &v.referenced,
+            format!("{field}: {} is too small; it must be at least {min}", v.value),
+        )),
+        Some(v) => Ok(v.value),
+        None => Ok(default),
+    }
+}
+
+/// `url` with any password replaced by `***` (for logs and `tollgate check`). Text that does not
+/// parse as a URL is shown up to its last `@` only as `***@…`, so a password never leaks.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return match url.rsplit_once('@') {
+            Some((_, host)) => format!("***@{host}"),
+            None => url.to_string(),
+        };
+    };
+    let (auth, tail) = match rest.find(['/', '?', '#']) {
+        Some(i) => rest.split_at(i),
+        None => (rest, ""),
+    };
+    match auth.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            let user = userinfo.split_once(':').map_or("", |(u, _)| u);
+            let shown = if userinfo.contains(':') {
+                format!("{user}:***")
+            } else {
+                "***".to_string()
+            };
+            format!("{scheme}://{shown}@{host}{tail}")
+        }
+        None => url.to_string(),
+    }
+}
+
+/// Check one Redis URL the way the store will open it: scheme `redis://` (or `rediss://`), and
+/// parsed by the Redis client. Returns a message naming the (redacted) URL.
+fn check_redis_url(url: &str) -> Result<(), String> {
+    use redis::IntoConnectionInfo;
+    let shown = redact_url(url);
+    let scheme = url.split_once("://").map(|(s, _)| s);
+    if !matches!(scheme, Some("redis") | Some("rediss")) {
+        return Err(format!(
+            "Redis URL {shown:?} needs a scheme: redis://host:port (or rediss://)"
+        ));
+    }
+    url.into_connection_info()
+        .map(|_| ())
+        .map_err(|e| format!("Redis URL {shown:?} did not parse: {e}"))
 }
 
 /// Which store holds counters.
@@ -192,12 +344,19 @@ pub struct GatewayConfig {
     pub listen: SocketAddr,
     /// Admin address.
     pub admin_listen: SocketAddr,
+    /// Who may use the admin API.
+    pub admin: admin::AdminConfig,
     /// The upstream.
     pub upstream: UpstreamConfig,
     /// Rules file (absolute or relative to the working dir).
     pub rules_file: PathBuf,
     /// API key registry.
     pub keys_file: Option<PathBuf>,
+    /// Where `rules_file` is written in the gateway file (line, column), so an error about a
+    /// file that cannot be read points there.
+    pub rules_file_at: Option<(u64, u64)>,
+    /// Where `keys_file` is written in the gateway file (line, column).
+    pub keys_file_at: Option<(u64, u64)>,
     /// The store.
     pub store: StoreConfig,
     /// Identity.
@@ -206,26 +365,46 @@ pub struct GatewayConfig {
     pub limits: LimitsConfig,
     /// Listener limits.
     pub server: ServerConfig,
+    /// Things an operator should know that are not errors (an ignored environment override, a
+    /// risky combination). `check` prints them; `run` logs each as a warning at start.
+    pub notes: Vec<String>,
 }
 
 /// Overrides from the environment (`TOLLGATE_LISTEN`, `TOLLGATE_REDIS_URL(S)`).
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct EnvOverrides {
     /// Replaces `listen`.
     pub listen: Option<String>,
     /// Replaces `store.urls` (comma-separated).
     pub redis_urls: Option<String>,
+    /// The variable `redis_urls` came from (for messages).
+    pub redis_urls_var: &'static str,
 }
 
 impl EnvOverrides {
     /// Read from the process environment.
     pub fn from_env() -> Self {
+        let var = |n: &str| std::env::var(n).ok().filter(|s| !s.is_empty());
+        let (redis_urls, redis_urls_var) = match (var("TOLLGATE_REDIS_URLS"), var("TOLLGATE_REDIS_URL")) {
+            (Some(v), _) => (Some(v), "TOLLGATE_REDIS_URLS"),
+            (None, Some(v)) => (Some(v), "TOLLGATE_REDIS_URL"),
+            (None, None) => (None, "TOLLGATE_REDIS_URLS"),
+        };
         EnvOverrides {
-            listen: std::env::var("TOLLGATE_LISTEN").ok().filter(|s| !s.is_empty()),
-            redis_urls: std::env::var("TOLLGATE_REDIS_URLS")
-                .or_else(|_| std::env::var("TOLLGATE_REDIS_URL"))
-                .ok()
-                .filter(|s| !s.is_empty()),
+            listen: var("TOLLGATE_LISTEN"),
+            redis_urls,
+            redis_urls_var,
+        }
+    }
+}
+
+impl Default for EnvOverrides {
+    /// No overrides.
+    fn default() -> Self {
+        EnvOverrides {
+            listen: None,
+            redis_urls: None,
+            redis_urls_var: "TOLLGATE_REDIS_URLS",
         }
     }
 }
@@ -271,6 +450,8 @@ impl GatewayConfig {
                 .map_err(|_| ConfigError::file(f, format!("TOLLGATE_LISTEN: invalid address {l:?}")))?;
         }
         let admin_listen = addr(f, &raw.admin_listen, "127.0.0.1:9090")?;
+        let mut notes = Vec::new();
+        let admin = admin::compile(f, &raw.admin, admin_listen, raw.admin_listen.as_ref(), &mut notes)?;
 
         let u = &raw.upstream;
         let url: http::Uri = u
@@ -294,8 +475,18 @@ impl GatewayConfig {
             url,
             scheme,
             authority,
-            connect_timeout: opt_duration(f, &u.connect_timeout, Duration::from_secs(1))?,
-            request_timeout: opt_duration(f, &u.request_timeout, Duration::from_secs(30))?,
+            connect_timeout: positive_duration(
+                f,
+                &u.connect_timeout,
+                "upstream.connect_timeout",
+                Duration::from_secs(1),
+            )?,
+            request_timeout: positive_duration(
+                f,
+                &u.request_timeout,
+                "upstream.request_timeout",
+                Duration::from_secs(30),
+            )?,
             pool_max_idle_per_host: u.pool_max_idle_per_host.unwrap_or(256),
         };
 
@@ -312,16 +503,37 @@ impl GatewayConfig {
                 ))
             }
         };
-        let mut urls = s.urls.clone();
+        let mut urls = Vec::with_capacity(s.urls.len());
+        for u in &s.urls {
+            if kind != StoreKind::Memory {
+                check_redis_url(&u.value).map_err(|m| ConfigError::at(f, &u.referenced, format!("store.urls: {m}")))?;
+            }
+            urls.push(u.value.clone());
+        }
         if let Some(list) = &env.redis_urls {
-            urls = list
-                .split(',')
-                .map(|u| u.trim().to_string())
-                .filter(|u| !u.is_empty())
-                .collect();
+            if kind == StoreKind::Memory {
+                notes.push(format!(
+                    "{} is set but ignored: store.kind is memory",
+                    env.redis_urls_var
+                ));
+            } else {
+                urls = list
+                    .split(',')
+                    .map(|u| u.trim().to_string())
+                    .filter(|u| !u.is_empty())
+                    .collect();
+                for u in &urls {
+                    check_redis_url(u).map_err(|m| ConfigError::file(f, format!("{}: {m}", env.redis_urls_var)))?;
+                }
+            }
         }
         if kind != StoreKind::Memory && urls.is_empty() {
-            return Err(ConfigError::file(f, "store.urls: a redis store needs at least one url"));
+            let at = s.kind.as_ref().map(|k| &k.referenced);
+            let msg = "store.urls: a redis store needs at least one url";
+            return Err(match at {
+                Some(loc) => ConfigError::at(f, loc, msg),
+                None => ConfigError::file(f, msg),
+            });
         }
         let key_prefix = match &s.key_prefix {
             Some(p) => {
@@ -336,20 +548,42 @@ impl GatewayConfig {
             }
             None => "tl".to_string(),
         };
-        let key_salt = s
-            .key_salt_env
-            .as_ref()
-            .and_then(|name| std::env::var(name).ok())
-            .unwrap_or_default();
+        // A missing salt must never silently mean "no salt": a pod without the Secret would
+        // build different keys from the rest of the fleet and split every counter.
+        let key_salt = match &s.key_salt_env {
+            Some(name) => match std::env::var(&name.value) {
+                Ok(v) if !v.is_empty() => v,
+                Ok(_) => {
+                    return Err(ConfigError::at(
+                        f,
+                        &name.referenced,
+                        format!("store.key_salt_env: the environment variable {} is empty", name.value),
+                    ))
+                }
+                Err(_) => {
+                    return Err(ConfigError::at(
+                        f,
+                        &name.referenced,
+                        format!("store.key_salt_env: the environment variable {} is not set", name.value),
+                    ))
+                }
+            },
+            None => String::new(),
+        };
         let store = StoreConfig {
             kind,
             urls,
-            timeout: opt_duration(f, &s.timeout, Duration::from_millis(20))?,
+            timeout: positive_duration(f, &s.timeout, "store.timeout", Duration::from_millis(20))?,
             key_prefix,
             key_salt,
-            memory_max_keys: s.memory_max_keys.unwrap_or(1_000_000),
-            breaker_threshold: s.breaker_threshold.unwrap_or(3),
-            probe_interval: opt_duration(f, &s.probe_interval, Duration::from_millis(250))?,
+            memory_max_keys: at_least(f, &s.memory_max_keys, "store.memory_max_keys", 1, 1_000_000)?,
+            breaker_threshold: at_least(f, &s.breaker_threshold, "store.breaker_threshold", 1, 3)?,
+            probe_interval: positive_duration(
+                f,
+                &s.probe_interval,
+                "store.probe_interval",
+                Duration::from_millis(250),
+            )?,
         };
 
         let id = &raw.identity;
@@ -383,7 +617,7 @@ impl GatewayConfig {
             jwt,
             trusted_proxies,
             ipv6_prefix,
-            max_forwarded_entries: id.max_forwarded_entries.unwrap_or(32).max(1),
+            max_forwarded_entries: at_least(f, &id.max_forwarded_entries, "identity.max_forwarded_entries", 1, 32)?,
         };
 
         let l = &raw.limits;
@@ -409,31 +643,54 @@ impl GatewayConfig {
             ietf_headers: ietf,
             legacy_headers: legacy,
             deny_cache: l.deny_cache.unwrap_or(true),
-            deny_cache_max: l.deny_cache_max.unwrap_or(100_000),
-            shadow_log_sample: l.shadow_log_sample.unwrap_or(100).max(1),
+            deny_cache_max: at_least(f, &l.deny_cache_max, "limits.deny_cache_max", 1, 100_000)?,
+            shadow_log_sample: at_least(f, &l.shadow_log_sample, "limits.shadow_log_sample", 1, 100)?,
         };
 
         let sv = &raw.server;
         let server = ServerConfig {
-            header_read_timeout: opt_duration(f, &sv.header_read_timeout, Duration::from_secs(10))?,
-            idle_timeout: opt_duration(f, &sv.idle_timeout, Duration::from_secs(60))?,
-            max_connections: sv.max_connections.unwrap_or(10_000).max(1),
+            header_read_timeout: positive_duration(
+                f,
+                &sv.header_read_timeout,
+                "server.header_read_timeout",
+                Duration::from_secs(10),
+            )?,
+            idle_timeout: positive_duration(f, &sv.idle_timeout, "server.idle_timeout", Duration::from_secs(60))?,
+            max_connections: at_least(f, &sv.max_connections, "server.max_connections", 1, 10_000)?,
             max_body_bytes: sv.max_body_bytes.unwrap_or(64 * 1024 * 1024),
-            max_header_bytes: sv.max_header_bytes.unwrap_or(16 * 1024).max(1024),
-            shutdown_grace: opt_duration(f, &sv.shutdown_grace, Duration::from_secs(10))?,
+            max_header_bytes: at_least(f, &sv.max_header_bytes, "server.max_header_bytes", 1024, 16 * 1024)?,
+            // By default in-flight requests get as long to finish as the upstream gets to answer.
+            shutdown_grace: opt_duration(f, &sv.shutdown_grace, upstream.request_timeout)?,
         };
+        if server.shutdown_grace < upstream.request_timeout {
+            notes.push(format!(
+                "server.shutdown_grace ({}) is shorter than upstream.request_timeout ({}): a slow request in flight at shutdown is cut off",
+                humantime::format_duration(server.shutdown_grace),
+                humantime::format_duration(upstream.request_timeout)
+            ));
+        }
 
         Ok(GatewayConfig {
             path: path.to_path_buf(),
             listen,
             admin_listen,
+            admin,
             upstream,
             rules_file: rel(raw.rules_file.as_ref().map_or("rules.yaml", |r| r.value.as_str())),
             keys_file: raw.keys_file.as_ref().map(|k| rel(&k.value)),
+            rules_file_at: raw
+                .rules_file
+                .as_ref()
+                .map(|r| (r.referenced.line(), r.referenced.column())),
+            keys_file_at: raw
+                .keys_file
+                .as_ref()
+                .map(|k| (k.referenced.line(), k.referenced.column())),
             store,
             identity,
             limits,
             server,
+            notes,
         })
     }
 }

@@ -14,6 +14,9 @@ pub struct RawGateway {
     pub listen: Option<Spanned<String>>,
     /// Admin listen address.
     pub admin_listen: Option<Spanned<String>>,
+    /// Admin API access.
+    #[serde(default)]
+    pub admin: RawAdmin,
     /// The upstream API.
     pub upstream: RawUpstream,
     /// Rules file, relative to the gateway file.
@@ -56,17 +59,17 @@ pub struct RawStore {
     pub kind: Option<Spanned<String>>,
     /// Redis URLs (cluster: any seeds).
     #[serde(default)]
-    pub urls: Vec<String>,
+    pub urls: Vec<Spanned<String>>,
     /// Deadline of one limit check.
     pub timeout: Option<Spanned<String>>,
     /// First part of every store key.
     pub key_prefix: Option<Spanned<String>>,
     /// Name of an env var holding a secret mixed into key hashes.
-    pub key_salt_env: Option<String>,
+    pub key_salt_env: Option<Spanned<String>>,
     /// Memory store: tracked-key cap.
-    pub memory_max_keys: Option<usize>,
+    pub memory_max_keys: Option<Spanned<usize>>,
     /// Consecutive failures that open the circuit breaker.
-    pub breaker_threshold: Option<u32>,
+    pub breaker_threshold: Option<Spanned<u32>>,
     /// How often an open breaker probes the store.
     pub probe_interval: Option<Spanned<String>>,
 }
@@ -85,7 +88,7 @@ pub struct RawIdentity {
     /// IPv6 prefix length that identifies one client.
     pub ipv6_prefix: Option<Spanned<u8>>,
     /// Most X-Forwarded-For entries read from the right.
-    pub max_forwarded_entries: Option<usize>,
+    pub max_forwarded_entries: Option<Spanned<usize>>,
 }
 
 /// `identity.jwt:`.
@@ -125,9 +128,9 @@ pub struct RawLimits {
     /// Remember denials locally.
     pub deny_cache: Option<bool>,
     /// Deny cache capacity.
-    pub deny_cache_max: Option<usize>,
+    pub deny_cache_max: Option<Spanned<usize>>,
     /// One in N shadow denials is logged.
-    pub shadow_log_sample: Option<u64>,
+    pub shadow_log_sample: Option<Spanned<u64>>,
 }
 
 /// `server:`.
@@ -139,11 +142,11 @@ pub struct RawServer {
     /// Idle keep-alive connections are closed after this.
     pub idle_timeout: Option<Spanned<String>>,
     /// Concurrent client connections.
-    pub max_connections: Option<usize>,
+    pub max_connections: Option<Spanned<usize>>,
     /// Request bodies larger than this get 413.
     pub max_body_bytes: Option<u64>,
     /// Largest request header section, bytes.
-    pub max_header_bytes: Option<usize>,
+    pub max_header_bytes: Option<Spanned<usize>>,
     /// Time in-flight requests get on shutdown.
     pub shutdown_grace: Option<Spanned<String>>,
 }
@@ -273,4 +276,14 @@ pub struct RawKey {
     pub tier: Option<String>,
     /// Org.
     pub org: Option<String>,
+}
+
+/// `admin:`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawAdmin {
+    /// Name of the environment variable holding the admin token.
+    pub token_env: Option<Spanned<String>>,
+    /// Allow a non-loopback `admin_listen` without a token.
+    pub insecure: Option<Spanned<bool>>,
 }

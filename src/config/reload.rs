@@ -36,6 +36,9 @@ pub fn spawn_watcher(gw: Arc<Gateway>, mut stop: watch::Receiver<bool>) {
     if let Some(k) = &gw.config.keys_file {
         files.push(k.clone());
     }
+    // The gateway file is watched too, not to apply it (that needs a restart) but to say that
+    // the running config no longer matches it (`Gateway::check_config_file`).
+    files.push(gw.config.path.clone());
     let (tx, mut rx) = mpsc::channel::<&'static str>(4);
 
     // File-system notifications: watch each parent directory, not the file itself.

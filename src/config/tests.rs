@@ -33,6 +33,7 @@ fn env_overrides_apply() {
     let env = EnvOverrides {
         listen: Some("127.0.0.1:18080".into()),
         redis_urls: Some("redis://a:1, redis://b:2".into()),
+        ..EnvOverrides::default()
     };
     let c = compile(
         "upstream: { url: http://127.0.0.1:8081 }\nstore: { kind: redis_cluster }\n",
@@ -43,7 +44,7 @@ fn env_overrides_apply() {
     assert_eq!(c.store.urls, vec!["redis://a:1", "redis://b:2"]);
     let bad = EnvOverrides {
         listen: Some("nope".into()),
-        redis_urls: None,
+        ..EnvOverrides::default()
     };
     assert!(compile("upstream: { url: http://127.0.0.1:8081 }\n", &bad)
         .unwrap_err()
@@ -61,10 +62,122 @@ fn errors_name_file_line_and_column() {
         ("upstream: { url: http://127.0.0.1:8081 }\nidentity: { trusted_proxies: [10.0.0.0/33] }\n", "/etc/tollgate/gateway.yaml:2:31:", "invalid CIDR"),
         ("upstream: { url: http://127.0.0.1:8081 }\nidentity: { jwt: { algorithms: [none], secret_env: X } }\n", "/etc/tollgate/gateway.yaml:2:32:", "never accepted"),
         ("upstream: { url: http://127.0.0.1:8081 }\nidentity: { jwt: { algorithms: [HS256, RS256], secret_env: X } }\n", "/etc/tollgate/gateway.yaml:2:32:", "one key family"),
+        ("upstream: { url: http://127.0.0.1:8081 }\nidentity: { jwt: { algorithms: [HS256], secret_env: X, public_key_file: k.pem } }\n", "/etc/tollgate/gateway.yaml:2:53:", "choose one"),
     ];
     for (yaml, at, what) in cases {
         let e = compile(yaml, &EnvOverrides::default()).unwrap_err().to_string();
         assert!(e.starts_with(at), "{e} (want {at})");
         assert!(e.contains(what), "{e} (want {what})");
     }
+}
+
+#[test]
+fn values_run_cannot_honour_are_refused_with_their_position() {
+    let u = "upstream: { url: http://127.0.0.1:8081 }\n";
+    let cases = [
+        (
+            "store: { kind: redis, urls: [127.0.0.1:6379] }\n",
+            "gateway.yaml:2:30:",
+            "needs a scheme",
+        ),
+        (
+            "store: { kind: redis, urls: [\"redis://h:notaport\"] }\n",
+            "gateway.yaml:2:30:",
+            "did not parse",
+        ),
+        ("store:\n  timeout: 0ms\n", "gateway.yaml:3:12:", "store.timeout"),
+        (
+            "store:\n  breaker_threshold: 0\n",
+            "gateway.yaml:3:22:",
+            "store.breaker_threshold: 0",
+        ),
+        (
+            "server:\n  max_connections: 0\n",
+            "gateway.yaml:3:20:",
+            "server.max_connections: 0",
+        ),
+        (
+            "store:\n  probe_interval: 0s\n",
+            "gateway.yaml:3:19:",
+            "store.probe_interval",
+        ),
+        (
+            "server:\n  max_header_bytes: 100\n",
+            "gateway.yaml:3:21:",
+            "at least 1024",
+        ),
+        (
+            "store:\n  key_salt_env: TOLLGATE_TEST_SALT_THAT_IS_NEVER_SET\n",
+            "gateway.yaml:3:17:",
+            "is not set",
+        ),
+    ];
+    for (yaml, at, what) in cases {
+        let e = compile(&format!("{u}{yaml}"), &EnvOverrides::default())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(at), "{e} (want {at})");
+        assert!(e.contains(what), "{e} (want {what})");
+    }
+    // A memory store does not read its urls; nothing to refuse there.
+    compile(&format!("{u}store: {{ urls: [nonsense] }}\n"), &EnvOverrides::default()).unwrap();
+}
+
+#[test]
+fn redis_url_from_the_environment_is_checked_too_and_noted_when_ignored() {
+    let env = EnvOverrides {
+        redis_urls: Some("127.0.0.1:6379".into()),
+        redis_urls_var: "TOLLGATE_REDIS_URL",
+        ..EnvOverrides::default()
+    };
+    let e = compile(
+        "upstream: { url: http://127.0.0.1:8081 }\nstore: { kind: redis, urls: [redis://r:6379] }\n",
+        &env,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("TOLLGATE_REDIS_URL") && e.contains("needs a scheme"), "{e}");
+    let c = compile("upstream: { url: http://127.0.0.1:8081 }\n", &env).unwrap();
+    assert!(
+        c.notes
+            .iter()
+            .any(|n| n.contains("TOLLGATE_REDIS_URL is set but ignored")),
+        "{:?}",
+        c.notes
+    );
+}
+
+#[test]
+fn redact_url_hides_passwords() {
+    assert_eq!(
+        redact_url("redis://default:hunter2@r:6379/0"),
+        "redis://default:***@r:6379/0"
+    );
+    assert_eq!(redact_url("rediss://hunter2@r:6379"), "rediss://***@r:6379");
+    assert_eq!(redact_url("redis://r:6379"), "redis://r:6379");
+    assert_eq!(redact_url("user:hunter2@r:6379"), "***@r:6379");
+    assert!(!redact_url("redis://u:p@ss@r:1").contains("p@ss"));
+}
+
+#[test]
+fn unknown_fields_suggest_the_closest_and_print_the_position_once() {
+    let e = compile(
+        "upstream: { url: http://127.0.0.1:8081 }\nstore:\n  timeot: 5ms\n",
+        &EnvOverrides::default(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.starts_with("/etc/tollgate/gateway.yaml:3:3: unknown field `timeot`"),
+        "{e}"
+    );
+    assert!(e.ends_with("did you mean `timeout`?"), "{e}");
+    assert!(!e.contains("at line"), "position printed twice: {e}");
+    let e = compile(
+        "upstream: { url: http://127.0.0.1:8081 }\nstore:\n  zzzzzz: 5ms\n",
+        &EnvOverrides::default(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(!e.contains("did you mean"), "no suggestion when nothing is close: {e}");
 }

@@ -50,6 +50,15 @@ pub enum GatewayError {
     /// The gateway is shutting down or at its connection cap.
     #[error("service unavailable: {0}")]
     Unavailable(&'static str),
+    /// A protected admin endpoint without the right token.
+    #[error("unauthorized")]
+    Unauthorized,
+    /// The request's header section is larger than `max_header_bytes`, or has too many fields.
+    #[error("request header fields too large")]
+    HeadersTooLarge,
+    /// `/keys/{identity}` for a value that is no registered key id, IP or org and has no counters.
+    #[error("unknown identity")]
+    UnknownIdentity,
 }
 
 impl GatewayError {
@@ -62,7 +71,9 @@ impl GatewayError {
             GatewayError::GatewayTimeout => StatusCode::GATEWAY_TIMEOUT,
             GatewayError::BadRequest(_) => StatusCode::BAD_REQUEST,
             GatewayError::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            GatewayError::NotFound => StatusCode::NOT_FOUND,
+            GatewayError::NotFound | GatewayError::UnknownIdentity => StatusCode::NOT_FOUND,
+            GatewayError::HeadersTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            GatewayError::Unauthorized => StatusCode::UNAUTHORIZED,
         }
     }
 
@@ -107,6 +118,18 @@ impl GatewayError {
                 retry = Some(1);
                 json!({"error": "unavailable", "message": why})
             }
+            GatewayError::HeadersTooLarge => json!({
+                "error": "request_header_fields_too_large",
+                "message": "The request's headers are larger than this gateway accepts.",
+            }),
+            GatewayError::UnknownIdentity => json!({
+                "error": "unknown_identity",
+                "message": "Not a registered API key id, an IP address or a registered org, and no counters exist for it: check the spelling.",
+            }),
+            GatewayError::Unauthorized => json!({
+                "error": "unauthorized",
+                "message": "This admin endpoint needs the admin token: Authorization: Bearer <token>, or HTTP Basic with the token as the password.",
+            }),
         };
         let mut resp = Response::new(full(body.to_string()));
         *resp.status_mut() = status;
@@ -115,6 +138,16 @@ impl GatewayError {
         h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
         if let Some(s) = retry {
             h.insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        if status == StatusCode::UNAUTHORIZED {
+            h.append(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer realm=\"tollgate admin\""),
+            );
+            h.append(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Basic realm=\"tollgate admin\", charset=\"UTF-8\""),
+            );
         }
         resp
     }

@@ -122,6 +122,16 @@ impl JwtVerifier {
                 "jwt.algorithms mixes HS* with RS*/ES*: one key family only (prevents algorithm confusion)",
             ));
         }
+        if let (Some(env), true) = (
+            &raw.secret_env,
+            raw.public_key_file.is_some() || raw.jwks_file.is_some(),
+        ) {
+            return Err(ConfigError::at(
+                file,
+                &env.referenced,
+                "jwt: choose one: secret_env (HS*) or public_key_file / jwks_file (RS*/ES*/EdDSA), not both",
+            ));
+        }
         let mut keys = Vec::new();
         let read = |s: &serde_saphyr::Spanned<String>| -> Result<Vec<u8>, ConfigError> {
             let p = dir.join(&s.value);

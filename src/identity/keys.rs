@@ -90,6 +90,11 @@ impl KeyRegistry {
         self.by_hash.get(&h)
     }
 
+    /// Every registered key: its SHA-256 and entry (for reload diffs and the admin API).
+    pub fn entries(&self) -> impl Iterator<Item = (&[u8; 32], &KeyEntry)> {
+        self.by_hash.iter()
+    }
+
     /// True when a registered key has the id `id` (admin lookups; a linear scan).
     pub fn has_id(&self, id: &str) -> bool {
         self.by_hash.values().any(|e| &*e.id == id)

@@ -69,6 +69,26 @@ fn validate<B>(req: &Request<B>) -> Result<(), GatewayError> {
     Ok(())
 }
 
+/// Most header fields a request may carry; hyper's own parser allows twice as many (and twice
+/// `max_header_bytes`) so that tollgate, not hyper, answers the 431 with a JSON body.
+pub const MAX_HEADERS: usize = 100;
+
+/// The header section within `server.max_header_bytes` and [`MAX_HEADERS`] fields.
+fn headers_within<B>(req: &Request<B>, max_bytes: usize) -> Result<(), GatewayError> {
+    let h = req.headers();
+    if h.len() > MAX_HEADERS {
+        return Err(GatewayError::HeadersTooLarge);
+    }
+    let mut size = req.uri().path_and_query().map_or(1, |p| p.as_str().len()) + 16;
+    for (k, v) in h {
+        size += k.as_str().len() + v.len() + 4;
+    }
+    if size > max_bytes {
+        return Err(GatewayError::HeadersTooLarge);
+    }
+    Ok(())
+}
+
 impl Gateway {
     /// Serve one request; never fails (errors become responses in `crate::http::respond`).
     pub async fn handle(self: Arc<Self>, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
@@ -87,6 +107,7 @@ impl Gateway {
         peer: SocketAddr,
     ) -> Result<Response<ProxyBody>, GatewayError> {
         validate(&req)?;
+        headers_within(&req, self.config.server.max_header_bytes)?;
         if let Some(len) = req.headers().get(header::CONTENT_LENGTH) {
             let len: u64 = len
                 .to_str()
@@ -144,6 +165,7 @@ impl Gateway {
                 if !o.allowed {
                     let b = binding_of(&plan, &snap, i, &o, src);
                     let lim = &self.config.limits;
+                    self.metrics.rate_limited();
                     return Ok(respond::rate_limited(&b, lim.ietf_headers, lim.legacy_headers, now_us));
                 }
                 binding = Some((i, o, src));
@@ -165,6 +187,7 @@ impl Gateway {
         if delay_us > 0 {
             // Leaky bucket: wait our turn. If the client leaves, this future is dropped and the
             // guard gives the slot back.
+            let _queued = crate::metrics::InFlight::enter(&self.metrics.leaky_queue);
             tokio::time::sleep(Duration::from_micros(delay_us)).await;
         }
         if let Some(mut g) = refund_guard.take() {
@@ -238,6 +261,7 @@ impl Gateway {
                 .map_err(|e| -> BoxError { e })
                 .boxed_unsync(),
         );
+        let method = parts.method.clone(); // for the error log; no allocation for standard methods
         *out.method_mut() = parts.method;
         *out.uri_mut() = forward::origin_form(parts.uri.path_and_query());
         *out.version_mut() = Version::HTTP_11;
@@ -264,6 +288,9 @@ impl Gateway {
         let mut resp = match result {
             Err(_) => {
                 self.metrics.upstream_status[5].inc();
+                if let Some(suppressed) = self.upstream_log.allow() {
+                    tracing::warn!(method = %method, path = %parts.uri.path(), upstream = %self.config.upstream.authority, timeout_ms = self.config.upstream.request_timeout.as_millis() as u64, suppressed, "upstream timed out (repeats logged at most once a second, `suppressed` counts the others)");
+                }
                 return Err(GatewayError::GatewayTimeout);
             }
             Ok(Err(e)) if body_over_limit(&e) => {
@@ -273,13 +300,16 @@ impl Gateway {
             }
             Ok(Err(e)) => {
                 self.metrics.upstream_status[5].inc();
-                tracing::warn!(error = %e, "upstream request failed");
+                if let Some(suppressed) = self.upstream_log.allow() {
+                    tracing::warn!(method = %method, path = %parts.uri.path(), upstream = %self.config.upstream.authority, error = %e, suppressed, "upstream request failed (repeats logged at most once a second, `suppressed` counts the others)");
+                }
                 return Err(GatewayError::BadGateway(e.to_string()));
             }
             Ok(Ok(r)) => r,
         };
         let class = (resp.status().as_u16() / 100).clamp(1, 5) as usize - 1;
         self.metrics.upstream_status[class].inc();
+        self.metrics.upstream_response(resp.status().as_u16());
 
         if resp.status() == http::StatusCode::SWITCHING_PROTOCOLS {
             if let Some(client_up) = client_upgrade {

@@ -105,6 +105,10 @@ pub(super) struct Inner {
     pub(super) topo: ArcSwap<slots::Topology>,
     /// Consecutive failed calls that open a shard's breaker.
     pub(super) threshold: u32,
+    /// The configured URLs with passwords redacted, for logs.
+    pub(super) targets: String,
+    /// Repeated rebuild failures are logged at most once a minute.
+    pub(super) rebuild_log: crate::log_throttle::LogThrottle,
     /// Batched `check` calls sent so far (see [`batch`]).
     pub(super) batch_calls: AtomicU64,
     /// Requests those calls carried.
@@ -240,13 +244,24 @@ impl Inner {
                     inner.conn.store(Some(Arc::new(conn)));
                     inner.rebuilds.fetch_add(1, Ordering::Relaxed);
                     inner.refresh_topology().await;
+                    let unlogged_failures = inner.rebuild_log.reset();
                     tracing::warn!(
                         mode = ?inner.mode,
+                        targets = %inner.targets,
+                        unlogged_failures,
                         "redis connection rebuilt after repeated failures"
                     );
                 }
                 Err(e) => {
-                    tracing::warn!(mode = ?inner.mode, error = %e, "redis connection rebuild failed");
+                    if let Some(suppressed) = inner.rebuild_log.allow() {
+                        tracing::warn!(
+                            mode = ?inner.mode,
+                            targets = %inner.targets,
+                            error = %e,
+                            suppressed,
+                            "redis connection rebuild failed (repeats are logged at most once a minute, `suppressed` counts the others)"
+                        );
+                    }
                 }
             }
             inner.rebuilding.store(false, Ordering::Release);

@@ -99,6 +99,11 @@ impl std::fmt::Debug for RedisStore {
     }
 }
 
+/// The URLs for logs, passwords redacted.
+fn redacted_targets(urls: &[String]) -> String {
+    urls.iter().map(|u| redact_url(u)).collect::<Vec<_>>().join(",")
+}
+
 impl RedisStore {
     /// Connect to `urls` (one server, or cluster seeds). `timeout` is the per-check deadline;
     /// it also bounds every Redis response, and connecting takes at most a few times it.
@@ -116,7 +121,7 @@ impl RedisStore {
         let conn = match open(mode, urls, timeout).await {
             Ok(c) => Some(Arc::new(c)),
             Err(e) if urls.iter().all(|u| u.as_str().into_connection_info().is_ok()) && !urls.is_empty() => {
-                tracing::warn!(error = %e, ?mode, "Redis is unreachable at start-up; serving with each rule's failure policy and retrying in the background");
+                tracing::warn!(error = %e, ?mode, targets = %redacted_targets(urls), "Redis is unreachable at start-up; serving with each rule's failure policy and retrying in the background");
                 None
             }
             Err(e) => return Err(e),
@@ -137,6 +142,8 @@ impl RedisStore {
                 threshold,
             )),
             threshold: threshold.max(1),
+            targets: redacted_targets(urls),
+            rebuild_log: crate::log_throttle::LogThrottle::new(Duration::from_secs(60)),
             batch_calls: AtomicU64::new(0),
             batch_requests: AtomicU64::new(0),
         });

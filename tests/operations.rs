@@ -1,0 +1,829 @@
+//! Operator readiness, against the real `tollgate` binary: readiness without Redis, start-up
+//! refusals that `tollgate check` reports the same way, `check` output, reload reporting,
+//! the admin token and the admin audit log.
+
+mod common;
+mod harness;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::Duration;
+
+use common::{wait_for, RedisServer};
+use harness::*;
+
+/// Every variable the binary reads from the environment, so a developer's shell never leaks in.
+const ENV_VARS: &[&str] = &[
+    "TOLLGATE_CONFIG",
+    "TOLLGATE_LISTEN",
+    "TOLLGATE_REDIS_URL",
+    "TOLLGATE_REDIS_URLS",
+    "TOLLGATE_ADMIN_TOKEN",
+    "TOLLGATE_TEST_SALT",
+];
+
+/// A `tollgate` command with a clean environment plus `env`.
+fn tollgate(env: &[(&str, &str)]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tollgate"));
+    for v in ENV_VARS {
+        c.env_remove(v);
+    }
+    c.env("RUST_LOG", "info");
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c
+}
+
+/// `tollgate check --config <p>`.
+fn check(p: &Path, env: &[(&str, &str)]) -> Output {
+    tollgate(env)
+        .args(["check", "--config"])
+        .arg(p)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// Write gateway.yaml (`body` is everything after `admin_listen`) and rules.yaml into `dir`.
+fn write(dir: &Path, port: u16, admin: &str, body: &str, rules: &str) -> PathBuf {
+    std::fs::write(dir.join("rules.yaml"), rules).unwrap();
+    let p = dir.join("gateway.yaml");
+    std::fs::write(
+        &p,
+        format!("listen: 127.0.0.1:{port}\nadmin_listen: {admin}\n{body}rules_file: rules.yaml\n"),
+    )
+    .unwrap();
+    p
+}
+
+/// The binary running `run`, stderr (the log) captured in a file. Killed on drop.
+struct Proc {
+    child: Child,
+    log: PathBuf,
+}
+
+impl Proc {
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Start `run --config p` with `env`; wait until both ports accept connections.
+fn run(p: &Path, env: &[(&str, &str)], port: u16, admin_port: u16) -> Proc {
+    let log = p.with_file_name("tollgate.log");
+    let child = tollgate(env)
+        .args(["--log-format", "json", "run", "--config"])
+        .arg(p)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let mut proc = Proc { child, log };
+    let up = wait_for(Duration::from_secs(10), Duration::from_millis(20), || {
+        if let Ok(Some(s)) = proc.child.try_wait() {
+            panic!("tollgate exited early ({s}): {}", proc.log());
+        }
+        (std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+            && std::net::TcpStream::connect(("127.0.0.1", admin_port)).is_ok())
+        .then_some(())
+    });
+    assert!(up.is_some(), "tollgate did not start: {}", proc.log());
+    proc
+}
+
+/// `run` must exit with failure within 10 s; returns its stderr.
+fn run_refused(p: &Path, env: &[(&str, &str)]) -> String {
+    let mut child = tollgate(env)
+        .args(["run", "--config"])
+        .arg(p)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let status = wait_for(Duration::from_secs(10), Duration::from_millis(20), || {
+        child.try_wait().unwrap()
+    });
+    let Some(status) = status else {
+        let _ = child.kill();
+        panic!("tollgate started, it should have refused");
+    };
+    assert!(!status.success());
+    let mut err = String::new();
+    use std::io::Read;
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    err
+}
+
+fn upstream_yaml(up: &str) -> String {
+    format!("upstream:\n  url: {up}\n  connect_timeout: 500ms\n  request_timeout: 2s\n")
+}
+
+const RULES: &str = "rules:\n  - { name: open, match: { path: \"/open/**\" }, key: ip, limit: 1000, window: 1m, failure: open }\n  - { name: closed, match: { path: \"/closed/**\" }, key: ip, limit: 1000, window: 1m, failure: closed }\n";
+
+fn status_of(url: &str) -> u16 {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async { client().get(url).send().await.map(|r| r.status().as_u16()).unwrap_or(0) })
+}
+
+fn echo_upstream(rt: &tokio::runtime::Runtime) -> String {
+    format!("http://{}", rt.block_on(echo()))
+}
+
+#[test]
+fn readiness_does_not_depend_on_redis_but_store_readiness_does() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let up = echo_upstream(&rt);
+    let mut redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (port, admin_port) = (free_port(), free_port());
+    let body = format!(
+        "{}store:\n  kind: redis\n  urls: [\"{}\"]\n  timeout: 50ms\n  probe_interval: 100ms\n",
+        upstream_yaml(&up),
+        redis.url()
+    );
+    let p = write(dir.path(), port, &format!("127.0.0.1:{admin_port}"), &body, RULES);
+    let _gw = run(&p, &[], port, admin_port);
+    let admin = format!("http://127.0.0.1:{admin_port}");
+    let base = format!("http://127.0.0.1:{port}");
+    let store_up = wait_for(Duration::from_secs(5), Duration::from_millis(20), || {
+        (status_of(&format!("{admin}/readyz?store=1")) == 200).then_some(())
+    });
+    assert!(store_up.is_some(), "the store never became ready");
+    assert_eq!(status_of(&format!("{admin}/readyz")), 200);
+
+    redis.kill();
+    // The proxy keeps serving (fail open) and stays ready, so its Service keeps it.
+    assert_eq!(status_of(&format!("{base}/open/x")), 200);
+    let store_down = wait_for(Duration::from_secs(5), Duration::from_millis(20), || {
+        (status_of(&format!("{admin}/readyz?store=1")) == 503).then_some(())
+    });
+    assert!(store_down.is_some(), "/readyz?store=1 did not report the dead store");
+    assert_eq!(status_of(&format!("{admin}/readyz")), 200, "readiness followed Redis");
+    assert_eq!(status_of(&format!("{base}/open/x")), 200);
+    assert_eq!(status_of(&format!("{base}/closed/x")), 503);
+}
+
+#[test]
+fn an_unset_or_empty_key_salt_env_refuses_start_and_check_names_the_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let body = "upstream: { url: http://127.0.0.1:9 }\nstore:\n  key_prefix: tl\n  key_salt_env: TOLLGATE_TEST_SALT\n";
+    let p = write(dir.path(), free_port(), "127.0.0.1:0", body, RULES);
+    let at = format!("{}:6:17: store.key_salt_env", p.display());
+    for env in [&[][..], &[("TOLLGATE_TEST_SALT", "")][..]] {
+        let out = check(&p, env);
+        assert_eq!(out.status.code(), Some(1));
+        let err = text(&out.stderr);
+        assert!(err.contains(&at), "{err} (want {at})");
+        let err = run_refused(&p, env);
+        assert!(err.contains(&at), "run: {err} (want {at})");
+    }
+    let out = check(&p, &[("TOLLGATE_TEST_SALT", "pepper")]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(!text(&out.stdout).contains("pepper"), "the salt is a secret");
+}
+
+#[test]
+fn check_refuses_what_run_refuses_with_file_line_col() {
+    let cases = [
+        (
+            "store:\n  kind: redis\n  urls: [127.0.0.1:6379]\n",
+            "6:10:",
+            "needs a scheme",
+        ),
+        ("store:\n  timeout: 0ms\n", "5:12:", "store.timeout"),
+        (
+            "store:\n  breaker_threshold: 0\n",
+            "5:22:",
+            "store.breaker_threshold: 0",
+        ),
+        ("server:\n  max_connections: 0\n", "5:20:", "server.max_connections: 0"),
+    ];
+    for (extra, pos, what) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let body = format!("upstream: {{ url: http://127.0.0.1:9 }}\n{extra}");
+        let p = write(dir.path(), free_port(), "127.0.0.1:0", &body, RULES);
+        let at = format!("{}:{pos}", p.display());
+        let out = check(&p, &[]);
+        assert_eq!(out.status.code(), Some(1), "check passed {extra}");
+        let err = text(&out.stderr);
+        assert!(
+            err.contains(&at) && err.contains(what),
+            "check: {err} (want {at} {what})"
+        );
+        let err = run_refused(&p, &[]);
+        assert!(err.contains(&at) && err.contains(what), "run: {err} (want {at} {what})");
+    }
+}
+
+#[test]
+fn check_output_never_shows_a_redis_password() {
+    let dir = tempfile::tempdir().unwrap();
+    let body = "upstream: { url: http://127.0.0.1:9 }\nstore:\n  kind: redis\n  urls: [\"redis://default:s3cr3t-pw@127.0.0.1:6379/0\"]\n";
+    let p = write(dir.path(), free_port(), "127.0.0.1:0", body, RULES);
+    let out = check(&p, &[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let all = text(&out.stdout) + &text(&out.stderr);
+    assert!(!all.contains("s3cr3t-pw"), "{all}");
+    assert!(all.contains("redis://default:***@127.0.0.1:6379/0"), "{all}");
+    // The same through the environment override.
+    let out = check(&p, &[("TOLLGATE_REDIS_URL", "redis://u:env-pw@127.0.0.1:6380")]);
+    let all = text(&out.stdout) + &text(&out.stderr);
+    assert!(out.status.success(), "{all}");
+    assert!(
+        !all.contains("env-pw") && all.contains("redis://u:***@127.0.0.1:6380"),
+        "{all}"
+    );
+    // A bad URL's error message is redacted too.
+    let body = "upstream: { url: http://127.0.0.1:9 }\nstore:\n  kind: redis\n  urls: [\"default:s3cr3t-pw@127.0.0.1:6379\"]\n";
+    let p = write(dir.path(), free_port(), "127.0.0.1:0", body, RULES);
+    let out = check(&p, &[]);
+    let all = text(&out.stdout) + &text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(!all.contains("s3cr3t-pw"), "{all}");
+}
+
+/// One admin request with an optional `Authorization` value; returns (status, body).
+fn admin_call(method: &str, url: &str, auth: Option<&str>) -> (u16, String) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let c = client();
+        let m = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+        let mut r = c.request(m, url);
+        if let Some(a) = auth {
+            r = r.header("authorization", a);
+        }
+        let resp = r.send().await.unwrap();
+        let status = resp.status().as_u16();
+        (status, resp.text().await.unwrap())
+    })
+}
+
+fn basic(user: &str, password: &str) -> String {
+    use base64::Engine;
+    format!(
+        "Basic {}",
+        base64::engine::general_purpose::STANDARD.encode(format!("{user}:{password}"))
+    )
+}
+
+const TOKEN: &str = "tg-admin-7f3a9c0e5b1d";
+const KEYS: &str =
+    "keys:\n  - { id: cust_42, sha256: 2bb80d537b1da3e38bd30361aa855686bde0eacd7162fef6a25fe97bf527a25b, tier: pro }\n";
+const USER_RULES: &str = "rules:\n  - { name: per-user, match: { path: \"/**\" }, key: user, limit: 5, window: 1m }\n";
+
+#[test]
+fn the_admin_token_guards_every_endpoint_but_health_readiness_and_metrics() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let up = echo_upstream(&rt);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("keys.yaml"), KEYS).unwrap();
+    let (port, admin_port) = (free_port(), free_port());
+    let body = format!(
+        "{}keys_file: keys.yaml\nadmin:\n  token_env: TOLLGATE_ADMIN_TOKEN\n",
+        upstream_yaml(&up)
+    );
+    let p = write(dir.path(), port, &format!("127.0.0.1:{admin_port}"), &body, USER_RULES);
+    let gw = run(&p, &[("TOLLGATE_ADMIN_TOKEN", TOKEN)], port, admin_port);
+    let admin = format!("http://127.0.0.1:{admin_port}");
+
+    for open in ["/healthz", "/readyz", "/metrics"] {
+        assert_eq!(admin_call("GET", &format!("{admin}{open}"), None).0, 200, "{open}");
+    }
+    let wrong = [
+        None,
+        Some("Bearer wrong".to_string()),
+        Some(format!("Bearer {}", &TOKEN[..TOKEN.len() - 1])),
+        Some(format!("Bearer {TOKEN}x")),
+        Some(basic("admin", "wrong")),
+        Some(format!("Token {TOKEN}")),
+    ];
+    let right = [format!("Bearer {TOKEN}"), basic("admin", TOKEN), basic("", TOKEN)];
+    let protected = [
+        ("GET", "/rules"),
+        ("GET", "/explain?method=GET&path=/x"),
+        ("GET", "/keys/cust_42"),
+        ("DELETE", "/keys/cust_42"),
+        ("POST", "/reload"),
+        ("GET", "/no-such-endpoint"),
+    ];
+    for (m, path) in protected {
+        let url = format!("{admin}{path}");
+        for w in &wrong {
+            let (s, body) = admin_call(m, &url, w.as_deref());
+            assert_eq!(s, 401, "{m} {path} with {w:?}: {body}");
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+            assert_eq!(v["error"], "unauthorized");
+        }
+        for r in &right {
+            let (s, body) = admin_call(m, &url, Some(r));
+            let want = if path == "/no-such-endpoint" { 404 } else { 200 };
+            assert_eq!(s, want, "{m} {path} with the right token ({r}): {body}");
+        }
+    }
+    // The audit log names the caller and what changed, never the token.
+    let log = wait_for(Duration::from_secs(5), Duration::from_millis(20), || {
+        let l = gw.log();
+        (l.contains("\"action\":\"reset\"") && l.contains("\"action\":\"reload\"")).then_some(l)
+    })
+    .unwrap_or_else(|| panic!("no audit lines: {}", gw.log()));
+    let audit: Vec<&str> = log.lines().filter(|l| l.contains("tollgate::audit")).collect();
+    assert!(
+        audit
+            .iter()
+            .any(|l| l.contains("\"action\":\"reload\"") && l.contains("\"caller\":\"127.0.0.1:")),
+        "{audit:?}"
+    );
+    assert!(
+        audit
+            .iter()
+            .any(|l| l.contains("\"action\":\"reset\"") && l.contains("\"caller\":\"127.0.0.1:")),
+        "{audit:?}"
+    );
+    assert!(
+        !log.contains(TOKEN) && !log.contains(&TOKEN[..TOKEN.len() - 1]),
+        "a token reached the log"
+    );
+    let (_, metrics) = admin_call("GET", &format!("{admin}/metrics"), None);
+    assert!(!metrics.contains(TOKEN));
+}
+
+#[test]
+fn an_exposed_admin_listener_needs_a_token_or_insecure_true() {
+    let dir = tempfile::tempdir().unwrap();
+    let (port, admin_port) = (free_port(), free_port());
+    let admin = format!("0.0.0.0:{admin_port}");
+    let p = write(
+        dir.path(),
+        port,
+        &admin,
+        "upstream: { url: http://127.0.0.1:9 }\n",
+        RULES,
+    );
+    let at = format!(
+        "{}:2:15: admin_listen 0.0.0.0:{admin_port} is not a loopback address",
+        p.display()
+    );
+    let out = check(&p, &[]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains(&at), "{} (want {at})", text(&out.stderr));
+    let err = run_refused(&p, &[]);
+    assert!(err.contains(&at), "run: {err} (want {at})");
+
+    // A token_env naming an unset variable is refused too (never "no token").
+    let p = write(
+        dir.path(),
+        port,
+        &admin,
+        "upstream: { url: http://127.0.0.1:9 }\nadmin: { token_env: TOLLGATE_ADMIN_TOKEN }\n",
+        RULES,
+    );
+    let err = run_refused(&p, &[]);
+    assert!(
+        err.contains(&format!("{}:4:21: admin.token_env", p.display())) && err.contains("not set"),
+        "{err}"
+    );
+    let out = check(&p, &[("TOLLGATE_ADMIN_TOKEN", TOKEN)]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+
+    // insecure: true starts, open, and says so at every start.
+    let p = write(
+        dir.path(),
+        port,
+        &admin,
+        "upstream: { url: http://127.0.0.1:9 }\nadmin: { insecure: true }\n",
+        RULES,
+    );
+    let out = check(&p, &[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("admin.insecure: true"),
+        "{}",
+        text(&out.stdout)
+    );
+    for _ in 0..2 {
+        let gw = run(&p, &[], port, admin_port);
+        let warned = wait_for(Duration::from_secs(5), Duration::from_millis(20), || {
+            gw.log()
+                .lines()
+                .any(|l| l.contains("\"level\":\"WARN\"") && l.contains("admin.insecure: true"))
+                .then_some(())
+        });
+        assert!(warned.is_some(), "no warning: {}", gw.log());
+        let (s, _) = admin_call("GET", &format!("http://127.0.0.1:{admin_port}/rules"), None);
+        assert_eq!(s, 200);
+        drop(gw);
+    }
+}
+
+/// The value of the metric line starting with `name` (labels included), if present.
+fn metric(body: &str, name: &str) -> Option<String> {
+    body.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+        .map(|l| l.rsplit(' ').next().unwrap_or("").to_string())
+}
+
+#[test]
+fn reloads_report_key_changes_success_and_a_stale_gateway_file() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let up = echo_upstream(&rt);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("keys.yaml"), KEYS).unwrap();
+    let (port, admin_port) = (free_port(), free_port());
+    let body = format!("{}keys_file: keys.yaml\n", upstream_yaml(&up));
+    let p = write(dir.path(), port, &format!("127.0.0.1:{admin_port}"), &body, USER_RULES);
+    let gw = run(&p, &[], port, admin_port);
+    let admin = format!("http://127.0.0.1:{admin_port}");
+    let m = admin_call("GET", &format!("{admin}/metrics"), None).1;
+    assert_eq!(metric(&m, "tollgate_last_reload_success").as_deref(), Some("1"), "{m}");
+    let t0: u64 = metric(&m, "tollgate_last_reload_success_timestamp_seconds")
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(t0 > 1_700_000_000, "{t0}");
+
+    // Adding a key (rules untouched) is a change.
+    let two_keys = format!("{KEYS}  - {{ id: cust_43, sha256: {}, tier: free }}\n", "a".repeat(64));
+    atomic_write(&dir.path().join("keys.yaml"), &two_keys);
+    let (s, body) = admin_call("POST", &format!("{admin}/reload"), None);
+    assert_eq!(s, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["changed"], true, "{v}");
+    assert_eq!(v["keys"]["added"], 1, "{v}");
+    assert_eq!(v["rules"]["added"], 0, "{v}");
+    let logged = wait_for(Duration::from_secs(5), Duration::from_millis(20), || {
+        gw.log()
+            .lines()
+            .any(|l| {
+                l.contains("rules and keys reloaded")
+                    && l.contains("\"changed\":true")
+                    && l.contains("\"keys_added\":1")
+            })
+            .then_some(())
+    });
+    assert!(logged.is_some(), "{}", gw.log());
+    let m = admin_call("GET", &format!("{admin}/metrics"), None).1;
+    assert_eq!(
+        metric(&m, "tollgate_reload_changes_total{file=\"keys\",change=\"added\"}").as_deref(),
+        Some("1"),
+        "{m}"
+    );
+
+    // A refused reload flips the success gauge.
+    atomic_write(&dir.path().join("rules.yaml"), "rules: [ {");
+    let (s, _) = admin_call("POST", &format!("{admin}/reload"), None);
+    assert_eq!(s, 422);
+    let m = admin_call("GET", &format!("{admin}/metrics"), None).1;
+    assert_eq!(metric(&m, "tollgate_last_reload_success").as_deref(), Some("0"), "{m}");
+    atomic_write(&dir.path().join("rules.yaml"), USER_RULES);
+    let (s, body) = admin_call("POST", &format!("{admin}/reload"), None);
+    assert_eq!(s, 200, "{body}");
+    let m = admin_call("GET", &format!("{admin}/metrics"), None).1;
+    assert_eq!(metric(&m, "tollgate_last_reload_success").as_deref(), Some("1"), "{m}");
+
+    // Editing gateway.yaml is not applied live, and says so.
+    let m = admin_call("GET", &format!("{admin}/metrics"), None).1;
+    assert_eq!(metric(&m, "tollgate_config_file_changed").as_deref(), Some("0"), "{m}");
+    let text = std::fs::read_to_string(&p).unwrap() + "limits: { deny_cache: false }\n";
+    atomic_write(&p, &text);
+    let stale = wait_for(Duration::from_secs(5), Duration::from_millis(50), || {
+        let m = admin_call("GET", &format!("{admin}/metrics"), None).1;
+        (metric(&m, "tollgate_config_file_changed").as_deref() == Some("1")).then_some(())
+    });
+    assert!(stale.is_some(), "an edited gateway.yaml went unnoticed");
+    assert!(
+        gw.log()
+            .lines()
+            .any(|l| l.contains("\"level\":\"WARN\"") && l.contains("gateway config file changed on disk")),
+        "{}",
+        gw.log()
+    );
+}
+
+#[test]
+fn keys_endpoint_answers_404_for_unknown_identities_and_lists_only_applicable_rules() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let up = echo_upstream(&rt);
+    let dir = tempfile::tempdir().unwrap();
+    let keys = "keys:\n  - { id: cust_42, sha256: 2bb80d537b1da3e38bd30361aa855686bde0eacd7162fef6a25fe97bf527a25b, tier: pro, org: acme }\n";
+    std::fs::write(dir.path().join("keys.yaml"), keys).unwrap();
+    let rules = "rules:\n  - { name: per-user, match: { path: \"/**\" }, key: user, limit: 5, window: 1m }\n  - { name: per-ip, match: { path: \"/**\" }, key: ip, limit: 50, window: 1m }\n  - { name: per-org, match: { path: \"/**\" }, key: org, algorithm: token_bucket, rate: 10/s, capacity: 100 }\n";
+    let (port, admin_port) = (free_port(), free_port());
+    let body = format!("{}keys_file: keys.yaml\n", upstream_yaml(&up));
+    let p = write(dir.path(), port, &format!("127.0.0.1:{admin_port}"), &body, rules);
+    let _gw = run(&p, &[], port, admin_port);
+    let admin = format!("http://127.0.0.1:{admin_port}");
+    rt.block_on(async {
+        let c = client();
+        for _ in 0..2 {
+            let r = c
+                .get(format!("http://127.0.0.1:{port}/x"))
+                .header("x-api-key", "secret")
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+        }
+    });
+    let rules_of = |who: &str| -> (String, Vec<String>) {
+        let (s, body) = admin_call("GET", &format!("{admin}/keys/{who}"), None);
+        assert_eq!(s, 200, "{who}: {body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let names = v["counters"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["rule"].as_str().unwrap().to_string())
+            .collect();
+        (body, names)
+    };
+    let (body, names) = rules_of("cust_42");
+    assert_eq!(names, ["per-user"], "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["counters"][0]["remaining"], 3, "{v}");
+    assert_eq!(v["identity"], "api_key");
+    assert_eq!(rules_of("127.0.0.1").1, ["per-user", "per-ip"]);
+    let (body, names) = rules_of("acme");
+    assert_eq!(names, ["per-org"], "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        v["counters"][0]["rate"], "10/s",
+        "a bucket shows rate and capacity: {v}"
+    );
+    assert_eq!(v["counters"][0]["capacity"], 100);
+
+    for m in ["GET", "DELETE"] {
+        let (s, body) = admin_call(m, &format!("{admin}/keys/cust_4"), None);
+        assert_eq!(s, 404, "{m} of a typo: {body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["error"], "unknown_identity");
+    }
+    let (s, body) = admin_call("DELETE", &format!("{admin}/keys/cust_42"), None);
+    assert_eq!(s, 200, "{body}");
+    let (body, _) = rules_of("cust_42");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["counters"][0]["remaining"], 5, "reset: {v}");
+}
+
+#[test]
+fn outage_logs_are_throttled_name_their_target_and_hide_passwords_and_queries() {
+    let dir = tempfile::tempdir().unwrap();
+    let (port, admin_port) = (free_port(), free_port());
+    let (dead_upstream, dead_redis) = (free_port(), free_port());
+    let body = format!(
+        "upstream:\n  url: http://127.0.0.1:{dead_upstream}\n  connect_timeout: 200ms\nstore:\n  kind: redis\n  urls: [\"redis://default:hunter2-pw@127.0.0.1:{dead_redis}\"]\n  timeout: 20ms\n"
+    );
+    let p = write(dir.path(), port, &format!("127.0.0.1:{admin_port}"), &body, RULES);
+    let gw = run(&p, &[], port, admin_port);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let c = client();
+        let t0 = std::time::Instant::now();
+        let mut n = 0;
+        // Long enough for several connection rebuilds (at most one per 500 ms).
+        while t0.elapsed() < Duration::from_millis(1800) {
+            let r = c
+                .get(format!("http://127.0.0.1:{port}/open/thing?token=query-secret"))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 502, "fail open, then the dead upstream");
+            n += 1;
+        }
+        assert!(n > 20, "{n}");
+    });
+    let log = gw.log();
+    assert!(!log.contains("hunter2-pw"), "a Redis password reached the log");
+    assert!(!log.contains("query-secret"), "a query string reached the log");
+    let upstream: Vec<&str> = log.lines().filter(|l| l.contains("upstream request failed")).collect();
+    assert!(!upstream.is_empty() && upstream.len() <= 3, "{upstream:?}");
+    let first = upstream[0];
+    for want in [
+        "\"method\":\"GET\"",
+        "\"path\":\"/open/thing\"",
+        &format!("\"upstream\":\"127.0.0.1:{dead_upstream}\""),
+    ] {
+        assert!(first.contains(want), "{first} (want {want})");
+    }
+    let start = log
+        .lines()
+        .find(|l| l.contains("unreachable at start-up"))
+        .unwrap_or_else(|| panic!("{log}"));
+    assert!(
+        start.contains(&format!("redis://default:***@127.0.0.1:{dead_redis}")),
+        "{start}"
+    );
+    let rebuilds: Vec<&str> = log.lines().filter(|l| l.contains("rebuild failed")).collect();
+    assert_eq!(
+        rebuilds.len(),
+        1,
+        "rebuild failures are logged once, then throttled: {rebuilds:?}"
+    );
+    if let Some(l) = rebuilds.first() {
+        assert!(l.contains("default:***@"), "{l}");
+    }
+}
+
+#[test]
+fn check_shows_each_rule_in_plain_words() {
+    let dir = tempfile::tempdir().unwrap();
+    let rules = "rules:\n  - { name: uploads, match: { path: \"/up/*\", methods: [POST], tier: pro }, key: user, algorithm: token_bucket, rate: 10/s, capacity: 100, failure: closed, shadow: true }\n  - { name: per-ip, match: { path: \"/**\" }, key: ip, limit: 5, window: 15m, failure: local, local_share: 3 }\n";
+    let p = write(
+        dir.path(),
+        free_port(),
+        "127.0.0.1:0",
+        "upstream: { url: http://127.0.0.1:9 }\nstore: { kind: redis, urls: [\"redis://127.0.0.1:6379\"], timeout: 15ms }\n",
+        rules,
+    );
+    let out = check(&p, &[]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    for want in [
+        "uploads: /up/* token_bucket key=user rate 10/s, capacity 100 [shadow] methods=POST tier=pro failure=closed",
+        "per-ip: /** sliding_window key=ip 5 per 15m [enforced] methods=any tier=any failure=local (share 3)",
+        "store redis redis://127.0.0.1:6379, timeout 15ms",
+        "admin  127.0.0.1:0 (no token, loopback only)",
+    ] {
+        assert!(stdout.contains(want), "{stdout}\n(want {want})");
+    }
+    for debug in ["Some(", "None", "Redis {", "Memory", "\"", "{ "] {
+        assert!(!stdout.contains(debug), "Rust debug syntax {debug:?} in: {stdout}");
+    }
+}
+
+#[test]
+fn each_request_is_counted_once_by_how_it_ended_and_removed_rules_lose_their_series() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let up = echo_upstream(&rt);
+    let dir = tempfile::tempdir().unwrap();
+    let rules = "rules:\n  - { name: per-ip, match: { path: \"/**\" }, key: ip, limit: 2, window: 1m }\n  - { name: per-user, match: { path: \"/**\" }, key: user, limit: 100, window: 1m }\n  - { name: doomed, match: { path: \"/d/**\" }, key: global, limit: 100, window: 1m }\n";
+    let (port, admin_port) = (free_port(), free_port());
+    let p = write(
+        dir.path(),
+        port,
+        &format!("127.0.0.1:{admin_port}"),
+        &upstream_yaml(&up),
+        rules,
+    );
+    let _gw = run(&p, &[], port, admin_port);
+    let admin = format!("http://127.0.0.1:{admin_port}");
+    let codes: Vec<u16> = rt.block_on(async {
+        let c = client();
+        let mut v = Vec::new();
+        for path in ["/a", "/status/404", "/b", "/c"] {
+            v.push(
+                c.get(format!("http://127.0.0.1:{port}{path}"))
+                    .send()
+                    .await
+                    .unwrap()
+                    .status()
+                    .as_u16(),
+            );
+        }
+        v
+    });
+    assert_eq!(codes, [200, 404, 429, 429]);
+    let m = admin_call("GET", &format!("{admin}/metrics"), None).1;
+    let count = |result: &str| -> u64 {
+        metric(&m, &format!("tollgate_responses_total{{result=\"{result}\"}}"))
+            .unwrap_or_else(|| panic!("no {result}: {m}"))
+            .parse()
+            .unwrap()
+    };
+    assert_eq!(count("upstream_2xx"), 1, "{m}");
+    assert_eq!(count("upstream_4xx"), 1);
+    assert_eq!(count("rate_limited"), 2);
+    let total: u64 = m
+        .lines()
+        .filter(|l| l.starts_with("tollgate_responses_total{"))
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap())
+        .sum();
+    assert_eq!(
+        total, 4,
+        "one count per request, whatever number of rules decided it: {m}"
+    );
+    // Rule decisions are still counted per rule, in their own metric.
+    assert_eq!(
+        metric(&m, "tollgate_requests_total{rule=\"per-ip\",decision=\"denied\"}").as_deref(),
+        Some("2")
+    );
+    for present in [
+        "tollgate_build_info{version=",
+        "tollgate_open_connections ",
+        "tollgate_memory_store_keys ",
+        "tollgate_leaky_bucket_queued_requests 0",
+        "tollgate_process_resident_memory_bytes ",
+        "tollgate_upstream_failures_total 0",
+        "tollgate_requests_total{rule=\"doomed\"",
+    ] {
+        assert!(m.contains(present), "no {present}: {m}");
+    }
+    assert!(
+        metric(&m, "tollgate_memory_store_keys")
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+            >= 2,
+        "{m}"
+    );
+    assert!(
+        !m.contains("status=\"error\""),
+        "the status label means a status class only"
+    );
+
+    // Remove a rule: its series go.
+    let kept = rules
+        .lines()
+        .filter(|l| !l.contains("doomed"))
+        .collect::<Vec<_>>()
+        .join("\n")
+        + "\n";
+    atomic_write(&dir.path().join("rules.yaml"), &kept);
+    let (s, body) = admin_call("POST", &format!("{admin}/reload"), None);
+    assert_eq!(s, 200, "{body}");
+    let m = admin_call("GET", &format!("{admin}/metrics"), None).1;
+    assert!(!m.contains("rule=\"doomed\""), "{m}");
+    assert!(m.contains("rule=\"per-ip\""));
+}
+
+#[test]
+fn demo_runs_from_any_directory_and_hash_key_reads_stdin() {
+    let elsewhere = tempfile::tempdir().unwrap();
+    let (port, admin_port) = (free_port(), free_port());
+    let log = elsewhere.path().join("demo.log");
+    let child = tollgate(&[])
+        .current_dir(elsewhere.path())
+        .args(["demo", "--listen"])
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--admin-listen")
+        .arg(format!("127.0.0.1:{admin_port}"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let mut demo = Proc { child, log };
+    let up = wait_for(Duration::from_secs(10), Duration::from_millis(20), || {
+        if let Ok(Some(s)) = demo.child.try_wait() {
+            panic!("demo exited ({s}): {}", demo.log());
+        }
+        std::net::TcpStream::connect(("127.0.0.1", admin_port))
+            .is_ok()
+            .then_some(())
+    });
+    assert!(up.is_some(), "demo did not start: {}", demo.log());
+    assert_eq!(status_of(&format!("http://127.0.0.1:{port}/anything")), 200);
+    let (s, rules) = admin_call("GET", &format!("http://127.0.0.1:{admin_port}/rules"), None);
+    assert_eq!(s, 200);
+    assert!(rules.contains("search-pro"), "the built-in demo rules: {rules}");
+    drop(demo);
+
+    // hash-key: argument, standard input, and an empty key refused either way.
+    let want = "    sha256: 2bb80d537b1da3e38bd30361aa855686bde0eacd7162fef6a25fe97bf527a25b\n";
+    let out = tollgate(&[]).args(["hash-key", "secret"]).output().unwrap();
+    assert_eq!(text(&out.stdout), want);
+    let hash_stdin = |input: &str| {
+        use std::io::Write;
+        let mut c = tollgate(&[])
+            .arg("hash-key")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        c.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+        c.wait_with_output().unwrap()
+    };
+    let out = hash_stdin("secret\n");
+    assert!(out.status.success());
+    assert_eq!(text(&out.stdout), want);
+    for empty in ["", "\n"] {
+        let out = hash_stdin(empty);
+        assert_eq!(out.status.code(), Some(1), "{empty:?}");
+        assert!(text(&out.stderr).contains("empty key"), "{}", text(&out.stderr));
+        assert!(out.stdout.is_empty());
+    }
+    let out = tollgate(&[]).args(["hash-key", ""]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let help = tollgate(&[]).args(["hash-key", "--help"]).output().unwrap();
+    assert!(text(&help.stdout).contains("standard input"), "{}", text(&help.stdout));
+}
