@@ -15,13 +15,13 @@ use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 
-use crate::gateway::Gateway;
 use crate::http::headers::{self, Binding};
 use crate::http::respond::{self, GatewayError};
 use crate::http::{forward, BoxError, ProxyBody};
 use crate::identity::Identity;
 use crate::limiter::{local_share, FailurePolicy, LimitCheck, Source, StoreError, Verdict};
 use crate::rules::caller;
+use crate::state::State;
 
 pub mod plan;
 
@@ -32,7 +32,7 @@ use plan::{RequestParts, RequestPlan};
 /// enforced is this node's share of it when the rule fell back to the local store.
 fn binding_of<'a>(
     plan: &RequestPlan,
-    snap: &'a crate::gateway::Snapshot,
+    snap: &'a crate::state::Snapshot,
     i: usize,
     o: &'a crate::limiter::Outcome,
     source: Source,
@@ -89,13 +89,13 @@ fn headers_within<B>(req: &Request<B>, max_bytes: usize) -> Result<(), GatewayEr
     Ok(())
 }
 
-impl Gateway {
+impl State {
     /// Serve one request; never fails (errors become responses in `crate::http::respond`).
     pub async fn handle(self: Arc<Self>, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
         match self.clone().handle_inner(req, peer).await {
             Ok(r) => r,
             Err(e) => {
-                self.metrics.local_response(e.status().as_u16());
+                self.metrics().local_response(e.status().as_u16());
                 e.into_response()
             }
         }
@@ -107,37 +107,37 @@ impl Gateway {
         peer: SocketAddr,
     ) -> Result<Response<ProxyBody>, GatewayError> {
         validate(&req)?;
-        headers_within(&req, self.config.server.max_header_bytes)?;
+        headers_within(&req, self.config().server.max_header_bytes)?;
         if let Some(len) = req.headers().get(header::CONTENT_LENGTH) {
             let len: u64 = len
                 .to_str()
                 .ok()
                 .and_then(|s| s.parse().ok())
                 .ok_or(GatewayError::BadRequest("invalid Content-Length"))?;
-            if len > self.config.server.max_body_bytes {
+            if len > self.config().server.max_body_bytes {
                 return Err(GatewayError::PayloadTooLarge);
             }
         }
-        let snap = self.snapshot.load();
-        let now_us = self.clock.now_us();
+        let snap = self.snapshot().load();
+        let now_us = self.clock().now_us();
         let parts = RequestParts {
             method: req.method(),
             uri: req.uri(),
             headers: req.headers(),
             peer: peer.ip(),
         };
-        let plan = plan::plan(&snap, &self.keys, &self.config.identity, parts, now_us / 1_000_000);
+        let plan = plan::plan(&snap, self.keys(), &self.config().identity, parts, now_us / 1_000_000);
         let ident = &plan.identity;
 
         let mut binding: Option<(usize, crate::limiter::Outcome, Source)> = None;
         let mut delay_us = 0u64;
         let mut refund_guard = None;
         if plan.checks.is_empty() {
-            self.metrics.unmatched.inc();
+            self.metrics().unmatched.inc();
         } else {
             let started = Instant::now();
-            let verdict = self.limiter.check(&plan.checks).await;
-            self.metrics.check_latency.observe(started.elapsed().as_secs_f64());
+            let verdict = self.limiter().check(&plan.checks).await;
+            self.metrics().check_latency.observe(started.elapsed().as_secs_f64());
             self.account(&snap, &plan, &verdict, ident);
             // Fail closed wins over everything: the store is down and the rule says so.
             if let Some(i) = plan
@@ -164,8 +164,8 @@ impl Gateway {
                 let (o, src) = verdict.outcomes[i];
                 if !o.allowed {
                     let b = binding_of(&plan, &snap, i, &o, src);
-                    let lim = &self.config.limits;
-                    self.metrics.rate_limited();
+                    let lim = &self.config().limits;
+                    self.metrics().rate_limited();
                     return Ok(respond::rate_limited(&b, lim.ietf_headers, lim.legacy_headers, now_us));
                 }
                 binding = Some((i, o, src));
@@ -187,7 +187,7 @@ impl Gateway {
         if delay_us > 0 {
             // Leaky bucket: wait our turn. If the client leaves, this future is dropped and the
             // guard gives the slot back.
-            let _queued = crate::metrics::InFlight::enter(&self.metrics.leaky_queue);
+            let _queued = crate::metrics::InFlight::enter(&self.metrics().leaky_queue);
             tokio::time::sleep(Duration::from_micros(delay_us)).await;
         }
         if let Some(mut g) = refund_guard.take() {
@@ -197,19 +197,19 @@ impl Gateway {
         let mut resp = self.forward(req, peer).await?;
         if let Some((i, o, src)) = binding {
             let b = binding_of(&plan, &snap, i, &o, src);
-            let lim = &self.config.limits;
+            let lim = &self.config().limits;
             headers::write(resp.headers_mut(), &b, lim.ietf_headers, lim.legacy_headers, now_us);
         }
         Ok(resp)
     }
 
     /// Metrics and logs for one verdict.
-    fn account(&self, snap: &crate::gateway::Snapshot, plan: &RequestPlan, verdict: &Verdict, ident: &Identity) {
+    fn account(&self, snap: &crate::state::Snapshot, plan: &RequestPlan, verdict: &Verdict, ident: &Identity) {
         if let Some(e) = &verdict.store_error {
             match e {
-                StoreError::Timeout => self.metrics.store_timeout.inc(),
-                StoreError::CircuitOpen => self.metrics.store_circuit_open.inc(),
-                _ => self.metrics.store_error.inc(),
+                StoreError::Timeout => self.metrics().store_timeout.inc(),
+                StoreError::CircuitOpen => self.metrics().store_circuit_open.inc(),
+                _ => self.metrics().store_error.inc(),
             };
         }
         let mut last_rule = u32::MAX;
@@ -221,7 +221,7 @@ impl Gateway {
             let m = &snap.rule_metrics[*ri as usize];
             let rule = &snap.rules.rules[*ri as usize];
             if *src == Source::DenyCache && !o.allowed {
-                self.metrics.deny_cache_hits.inc();
+                self.metrics().deny_cache_hits.inc();
             }
             if !first_of_rule && o.allowed {
                 continue;
@@ -232,15 +232,15 @@ impl Gateway {
                 (Source::Local, true, _) => m.local.inc(),
                 (_, true, _) => m.allowed.inc(),
                 (_, false, true) => {
-                    let n = self.shadow_seen.fetch_add(1, Ordering::Relaxed);
-                    if n % self.config.limits.shadow_log_sample == 0 {
-                        tracing::info!(rule = %rule.name, identity_kind = ident.kind.as_str(), identity = %caller(ident).tag(&self.keys, ""), retry_after_ms = o.retry_after_us / 1000, sampled_one_in = self.config.limits.shadow_log_sample, "shadow rule would deny");
+                    let n = self.shadow_seen().fetch_add(1, Ordering::Relaxed);
+                    if n % self.config().limits.shadow_log_sample == 0 {
+                        tracing::info!(rule = %rule.name, identity_kind = ident.kind.as_str(), identity = %caller(ident).tag(self.keys(), ""), retry_after_ms = o.retry_after_us / 1000, sampled_one_in = self.config().limits.shadow_log_sample, "shadow rule would deny");
                     }
                     m.would_deny.inc()
                 }
                 (_, false, false) => {
                     if *src != Source::DenyCache {
-                        tracing::info!(rule = %rule.name, identity_kind = ident.kind.as_str(), identity = %caller(ident).tag(&self.keys, ""), retry_after_ms = o.retry_after_us / 1000, "denied");
+                        tracing::info!(rule = %rule.name, identity_kind = ident.kind.as_str(), identity = %caller(ident).tag(self.keys(), ""), retry_after_ms = o.retry_after_us / 1000, "denied");
                     }
                     if matches!(src, Source::Local) {
                         m.local.inc();
@@ -257,7 +257,7 @@ impl Gateway {
         let client_upgrade = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut req));
         let (parts, body) = req.into_parts();
         let mut out = Request::new(
-            Limited::new(body, self.config.server.max_body_bytes as usize)
+            Limited::new(body, self.config().server.max_body_bytes as usize)
                 .map_err(|e| -> BoxError { e })
                 .boxed_unsync(),
         );
@@ -283,13 +283,13 @@ impl Gateway {
         }
 
         let started = Instant::now();
-        let result = tokio::time::timeout(self.config.upstream.request_timeout, self.upstream.send(out)).await;
-        self.metrics.upstream_latency.observe(started.elapsed().as_secs_f64());
+        let result = tokio::time::timeout(self.config().upstream.request_timeout, self.upstream().send(out)).await;
+        self.metrics().upstream_latency.observe(started.elapsed().as_secs_f64());
         let mut resp = match result {
             Err(_) => {
-                self.metrics.upstream_status[5].inc();
-                if let Some(suppressed) = self.upstream_log.allow() {
-                    tracing::warn!(method = %method, path = %parts.uri.path(), upstream = %self.config.upstream.authority, timeout_ms = self.config.upstream.request_timeout.as_millis() as u64, suppressed, "upstream timed out (repeats logged at most once a second, `suppressed` counts the others)");
+                self.metrics().upstream_status[5].inc();
+                if let Some(suppressed) = self.upstream_log().allow() {
+                    tracing::warn!(method = %method, path = %parts.uri.path(), upstream = %self.config().upstream.authority, timeout_ms = self.config().upstream.request_timeout.as_millis() as u64, suppressed, "upstream timed out (repeats logged at most once a second, `suppressed` counts the others)");
                 }
                 return Err(GatewayError::GatewayTimeout);
             }
@@ -299,17 +299,17 @@ impl Gateway {
                 return Err(GatewayError::PayloadTooLarge);
             }
             Ok(Err(e)) => {
-                self.metrics.upstream_status[5].inc();
-                if let Some(suppressed) = self.upstream_log.allow() {
-                    tracing::warn!(method = %method, path = %parts.uri.path(), upstream = %self.config.upstream.authority, error = %e, suppressed, "upstream request failed (repeats logged at most once a second, `suppressed` counts the others)");
+                self.metrics().upstream_status[5].inc();
+                if let Some(suppressed) = self.upstream_log().allow() {
+                    tracing::warn!(method = %method, path = %parts.uri.path(), upstream = %self.config().upstream.authority, error = %e, suppressed, "upstream request failed (repeats logged at most once a second, `suppressed` counts the others)");
                 }
                 return Err(GatewayError::BadGateway(e.to_string()));
             }
             Ok(Ok(r)) => r,
         };
         let class = (resp.status().as_u16() / 100).clamp(1, 5) as usize - 1;
-        self.metrics.upstream_status[class].inc();
-        self.metrics.upstream_response(resp.status().as_u16());
+        self.metrics().upstream_status[class].inc();
+        self.metrics().upstream_response(resp.status().as_u16());
 
         if resp.status() == http::StatusCode::SWITCHING_PROTOCOLS {
             if let Some(client_up) = client_upgrade {
@@ -350,7 +350,7 @@ fn body_over_limit(e: &(dyn std::error::Error + 'static)) -> bool {
 /// request is dropped (client disconnected): each in the store and the window it was spent in.
 struct RefundGuard {
     /// The gateway (for its limiter).
-    gw: Arc<Gateway>,
+    gw: Arc<State>,
     /// What to refund; `None` once the request went through.
     spent: Option<Vec<(LimitCheck, u64, Source)>>,
 }
@@ -361,7 +361,7 @@ impl Drop for RefundGuard {
             let gw = self.gw.clone();
             if let Ok(h) = tokio::runtime::Handle::try_current() {
                 h.spawn(async move {
-                    gw.limiter.refund(&spent).await;
+                    gw.limiter().refund(&spent).await;
                     tracing::debug!("client left while queued; leaky-bucket slot refunded");
                 });
             }

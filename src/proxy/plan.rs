@@ -10,11 +10,11 @@ use std::net::IpAddr;
 use http::{header, HeaderMap, Method, Uri};
 
 use crate::config::IdentityConfig;
-use crate::gateway::Snapshot;
 use crate::identity::{identify, Identity, IdentityKind};
 use crate::limiter::keys::KeyBuilder;
 use crate::limiter::{FailurePolicy, LimitCheck, PolicedCheck};
 use crate::rules::{key_value, normalize, KeyValue, RequestInfo};
+use crate::state::Snapshot;
 
 /// One limit of the plan: what to check, what happens when the store cannot answer for it,
 /// and the rule it came from.
