@@ -3,7 +3,16 @@
 # tollgate container image.
 #
 #   docker build -t tollgate .
-#   docker run --rm -p 8080:8080 -v "$PWD/config:/etc/tollgate:ro" tollgate
+#   docker run --rm -p 127.0.0.1:8080:8080 --add-host=host.docker.internal:host-gateway \
+#     -v "$PWD/config:/etc/tollgate:ro" tollgate
+#
+# Inside the container 127.0.0.1 is the container itself, not your machine: an API running on
+# the host is `upstream.url: http://host.docker.internal:8081` in the mounted gateway.yaml (the
+# --add-host above makes that name resolve on Linux too), or use the API's own host name on a
+# shared Docker network (as docker-compose.yml does).
+#
+# Pin the base images below to exact tags or digests of your registry for reproducible builds
+# (pass --build-arg CHEF_IMAGE=... --build-arg RUNTIME_IMAGE=...).
 #
 # The config is not baked in: mount a directory holding gateway.yaml (and the rules.yaml /
 # keys.yaml it names) at /etc/tollgate. Mount the directory, not single files, so hot reload

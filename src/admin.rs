@@ -260,9 +260,19 @@ fn identity_checks(keys: &KeyBuilder, snap: &Snapshot, who: &str) -> Candidates 
     } else {
         Namespace::Jwt
     };
+    // The caller's tier is known for a registered key (its tier) and for an IP as a caller
+    // (anonymous): a `user` rule for another tier applies only if a counter says it once did
+    // (the key's tier changed). `ip` and `org` rules are shared by callers of every tier.
+    let key_tier: Option<std::sync::Arc<str>> = match snap.keys.entries().find(|(_, e)| &*e.id == who) {
+        Some((_, e)) => Some(e.tier.clone()),
+        None if is_ip => Some(std::sync::Arc::from(crate::identity::ANONYMOUS)),
+        None => None,
+    };
     let mut checks = Vec::new();
     let mut has_override = false;
     for r in &snap.rules.rules {
+        let other_tier =
+            r.key == KeyKind::User && matches!((&r.tier, &key_tier), (Some(t), Some(k)) if t.as_str() != &**k);
         let (ns, certain) = match r.key {
             KeyKind::Global => continue,
             KeyKind::User => (caller_ns, is_key || is_ip),
@@ -286,7 +296,7 @@ fn identity_checks(keys: &KeyBuilder, snap: &Snapshot, who: &str) -> Candidates 
                 },
                 rule: r.name.to_string(),
                 kind: r.key.to_text(),
-                certain: certain || over.is_some(),
+                certain: (certain && !other_tier) || over.is_some(),
             });
         }
     }

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use http::{HeaderMap, HeaderName};
 use ipnet::IpNet;
 
-use jwt::JwtVerifier;
+use jwt::JwtKeys;
 pub use keys::KeyRegistry;
 
 /// `identity:`, validated.
@@ -24,7 +24,7 @@ pub struct IdentityConfig {
     /// Header carrying the API key.
     pub api_key_header: HeaderName,
     /// JWT verification, if configured.
-    pub jwt: Option<std::sync::Arc<JwtVerifier>>,
+    pub jwt: Option<std::sync::Arc<JwtKeys>>,
     /// Peers whose X-Forwarded-For is believed.
     pub trusted_proxies: Vec<IpNet>,
     /// IPv6 addresses collapse to this prefix.

@@ -197,6 +197,8 @@ pub struct Metrics {
     pub process_open_fds: Gauge,
     /// Process start, unix seconds.
     pub process_start_time: Gauge,
+    /// User + system CPU time, milliseconds, refreshed at each scrape (Linux).
+    pub process_cpu_ms: Gauge,
 }
 
 impl Metrics {
@@ -357,6 +359,11 @@ impl Metrics {
             "process_start_time_seconds",
             "Process start, unix seconds",
         );
+        let process_cpu_ms = gauge(
+            &mut registry,
+            "process_cpu_milliseconds",
+            "User plus system CPU time used by the process, in milliseconds",
+        );
         process_start_time.set(
             i64::try_from(
                 SystemTime::now()
@@ -394,6 +401,7 @@ impl Metrics {
             process_resident_memory,
             process_open_fds,
             process_start_time,
+            process_cpu_ms,
         })
     }
 
@@ -502,6 +510,18 @@ impl Metrics {
         if let Ok(statm) = std::fs::read_to_string("/proc/self/statm") {
             if let Some(pages) = statm.split_whitespace().nth(1).and_then(|p| p.parse::<i64>().ok()) {
                 self.process_resident_memory.set(pages.saturating_mul(4096));
+            }
+        }
+        // /proc/self/stat: utime and stime are fields 14 and 15, in clock ticks (100 a second on
+        // Linux); the command name (field 2) may contain spaces, so count after its ')'.
+        if let Ok(stat) = std::fs::read_to_string("/proc/self/stat") {
+            let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+            let f: Vec<&str> = after.split_whitespace().collect();
+            if let (Some(u), Some(s)) = (
+                f.get(11).and_then(|v| v.parse::<i64>().ok()),
+                f.get(12).and_then(|v| v.parse::<i64>().ok()),
+            ) {
+                self.process_cpu_ms.set(u.saturating_add(s).saturating_mul(10));
             }
         }
         if let Ok(dir) = std::fs::read_dir("/proc/self/fd") {

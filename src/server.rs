@@ -70,6 +70,10 @@ pub async fn start_with(gw: Arc<State>) -> Result<Running, StartError> {
     // The gateway file is watched too, not to apply it (that needs a restart) but to say that
     // the running config no longer matches it (`State::check_config_file`).
     files.push(gw.config().path.clone());
+    // JWT public key / JWKS files reload like the rules (key rotation without a restart).
+    if let Some(jwt) = &gw.config().identity.jwt {
+        files.extend(jwt.files());
+    }
     let reloader = gw.clone();
     crate::config::reload::spawn_watcher(files, rx.clone(), move |why| {
         let gw = reloader.clone();

@@ -304,7 +304,7 @@ impl State {
         Ok(gw)
     }
 
-    /// Reload rules and keys. On error the old snapshot stays in force. Also notices (warning
+    /// Reload rules, API keys and JWT keys. On error the old ones all stay in force. Also notices (warning
     /// and `tollgate_config_file_changed`) when the gateway config file itself was edited: its
     /// settings (listeners, store, identity) need a restart.
     pub async fn reload(&self, why: Trigger) -> Result<ReloadReport, ConfigError> {
@@ -312,21 +312,29 @@ impl State {
         let _guard = self.reload_lock.lock().await;
         self.check_config_file();
         // Parse, validate, compile and compare on a blocking thread: a large registry takes
-        // seconds, and the runtime's workers serve requests meanwhile.
+        // seconds, and the runtime's workers serve requests meanwhile. The JWT keys (public key
+        // / JWKS files) reload with the rules: all or nothing.
         let (config, metrics, old) = (self.config.clone(), self.metrics.clone(), self.snapshot.load_full());
         let rules_file = self.config.rules_file.clone();
         let loaded = tokio::task::spawn_blocking(move || {
             let snap = load_snapshot(&config, &metrics)?;
+            let jwt = match &config.identity.jwt {
+                Some(k) => Some(k.prepare()?),
+                None => None,
+            };
             let rules = Changes::between(&rule_signatures(&old.rules), &rule_signatures(&snap.rules));
             let keys = Changes::between(&key_entries(&old.keys), &key_entries(&snap.keys));
             let changed = rules.any() || keys.any() || old.rules.version != snap.rules.version;
             let old_rules: Vec<String> = old.rules.rules.iter().map(|r| r.name.to_string()).collect();
-            Ok((snap, rules, keys, changed, old_rules))
+            Ok((snap, jwt, rules, keys, changed, old_rules))
         })
         .await
         .unwrap_or_else(|e| Err(ConfigError::file(&rules_file, format!("the reload task failed: {e}"))));
         match loaded {
-            Ok((snap, rules, keys, changed, old_rules)) => {
+            Ok((snap, jwt, rules, keys, changed, old_rules)) => {
+                if let (Some(keys), Some(v)) = (&self.config.identity.jwt, jwt) {
+                    keys.install(v);
+                }
                 let version = snap.rules.version.clone();
                 self.metrics.set_rules_version(&version);
                 self.metrics.reload_succeeded(snap.loaded_at);

@@ -526,7 +526,7 @@ fn keys_endpoint_answers_404_for_unknown_identities_and_lists_only_applicable_ru
     let dir = tempfile::tempdir().unwrap();
     let keys = "keys:\n  - { id: cust_42, sha256: 2bb80d537b1da3e38bd30361aa855686bde0eacd7162fef6a25fe97bf527a25b, tier: pro, org: acme }\n";
     std::fs::write(dir.path().join("keys.yaml"), keys).unwrap();
-    let rules = "rules:\n  - { name: per-user, match: { path: \"/**\" }, key: user, limit: 5, window: 1m }\n  - { name: per-ip, match: { path: \"/**\" }, key: ip, limit: 50, window: 1m }\n  - { name: per-org, match: { path: \"/**\" }, key: org, algorithm: token_bucket, rate: 10/s, capacity: 100 }\n";
+    let rules = "rules:\n  - { name: per-user, match: { path: \"/**\" }, key: user, limit: 5, window: 1m }\n  - { name: per-ip, match: { path: \"/**\" }, key: ip, limit: 50, window: 1m }\n  - { name: per-org, match: { path: \"/**\" }, key: org, algorithm: token_bucket, rate: 10/s, capacity: 100 }\n  - { name: free-only, match: { path: \"/**\", tier: free }, key: user, limit: 3, window: 1m }\n";
     let (port, admin_port) = (free_port(), free_port());
     let body = format!("{}keys_file: keys.yaml\n", upstream_yaml(&up));
     let p = write(dir.path(), port, &format!("127.0.0.1:{admin_port}"), &body, rules);
@@ -557,7 +557,7 @@ fn keys_endpoint_answers_404_for_unknown_identities_and_lists_only_applicable_ru
         (body, names)
     };
     let (body, names) = rules_of("cust_42");
-    assert_eq!(names, ["per-user"], "{body}");
+    assert_eq!(names, ["per-user"], "only user rules, and not the free tier's: {body}");
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["counters"][0]["remaining"], 3, "{v}");
     assert_eq!(v["identity"], "api_key");
@@ -732,6 +732,7 @@ fn each_request_is_counted_once_by_how_it_ended_and_removed_rules_lose_their_ser
         "tollgate_memory_store_keys ",
         "tollgate_leaky_bucket_queued_requests 0",
         "tollgate_process_resident_memory_bytes ",
+        "tollgate_process_cpu_milliseconds ",
         "tollgate_upstream_failures_total 0",
         "tollgate_requests_total{rule=\"doomed\"",
     ] {
@@ -826,4 +827,69 @@ fn demo_runs_from_any_directory_and_hash_key_reads_stdin() {
     assert_eq!(out.status.code(), Some(1));
     let help = tollgate(&[]).args(["hash-key", "--help"]).output().unwrap();
     assert!(text(&help.stdout).contains("standard input"), "{}", text(&help.stdout));
+}
+
+fn jwt_fixture(name: &str) -> Vec<u8> {
+    std::fs::read(format!("{}/tests/fixtures/jwt/{name}", env!("CARGO_MANIFEST_DIR"))).unwrap()
+}
+
+#[test]
+fn a_rotated_jwt_public_key_is_picked_up_without_a_restart() {
+    use jsonwebtoken::{encode, Algorithm, EncodingKey, Header};
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let up = echo_upstream(&rt);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("jwt.pem"), jwt_fixture("rsa_public.pem")).unwrap();
+    let (port, admin_port) = (free_port(), free_port());
+    let body = format!(
+        "{}identity:\n  jwt:\n    algorithms: [RS256, ES256]\n    public_key_file: jwt.pem\n",
+        upstream_yaml(&up)
+    );
+    let p = write(dir.path(), port, &format!("127.0.0.1:{admin_port}"), &body, USER_RULES);
+    let _gw = run(&p, &[], port, admin_port);
+    let exp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 3600;
+    let claims = serde_json::json!({"sub": "alice", "exp": exp});
+    let rsa = encode(
+        &Header::new(Algorithm::RS256),
+        &claims,
+        &EncodingKey::from_rsa_pem(&jwt_fixture("rsa_private.pem")).unwrap(),
+    )
+    .unwrap();
+    let ec = encode(
+        &Header::new(Algorithm::ES256),
+        &claims,
+        &EncodingKey::from_ec_pem(&jwt_fixture("ec_private_pk8.pem")).unwrap(),
+    )
+    .unwrap();
+    let kind = |token: &str| -> String {
+        let (s, body) = admin_call(
+            "GET",
+            &format!("http://127.0.0.1:{admin_port}/explain?path=/x"),
+            Some(&format!("Bearer {token}")),
+        );
+        assert_eq!(s, 200, "{body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        v["identity"]["kind"].as_str().unwrap().to_string()
+    };
+    assert_eq!(kind(&rsa), "jwt");
+    assert_eq!(kind(&ec), "ip", "not signed by the configured key");
+    // Rotate: the file now holds the EC key (an editor's atomic rename).
+    atomic_write(
+        &dir.path().join("jwt.pem"),
+        &String::from_utf8(jwt_fixture("ec_public.pem")).unwrap(),
+    );
+    let rotated = wait_for(Duration::from_secs(5), Duration::from_millis(50), || {
+        (kind(&ec) == "jwt").then_some(())
+    });
+    assert!(rotated.is_some(), "the new key was not picked up");
+    assert_eq!(kind(&rsa), "ip", "the old key is gone");
+    // A broken key file is refused and the current key stays.
+    atomic_write(&dir.path().join("jwt.pem"), "not a key");
+    let (s, _) = admin_call("POST", &format!("http://127.0.0.1:{admin_port}/reload"), None);
+    assert_eq!(s, 422);
+    assert_eq!(kind(&ec), "jwt");
 }

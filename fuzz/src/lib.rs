@@ -9,7 +9,7 @@ use std::sync::{Arc, OnceLock};
 use http::{HeaderMap, HeaderName, HeaderValue, Method};
 use tollgate::config::raw::{RawGateway, RawKeys};
 use tollgate::config::{parse_str, EnvOverrides, GatewayConfig, IdentityConfig};
-use tollgate::identity::jwt::JwtVerifier;
+use tollgate::identity::jwt::JwtKeys;
 use tollgate::identity::{client_ip, collapse, identify, IdentityKind, KeyRegistry};
 use tollgate::rules::{normalize, Pattern, PatternClass, RequestInfo, RuleSet};
 
@@ -35,8 +35,8 @@ fn compile_gateway(identity_yaml: &str) -> GatewayConfig {
 }
 
 /// The HS256 verifier every JWT check uses.
-pub fn verifier() -> &'static Arc<JwtVerifier> {
-    static V: OnceLock<Arc<JwtVerifier>> = OnceLock::new();
+pub fn verifier() -> &'static Arc<JwtKeys> {
+    static V: OnceLock<Arc<JwtKeys>> = OnceLock::new();
     V.get_or_init(|| {
         std::env::set_var(JWT_SECRET_ENV, JWT_SECRET);
         let cfg = compile_gateway(&format!(

@@ -19,7 +19,7 @@ use http::HeaderName;
 use ipnet::IpNet;
 use serde_saphyr::Spanned;
 
-use crate::identity::jwt::JwtVerifier;
+use crate::identity::jwt::JwtKeys;
 
 fn opt_duration(file: &Path, s: &Option<Spanned<String>>, default: Duration) -> Result<Duration, ConfigError> {
     match s {
@@ -461,7 +461,7 @@ impl GatewayConfig {
             None => 64,
         };
         let jwt = match &id.jwt {
-            Some(j) => Some(std::sync::Arc::new(JwtVerifier::compile(f, dir, j)?)),
+            Some(j) => Some(std::sync::Arc::new(JwtKeys::compile(f, dir, j)?)),
             None => None,
         };
         let identity = IdentityConfig {

@@ -92,7 +92,7 @@ pub struct RawIdentity {
 }
 
 /// `identity.jwt:`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawJwt {
     /// Header carrying `Bearer <token>`.

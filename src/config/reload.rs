@@ -1,4 +1,4 @@
-//! Live reload of the rules and keys files.
+//! Live reload of the rules and keys files (and the JWT key files).
 //!
 //! Three triggers: a file-system watcher on the files' parent directories (so editor atomic
 //! renames and Kubernetes `..data` symlink swaps are seen), `SIGHUP`, and `POST /reload`. A

@@ -1,9 +1,10 @@
-//! JWT verification. Tokens are checked against keys loaded at start-up; `exp`, `nbf`, `iss`
+//! JWT verification. Tokens are checked against the configured keys, which reload with the
+//! rules ([`JwtKeys`]: a rotated public key or JWKS file needs no restart); `exp`, `nbf`, `iss`
 //! and `aud` are checked against an injected `now` with leeway. Any failure (`alg: none`, an
 //! algorithm outside the configured family, a bad signature, an expired token) yields `None`:
 //! no identity, never an error page.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::Arc;
 
@@ -84,6 +85,68 @@ impl std::fmt::Debug for JwtVerifier {
             .field("audience", &self.audience)
             .field("leeway", &self.leeway)
             .finish()
+    }
+}
+
+/// The JWT verifier in force, recompiled from its key files on every reload (SIGHUP,
+/// `POST /reload`, or a change the watcher sees in `public_key_file` / `jwks_file`) and swapped
+/// whole; a key file that does not load leaves the previous keys in force.
+pub struct JwtKeys {
+    /// The verifier requests use.
+    current: arc_swap::ArcSwap<JwtVerifier>,
+    /// The gateway file (for error positions).
+    file: PathBuf,
+    /// Key files are relative to this directory.
+    dir: PathBuf,
+    /// `identity.jwt` as written.
+    raw: RawJwt,
+}
+
+impl std::fmt::Debug for JwtKeys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("JwtKeys").field(&*self.current.load()).finish()
+    }
+}
+
+impl JwtKeys {
+    /// Compile `identity.jwt` now (key files relative to `dir`).
+    pub fn compile(file: &Path, dir: &Path, raw: &RawJwt) -> Result<Self, ConfigError> {
+        let v = JwtVerifier::compile(file, dir, raw)?;
+        Ok(JwtKeys {
+            current: arc_swap::ArcSwap::from_pointee(v),
+            file: file.to_path_buf(),
+            dir: dir.to_path_buf(),
+            raw: raw.clone(),
+        })
+    }
+
+    /// The key files to watch.
+    pub fn files(&self) -> Vec<PathBuf> {
+        [&self.raw.public_key_file, &self.raw.jwks_file]
+            .into_iter()
+            .flatten()
+            .map(|s| self.dir.join(&s.value))
+            .collect()
+    }
+
+    /// Compile the keys from disk again, without installing them.
+    pub fn prepare(&self) -> Result<JwtVerifier, ConfigError> {
+        JwtVerifier::compile(&self.file, &self.dir, &self.raw)
+    }
+
+    /// Put `v` in force.
+    pub fn install(&self, v: JwtVerifier) {
+        self.current.store(Arc::new(v));
+    }
+
+    /// Verify the bearer token in the configured header, if any.
+    pub fn verify_headers(&self, headers: &HeaderMap, now_secs: u64) -> Option<JwtClaims> {
+        self.current.load().verify_headers(headers, now_secs)
+    }
+
+    /// Verify `token` at `now_secs`.
+    pub fn verify(&self, token: &str, now_secs: u64) -> Option<JwtClaims> {
+        self.current.load().verify(token, now_secs)
     }
 }
 

@@ -242,7 +242,7 @@ impl RuleSet {
         )?;
         let ctx = Ctx { file, default_alg };
         let mut rules: Vec<Rule> = Vec::new();
-        let mut names: HashSet<String> = HashSet::new();
+        let mut names: std::collections::HashMap<String, (u64, u64)> = std::collections::HashMap::new();
         for (index, sr) in raw.rules.iter().enumerate() {
             let r: &RawRule = &sr.value;
             let loc = &sr.referenced;
@@ -253,8 +253,12 @@ impl RuleSet {
                     format!("rule name {name:?}: use 1-64 letters, digits, '_', '-', '.'"),
                 ));
             }
-            if !names.insert(name.to_string()) {
-                return Err(ctx.err(&r.name.referenced, format!("duplicate rule name {name:?}")));
+            let here = (r.name.referenced.line(), r.name.referenced.column());
+            if let Some((line, col)) = names.insert(name.to_string(), here) {
+                return Err(ctx.err(
+                    &r.name.referenced,
+                    format!("duplicate rule name {name:?} (first defined at line {line}, column {col})"),
+                ));
             }
             let key = KeyKind::parse(&r.key.value).ok_or_else(|| {
                 ctx.err(
