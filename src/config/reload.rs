@@ -106,6 +106,9 @@ where
     Fut: Future<Output = ()> + Send,
 {
     let (tx, mut rx) = mpsc::channel::<Trigger>(4);
+    // The files as they are now, read before this returns (once, at start-up), so a change made
+    // right after start is never taken for the starting state.
+    let first = look(&files, &Seen::default());
 
     // File-system notifications: watch each parent directory, not the file itself.
     let ntx = tx.clone();
@@ -162,7 +165,7 @@ where
 
     tokio::spawn(async move {
         let _watcher = watcher; // dropped (and unwatched) when this task ends
-        let mut last = look_off_runtime(&files, &Seen::default()).await;
+        let mut last = first;
         let mut poll = tokio::time::interval(POLL_EVERY);
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
