@@ -20,16 +20,16 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use crate::config::GatewayConfig;
-use crate::gateway::{Gateway, Snapshot};
 use crate::http::respond::{self, GatewayError};
 use crate::http::ProxyBody;
 use crate::identity::identify;
 use crate::limiter::keys::{KeyBuilder, Namespace};
 use crate::limiter::{LimitCheck, Store, StoreKey};
 use crate::rules::{caller, key_value, normalize, window_text, KeyKind, RequestInfo, Rule};
+use crate::state::{Snapshot, State};
 
 /// Serve the admin API until `stop`.
-pub async fn serve(gw: Arc<Gateway>, listener: TcpListener, mut stop: watch::Receiver<bool>) {
+pub async fn serve(gw: Arc<State>, listener: TcpListener, mut stop: watch::Receiver<bool>) {
     loop {
         let (stream, peer) = tokio::select! {
             r = listener.accept() => match r { Ok(x) => x, Err(_) => continue },
@@ -57,10 +57,10 @@ fn query_param<'a>(q: &'a str, name: &str) -> Option<std::borrow::Cow<'a, str>> 
     })
 }
 
-async fn route(gw: Arc<Gateway>, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
+async fn route(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
     let path = req.uri().path().to_string();
     let query = req.uri().query().unwrap_or("").to_string();
-    if !auth::is_open(req.method(), &path) && !auth::allowed(gw.config.admin.token.as_ref(), req.headers()) {
+    if !auth::is_open(req.method(), &path) && !auth::allowed(gw.config().admin.token.as_ref(), req.headers()) {
         if req.headers().contains_key(http::header::AUTHORIZATION) {
             tracing::warn!(target: "tollgate::audit", caller = %peer, method = %req.method(), path = %path, "admin request with a wrong token refused");
         }
@@ -86,34 +86,34 @@ async fn route(gw: Arc<Gateway>, req: Request<Incoming>, peer: SocketAddr) -> Re
             gw.refresh_gauges();
             respond::text(
                 StatusCode::OK,
-                gw.metrics.encode(),
+                gw.metrics().encode(),
                 "application/openmetrics-text; version=1.0.0; charset=utf-8",
             )
         }
         (Method::GET, "/status") => {
             let store = gw.store_ready().await;
-            let snap = gw.snapshot.load();
+            let snap = gw.snapshot().load();
             respond::json_ok(&json!({
                 "ready": true,
                 "store": {
-                    "kind": crate::describe::store_kind(gw.config.store.kind),
+                    "kind": crate::describe::store_kind(gw.config().store.kind),
                     "ok": store.is_ok(),
                     "error": store.err().map(|e| e.to_string()),
-                    "breakers_open": gw.metrics.breaker_open.get(),
+                    "breakers_open": gw.metrics().breaker_open.get(),
                 },
                 "rules_version": snap.rules.version,
                 "rules": snap.rules.rules.len(),
                 "api_keys": snap.keys.len(),
-                "last_reload_success": gw.metrics.last_reload_success.get() == 1,
-                "last_reload_success_at": gw.metrics.last_reload_success_timestamp.get(),
-                "config_file_changed": gw.metrics.config_file_changed.get() == 1,
+                "last_reload_success": gw.metrics().last_reload_success.get() == 1,
+                "last_reload_success_at": gw.metrics().last_reload_success_timestamp.get(),
+                "config_file_changed": gw.metrics().config_file_changed.get() == 1,
                 "version": env!("CARGO_PKG_VERSION"),
             }))
         }
-        (Method::GET, "/rules") => respond::json_ok(&rules_json(&gw.snapshot.load())),
+        (Method::GET, "/rules") => respond::json_ok(&rules_json(&gw.snapshot().load())),
         (Method::POST, "/reload") => {
             let _ = req.into_body().collect().await;
-            let result = gw.reload("admin").await;
+            let result = gw.reload(crate::config::reload::Trigger::Admin).await;
             tracing::info!(
                 target: "tollgate::audit",
                 caller = %peer,
@@ -130,7 +130,7 @@ async fn route(gw: Arc<Gateway>, req: Request<Incoming>, peer: SocketAddr) -> Re
                     "changed": r.changed,
                     "rules": r.rules,
                     "keys": r.keys,
-                    "config_file_changed": gw.metrics.config_file_changed.get() == 1,
+                    "config_file_changed": gw.metrics().config_file_changed.get() == 1,
                 })),
                 Err(e) => respond::json(
                     StatusCode::UNPROCESSABLE_ENTITY,
@@ -149,16 +149,16 @@ async fn route(gw: Arc<Gateway>, req: Request<Incoming>, peer: SocketAddr) -> Re
             let ip: IpAddr = query_param(&query, "ip")
                 .and_then(|s| s.parse().ok())
                 .unwrap_or(IpAddr::from([127, 0, 0, 1]));
-            let snap = gw.snapshot.load();
+            let snap = gw.snapshot().load();
             respond::json_ok(&explain(
-                &gw.config,
-                &gw.keys,
+                gw.config(),
+                gw.keys(),
                 &snap,
                 &method,
                 &p,
                 req.headers(),
                 ip,
-                gw.clock.now_us() / 1_000_000,
+                gw.clock().now_us() / 1_000_000,
             ))
         }
         (m, p) if p.starts_with("/keys/") && (m == Method::GET || m == Method::DELETE) => {
@@ -169,12 +169,12 @@ async fn route(gw: Arc<Gateway>, req: Request<Incoming>, peer: SocketAddr) -> Re
             if who.is_empty() {
                 return GatewayError::NotFound.into_response();
             }
-            let snap = gw.snapshot.load();
-            let candidates = identity_checks(&gw.keys, &snap, &who);
+            let snap = gw.snapshot().load();
+            let candidates = identity_checks(gw.keys(), &snap, &who);
             let all: Vec<LimitCheck> = candidates.checks.iter().map(|c| c.check.clone()).collect();
             // Peek first: which counters exist decides which rules apply to values tollgate cannot
             // enumerate (JWT users, orgs from tokens, header values), and whether it exists at all.
-            let states = match gw.limiter.store.peek(&all).await {
+            let states = match gw.limiter().store.peek(&all).await {
                 Ok(s) => s,
                 Err(e) => {
                     return respond::json(StatusCode::SERVICE_UNAVAILABLE, &json!({"error": e.to_string()}));
@@ -192,13 +192,13 @@ async fn route(gw: Arc<Gateway>, req: Request<Incoming>, peer: SocketAddr) -> Re
             }
             if m == Method::DELETE {
                 let keys: Vec<StoreKey> = kept.iter().map(|(c, _)| c.check.key.clone()).collect();
-                return match gw.limiter.reset(&keys).await {
+                return match gw.limiter().reset(&keys).await {
                     Ok(()) => {
                         tracing::info!(
                             target: "tollgate::audit",
                             caller = %peer,
                             action = "reset",
-                            identity_hash = %identity_hash(&gw.keys, &snap, &who),
+                            identity_hash = %identity_hash(gw.keys(), &snap, &who),
                             counters = keys.len(),
                             "admin: DELETE /keys: counters reset"
                         );
@@ -231,7 +231,7 @@ async fn route(gw: Arc<Gateway>, req: Request<Incoming>, peer: SocketAddr) -> Re
                 .collect();
             respond::json_ok(&json!({
                 "identity": candidates.kind,
-                "identity_hash": identity_hash(&gw.keys, &snap, &who),
+                "identity_hash": identity_hash(gw.keys(), &snap, &who),
                 "counters": counters,
             }))
         }

@@ -168,7 +168,7 @@ async fn run_with(
     }
     config.upstream.url = format!("http://{echo}").parse()?;
     config.upstream.authority = echo.to_string().parse()?;
-    let running = crate::gateway::start(config).await?;
+    let running = crate::server::start(config).await?;
     let a = running.addr;
     let port = a.port();
     println!(

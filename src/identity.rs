@@ -12,11 +12,26 @@ pub mod keys;
 use std::net::{IpAddr, Ipv6Addr};
 use std::sync::Arc;
 
-use http::HeaderMap;
+use http::{HeaderMap, HeaderName};
 use ipnet::IpNet;
 
-use crate::config::IdentityConfig;
+use jwt::JwtKeys;
 pub use keys::KeyRegistry;
+
+/// `identity:`, validated.
+#[derive(Debug, Clone)]
+pub struct IdentityConfig {
+    /// Header carrying the API key.
+    pub api_key_header: HeaderName,
+    /// JWT verification, if configured.
+    pub jwt: Option<std::sync::Arc<JwtKeys>>,
+    /// Peers whose X-Forwarded-For is believed.
+    pub trusted_proxies: Vec<IpNet>,
+    /// IPv6 addresses collapse to this prefix.
+    pub ipv6_prefix: u8,
+    /// At most this many X-Forwarded-For entries are read, from the right.
+    pub max_forwarded_entries: usize,
+}
 
 /// Which credential identified the caller.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

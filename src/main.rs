@@ -20,7 +20,7 @@ struct Cli {
     log_format: Option<LogFormat>,
     #[command(subcommand)]
     command: Option<Command>,
-    /// Gateway config (when no sub-command is given, `run` is implied).
+    /// State config (when no sub-command is given, `run` is implied).
     #[arg(long, env = "TOLLGATE_CONFIG", default_value = "config/gateway.yaml")]
     config: PathBuf,
 }
@@ -35,19 +35,19 @@ enum LogFormat {
 enum Command {
     /// Serve (the default).
     Run {
-        /// Gateway config.
+        /// State config.
         #[arg(long, env = "TOLLGATE_CONFIG", default_value = "config/gateway.yaml")]
         config: PathBuf,
     },
     /// Validate the gateway config, rules and keys; print a summary.
     Check {
-        /// Gateway config.
+        /// State config.
         #[arg(long, env = "TOLLGATE_CONFIG", default_value = "config/gateway.yaml")]
         config: PathBuf,
     },
     /// Show the identity, matching rules and store keys for a request.
     Explain {
-        /// Gateway config.
+        /// State config.
         #[arg(long, env = "TOLLGATE_CONFIG", default_value = "config/gateway.yaml")]
         config: PathBuf,
         /// Method.
@@ -125,7 +125,7 @@ fn main() -> ExitCode {
             init_logs(cli.log_format);
             runtime(async move {
                 let cfg = GatewayConfig::load(&config, &EnvOverrides::from_env()).map_err(|e| e.to_string())?;
-                let running = tollgate::gateway::start(cfg).await.map_err(|e| e.to_string())?;
+                let running = tollgate::server::start(cfg).await.map_err(|e| e.to_string())?;
                 tollgate::demo::shutdown_signal().await;
                 tracing::info!("signal received");
                 running.stop().await;
@@ -194,10 +194,10 @@ fn runtime(f: impl std::future::Future<Output = Result<(), String>>) -> ExitCode
     }
 }
 
-fn load_all(config: &std::path::Path) -> Result<(GatewayConfig, tollgate::gateway::Snapshot), String> {
+fn load_all(config: &std::path::Path) -> Result<(GatewayConfig, tollgate::state::Snapshot), String> {
     let cfg = GatewayConfig::load(config, &EnvOverrides::from_env()).map_err(|e| e.to_string())?;
     let metrics = tollgate::metrics::Metrics::new();
-    let snap = tollgate::gateway::load_snapshot(&cfg, &metrics).map_err(|e| e.to_string())?;
+    let snap = tollgate::state::load_snapshot(&cfg, &metrics).map_err(|e| e.to_string())?;
     Ok((cfg, snap))
 }
 
@@ -276,7 +276,7 @@ fn explain(config: &std::path::Path, method: &str, path: &str, headers: &[String
         eprintln!("invalid method {method:?}");
         return ExitCode::FAILURE;
     };
-    let keys = tollgate::gateway::key_builder(&cfg);
+    let keys = tollgate::state::key_builder(&cfg);
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())

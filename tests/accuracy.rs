@@ -19,7 +19,7 @@ fn keys_yaml() -> String {
 }
 
 /// Start `n` gateways sharing one config directory and one cluster.
-async fn fleet(n: usize, cluster: &RedisCluster, rules: &str) -> (Vec<tollgate::gateway::Running>, tempfile::TempDir) {
+async fn fleet(n: usize, cluster: &RedisCluster, rules: &str) -> (Vec<tollgate::server::Running>, tempfile::TempDir) {
     let up = echo().await;
     let dir = tempfile::tempdir().unwrap();
     let urls: Vec<String> = cluster.seed_urls().iter().map(|u| format!("\"{u}\"")).collect();
@@ -31,13 +31,13 @@ async fn fleet(n: usize, cluster: &RedisCluster, rules: &str) -> (Vec<tollgate::
     let mut out = Vec::new();
     for _ in 0..n {
         let cfg = GatewayConfig::load(&p, &EnvOverrides::default()).unwrap();
-        out.push(tollgate::gateway::start(cfg).await.unwrap());
+        out.push(tollgate::server::start(cfg).await.unwrap());
     }
     (out, dir)
 }
 
 /// 24 clients send `total` requests for one identity, round-robin over the gateways.
-async fn hammer(gws: &[tollgate::gateway::Running], path: &str, total: usize) -> (usize, usize) {
+async fn hammer(gws: &[tollgate::server::Running], path: &str, total: usize) -> (usize, usize) {
     let urls: Arc<Vec<String>> = Arc::new(gws.iter().map(|g| format!("http://{}{path}", g.addr)).collect());
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut tasks = Vec::new();

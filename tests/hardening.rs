@@ -296,7 +296,7 @@ async fn ipv6_clients_inside_one_64_share_a_counter() {
         .replace("listen: 127.0.0.1:0\n", "listen: \"[::1]:0\"\n");
     std::fs::write(&p, text).unwrap();
     let cfg = tollgate::config::GatewayConfig::load(&p, &tollgate::config::EnvOverrides::default()).unwrap();
-    let running = tollgate::gateway::start(cfg).await.unwrap();
+    let running = tollgate::server::start(cfg).await.unwrap();
     let a = running.addr;
     assert!(a.is_ipv6());
     let mut codes = Vec::new();

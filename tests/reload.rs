@@ -99,7 +99,7 @@ async fn a_kubernetes_configmap_symlink_swap_is_seen() {
     let cfg_path = d.join("gateway.yaml");
     std::fs::write(&cfg_path, format!("listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nupstream: {{ url: http://{up} }}\nrules_file: rules.yaml\n")).unwrap();
     let cfg = tollgate::config::GatewayConfig::load(&cfg_path, &Default::default()).unwrap();
-    let running = tollgate::gateway::start(cfg).await.unwrap();
+    let running = tollgate::server::start(cfg).await.unwrap();
     let admin = format!("http://{}", running.admin_addr);
     let c = client();
     let v0 = version(&c, &admin).await;

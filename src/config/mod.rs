@@ -4,8 +4,12 @@
 //! Every error names `file:line:col`. Durations are humantime strings (`5ms`, `1s`, `15m`).
 
 pub mod admin;
+pub mod error;
 pub mod raw;
 pub mod reload;
+
+pub use crate::identity::IdentityConfig;
+pub use error::{duration, parse_file, parse_str, ConfigError};
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -13,146 +17,9 @@ use std::time::Duration;
 
 use http::HeaderName;
 use ipnet::IpNet;
-use serde_saphyr::{Location, Spanned};
+use serde_saphyr::Spanned;
 
 use crate::identity::jwt::JwtKeys;
-
-/// A config error, rendered `file:line:col: message`.
-#[derive(Debug, Clone, thiserror::Error)]
-#[error("{}: {message}", Position(self))]
-pub struct ConfigError {
-    /// The file.
-    pub file: PathBuf,
-    /// 1-based line (0 when unknown).
-    pub line: u64,
-    /// 1-based column (0 when unknown).
-    pub col: u64,
-    /// What is wrong.
-    pub message: String,
-}
-
-impl ConfigError {
-    /// An error about a whole file named in the gateway file (it cannot be read): point at the
-    /// line that names it, `at` in `gateway`, instead of at no position in the file itself.
-    pub fn named_in(self, gateway: &Path, field: &str, at: Option<(u64, u64)>) -> Self {
-        match at {
-            Some((line, col)) if self.line == 0 => ConfigError {
-                message: format!("{field} {}: {}", self.file.display(), self.message),
-                file: gateway.to_path_buf(),
-                line,
-                col,
-            },
-            _ => self,
-        }
-    }
-
-    /// An error at `loc` in `file`.
-    pub fn at(file: &Path, loc: &Location, message: impl Into<String>) -> Self {
-        ConfigError {
-            file: file.to_path_buf(),
-            line: loc.line(),
-            col: loc.column(),
-            message: message.into(),
-        }
-    }
-
-    /// An error with no position (a missing file).
-    pub fn file(file: &Path, message: impl Into<String>) -> Self {
-        ConfigError {
-            file: file.to_path_buf(),
-            line: 0,
-            col: 0,
-            message: message.into(),
-        }
-    }
-}
-
-/// `file:line:col`, or `file` alone when the position is unknown.
-struct Position<'a>(&'a ConfigError);
-
-impl std::fmt::Display for Position<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let e = self.0;
-        if e.line == 0 {
-            write!(f, "{}", e.file.display())
-        } else {
-            write!(f, "{}:{}:{}", e.file.display(), e.line, e.col)
-        }
-    }
-}
-
-/// Read and parse a YAML file into `T`, mapping parse errors to `file:line:col`.
-pub fn parse_file<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|e| ConfigError::file(path, format!("cannot read: {e}")))?;
-    parse_str(path, &text)
-}
-
-/// Parse YAML text (named `path` in errors).
-pub fn parse_str<T: serde::de::DeserializeOwned>(path: &Path, text: &str) -> Result<T, ConfigError> {
-    serde_saphyr::from_str::<T>(text).map_err(|e| {
-        let (line, col) = e.location().map(|l| (l.line(), l.column())).unwrap_or((0, 0));
-        let msg = e.without_snippet().to_string();
-        // The rendered message may itself carry a position and a snippet: keep its first line,
-        // without the position (it is printed once, in front).
-        let msg = msg.lines().next().unwrap_or("invalid YAML");
-        let msg = match msg.rfind(" at line ") {
-            Some(i) if line != 0 => &msg[..i],
-            _ => msg,
-        };
-        let msg = did_you_mean(msg);
-        ConfigError {
-            file: path.to_path_buf(),
-            line,
-            col,
-            message: msg,
-        }
-    })
-}
-
-/// For "unknown field `x`, expected one of a, b, c": name the closest expected field.
-fn did_you_mean(msg: &str) -> String {
-    let Some(rest) = msg.strip_prefix("unknown field `") else {
-        return msg.to_string();
-    };
-    let Some((field, rest)) = rest.split_once('`') else {
-        return msg.to_string();
-    };
-    let Some(list) = rest
-        .strip_prefix(", expected one of ")
-        .or_else(|| rest.strip_prefix(", expected "))
-    else {
-        return msg.to_string();
-    };
-    let best = list
-        .split(", ")
-        .map(|c| c.trim_matches('`'))
-        .map(|c| (edit_distance(field, c), c))
-        .min();
-    match best {
-        Some((d, c)) if d <= 2.max(field.len() / 3) => format!("{msg}; did you mean `{c}`?"),
-        _ => msg.to_string(),
-    }
-}
-
-/// Levenshtein distance (field names are short).
-fn edit_distance(a: &str, b: &str) -> usize {
-    let b: Vec<char> = b.chars().collect();
-    let mut prev: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.chars().enumerate() {
-        let mut cur = vec![i + 1; b.len() + 1];
-        for (j, cb) in b.iter().enumerate() {
-            cur[j + 1] = (prev[j] + usize::from(ca != *cb)).min(prev[j + 1] + 1).min(cur[j] + 1);
-        }
-        prev = cur;
-    }
-    prev[b.len()]
-}
-
-/// Parse a humantime duration held in a spanned string.
-pub fn duration(file: &Path, s: &Spanned<String>) -> Result<Duration, ConfigError> {
-    humantime::parse_duration(s.value.trim())
-        .map_err(|e| ConfigError::at(file, &s.referenced, format!("invalid duration {:?}: {e}", s.value)))
-}
 
 fn opt_duration(file: &Path, s: &Option<Spanned<String>>, default: Duration) -> Result<Duration, ConfigError> {
     match s {
@@ -286,21 +153,6 @@ pub struct StoreConfig {
     pub breaker_threshold: u32,
     /// Probe period while the breaker is open.
     pub probe_interval: Duration,
-}
-
-/// `identity:`, validated.
-#[derive(Debug, Clone)]
-pub struct IdentityConfig {
-    /// Header carrying the API key.
-    pub api_key_header: HeaderName,
-    /// JWT verification, if configured.
-    pub jwt: Option<std::sync::Arc<JwtKeys>>,
-    /// Peers whose X-Forwarded-For is believed.
-    pub trusted_proxies: Vec<IpNet>,
-    /// IPv6 addresses collapse to this prefix.
-    pub ipv6_prefix: u8,
-    /// At most this many X-Forwarded-For entries are read, from the right.
-    pub max_forwarded_entries: usize,
 }
 
 /// `limits:`, validated.

@@ -8,17 +8,62 @@
 //! is refused, logged and counted, and the old rules stay. Counters live in the store, keyed by
 //! rule name, so they survive reloads.
 
-use std::path::PathBuf;
-use std::sync::Arc;
-use std::time::Duration;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
 
 use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, watch};
 
-use crate::gateway::Gateway;
+/// What asked for a reload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Trigger {
+    /// A file-system notification on a watched file's directory.
+    FileChange,
+    /// The polling fallback saw a watched file change.
+    Poll,
+    /// `SIGHUP`: reload even if nothing changed, the operator asked for it.
+    Signal,
+    /// `POST /reload` on the admin port.
+    Admin,
+}
 
-/// A fingerprint of the watched files' current content (missing files count as empty).
-fn fingerprint(files: &[PathBuf]) -> [u8; 32] {
+impl Trigger {
+    /// The name in logs and reload reports.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Trigger::FileChange => "file change",
+            Trigger::Poll => "poll",
+            Trigger::Signal => "SIGHUP",
+            Trigger::Admin => "admin",
+        }
+    }
+}
+
+/// How often the polling fallback looks at the files.
+const POLL_EVERY: Duration = Duration::from_millis(250);
+
+/// How long to let an editor or kubelet finish its rename or symlink swap after a notification
+/// before reading the files.
+const SETTLE: Duration = Duration::from_millis(50);
+
+/// What a file looked like: its metadata, and a digest of its content read only when the
+/// metadata moved (so a poll of an unchanged file reads no content).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+struct Seen {
+    /// (modified, length, inode) of each file; `None` for a missing one.
+    stats: Vec<Option<(SystemTime, u64, u64)>>,
+    /// SHA-256 over every file's content.
+    digest: [u8; 32],
+}
+
+/// Look at `files`, reading their content only when their metadata differs from `last`.
+/// Blocking file I/O: run it on a blocking thread.
+fn look(files: &[PathBuf], last: &Seen) -> Seen {
+    let stats: Vec<_> = files.iter().map(|f| stat(f)).collect();
+    if !last.stats.is_empty() && stats == last.stats {
+        return last.clone();
+    }
     let mut h = Sha256::new();
     for f in files {
         match std::fs::read(f) {
@@ -27,30 +72,50 @@ fn fingerprint(files: &[PathBuf]) -> [u8; 32] {
         }
         h.update([0xff]);
     }
-    h.finalize().into()
+    Seen {
+        stats,
+        digest: h.finalize().into(),
+    }
 }
 
-/// Start the watcher, the poller and the SIGHUP handler. They stop when `stop` flips.
-pub fn spawn_watcher(gw: Arc<Gateway>, mut stop: watch::Receiver<bool>) {
-    let mut files = vec![gw.config.rules_file.clone()];
-    if let Some(k) = &gw.config.keys_file {
-        files.push(k.clone());
-    }
-    // The gateway file is watched too, not to apply it (that needs a restart) but to say that
-    // the running config no longer matches it (`Gateway::check_config_file`).
-    files.push(gw.config.path.clone());
-    // JWT public key / JWKS files reload like the rules (key rotation without a restart).
-    if let Some(jwt) = &gw.config.identity.jwt {
-        files.extend(jwt.files());
-    }
-    let (tx, mut rx) = mpsc::channel::<&'static str>(4);
+/// (modified, length, inode) of `f`, following symlinks (a Kubernetes `..data` swap changes
+/// the inode even when the time and size do not).
+fn stat(f: &Path) -> Option<(SystemTime, u64, u64)> {
+    let m = std::fs::metadata(f).ok()?;
+    #[cfg(unix)]
+    let ino = std::os::unix::fs::MetadataExt::ino(&m);
+    #[cfg(not(unix))]
+    let ino = 0;
+    Some((m.modified().ok()?, m.len(), ino))
+}
+
+/// `look` on a blocking thread, so a large file never stalls the runtime that serves requests.
+async fn look_off_runtime(files: &[PathBuf], last: &Seen) -> Seen {
+    let (f, l) = (files.to_vec(), last.clone());
+    tokio::task::spawn_blocking(move || look(&f, &l))
+        .await
+        .unwrap_or_else(|_| last.clone())
+}
+
+/// Watch `files` (the rules file, the keys file, the gateway file) and call `on_change` with
+/// what triggered, whenever their content changed, or on `SIGHUP` whatever it is. The watcher,
+/// the poller and the signal handler stop when `stop` flips.
+pub fn spawn_watcher<F, Fut>(files: Vec<PathBuf>, mut stop: watch::Receiver<bool>, on_change: F)
+where
+    F: Fn(Trigger) -> Fut + Send + 'static,
+    Fut: Future<Output = ()> + Send,
+{
+    let (tx, mut rx) = mpsc::channel::<Trigger>(4);
+    // The files as they are now, read before this returns (once, at start-up), so a change made
+    // right after start is never taken for the starting state.
+    let first = look(&files, &Seen::default());
 
     // File-system notifications: watch each parent directory, not the file itself.
     let ntx = tx.clone();
     let watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
         // Reads (including this module's own polling) are not changes.
         if res.is_ok_and(|ev| !matches!(ev.kind, notify::EventKind::Access(_))) {
-            let _ = ntx.try_send("file change");
+            let _ = ntx.try_send(Trigger::FileChange);
         }
     });
     let watcher = match watcher {
@@ -93,15 +158,15 @@ pub fn spawn_watcher(gw: Arc<Gateway>, mut stop: watch::Receiver<bool>) {
                 return;
             };
             while hup.recv().await.is_some() {
-                let _ = stx.send("SIGHUP").await;
+                let _ = stx.send(Trigger::Signal).await;
             }
         });
     }
 
     tokio::spawn(async move {
         let _watcher = watcher; // dropped (and unwatched) when this task ends
-        let mut last = fingerprint(&files);
-        let mut poll = tokio::time::interval(Duration::from_millis(250));
+        let mut last = first;
+        let mut poll = tokio::time::interval(POLL_EVERY);
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let forced = tokio::select! {
@@ -109,23 +174,28 @@ pub fn spawn_watcher(gw: Arc<Gateway>, mut stop: watch::Receiver<bool>) {
                 _ = poll.tick() => None,
                 t = rx.recv() => t,
             };
-            let mut sighup = forced == Some("SIGHUP");
+            let mut signal = forced == Some(Trigger::Signal);
             if forced.is_some() {
                 // Let an editor or kubelet finish its rename/swap, then take every queued
                 // trigger at once (remembering whether one was SIGHUP).
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                tokio::time::sleep(SETTLE).await;
                 while let Ok(t) = rx.try_recv() {
-                    sighup |= t == "SIGHUP";
+                    signal |= t == Trigger::Signal;
                 }
             }
-            let now = fingerprint(&files);
+            let now = look_off_runtime(&files, &last).await;
             // SIGHUP reloads even when nothing changed: the operator asked for it.
-            if now == last && !sighup {
+            if now.digest == last.digest && !signal {
+                last = now;
                 continue;
             }
             last = now;
-            let why = if sighup { "SIGHUP" } else { forced.unwrap_or("poll") };
-            let _ = gw.reload(why).await;
+            let why = if signal {
+                Trigger::Signal
+            } else {
+                forced.unwrap_or(Trigger::Poll)
+            };
+            on_change(why).await;
         }
     });
 }

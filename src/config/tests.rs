@@ -1,4 +1,4 @@
-//! Gateway config parsing and validation.
+//! State config parsing and validation.
 
 use std::path::Path;
 

@@ -13,7 +13,8 @@ use jsonwebtoken::{Algorithm, AlgorithmFamily, DecodingKey, Validation};
 use serde_json::Value;
 use sha2::Digest;
 
-use crate::config::{duration, raw::RawJwt, ConfigError};
+use crate::config::error::{duration, ConfigError};
+use crate::config::raw::RawJwt;
 
 /// Claims the gateway uses.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
-use crate::config::{parse_file, raw::RawKeys, ConfigError};
+use crate::config::error::{parse_file, ConfigError};
+use crate::config::raw::RawKeys;
 
 /// One registered key.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -130,12 +130,12 @@ impl MemoryStore {
     }
 
     /// The decision logic shared by `check`, at an explicit `now` (used by differential tests).
-    pub fn check_at(&self, checks: &[LimitCheck], now: u64) -> Vec<Outcome> {
-        let shard_of: Vec<usize> = checks.iter().map(|c| self.shard_of(c.key.as_str())).collect();
+    pub fn check_at<C: AsRef<LimitCheck>>(&self, checks: &[C], now: u64) -> Vec<Outcome> {
+        let shard_of: Vec<usize> = checks.iter().map(|c| self.shard_of(c.as_ref().key.as_str())).collect();
         let mut guards = self.lock_all(&shard_of);
         let mut outcomes = Vec::with_capacity(checks.len());
         let mut blocked = false;
-        for (c, &shard) in checks.iter().zip(&shard_of) {
+        for (c, &shard) in checks.iter().map(AsRef::as_ref).zip(&shard_of) {
             let map = guard_for(&mut guards, shard);
             let o = match map.get_mut(c.key.as_str()) {
                 Some(e) => {
@@ -150,7 +150,7 @@ impl MemoryStore {
         if blocked {
             return outcomes;
         }
-        for ((c, o), &shard) in checks.iter().zip(&outcomes).zip(&shard_of) {
+        for ((c, o), &shard) in checks.iter().map(AsRef::as_ref).zip(&outcomes).zip(&shard_of) {
             if !o.allowed {
                 continue; // a denied shadow limit spends nothing
             }
@@ -246,7 +246,7 @@ fn make_room(map: &mut Shard, now: u64, cap: usize) -> (u64, u64) {
 }
 
 impl Store for MemoryStore {
-    async fn check(&self, checks: &[LimitCheck]) -> Checked {
+    async fn check<C: AsRef<LimitCheck> + Sync>(&self, checks: &[C]) -> Checked {
         Checked {
             outcomes: self.check_at(checks, self.clock.now_us()),
             failed: Vec::new(),

@@ -59,6 +59,19 @@ pub struct LimitCheck {
     pub shadow: bool,
 }
 
+impl AsRef<LimitCheck> for LimitCheck {
+    fn as_ref(&self) -> &LimitCheck {
+        self
+    }
+}
+
+/// A limit to check together with what happens to it when the store fails: the unit of a
+/// request's plan, as the limiter reads it.
+pub trait PolicedCheck: AsRef<LimitCheck> + Sync {
+    /// The failure policy of the rule this limit belongs to.
+    fn policy(&self) -> FailurePolicy;
+}
+
 /// Why a store could not answer. Any of these is a *store failure*; the rule's `failure`
 /// policy decides what the request gets. [`StoreError::is_transient`] tells the failures that
 /// may pass by themselves from those that will not.
@@ -129,7 +142,7 @@ pub trait Store: Send + Sync + 'static {
     /// Check and spend every limit in `checks`; one [`Outcome`] per check, in order. Checks whose
     /// part of the store failed are listed in [`Checked::failed`]; the others were decided (a
     /// denial among them stands, and nothing of a denied request stays spent).
-    fn check(&self, checks: &[LimitCheck]) -> impl Future<Output = Checked> + Send;
+    fn check<C: AsRef<LimitCheck> + Sync>(&self, checks: &[C]) -> impl Future<Output = Checked> + Send;
 
     /// Give back exactly what admitted checks spent: each `(check, at_us)` names the instant
     /// its check was decided ([`Outcome::at_us`]), so window units come off the window they
@@ -165,7 +178,7 @@ impl Backend {
 }
 
 impl Store for Backend {
-    async fn check(&self, checks: &[LimitCheck]) -> Checked {
+    async fn check<C: AsRef<LimitCheck> + Sync>(&self, checks: &[C]) -> Checked {
         match self {
             Backend::Memory(m) => m.check(checks).await,
             Backend::Redis(r) => r.check(checks).await,
@@ -237,19 +250,19 @@ pub struct Verdict {
 
 impl Verdict {
     /// True when the request may go upstream: no non-shadow limit denied or failed closed.
-    fn admits(&self, checks: &[LimitCheck]) -> bool {
+    fn admits<C: AsRef<LimitCheck>>(&self, checks: &[C]) -> bool {
         self.outcomes
             .iter()
-            .zip(checks)
+            .zip(checks.iter().map(AsRef::as_ref))
             .all(|((o, s), c)| c.shadow || (o.allowed && *s != Source::FailClosed))
     }
 
     /// What the admitted checks of this verdict spent, and where: the argument of
     /// [`Limiter::refund`] when the request does not go through after all.
-    pub fn spent(&self, checks: &[LimitCheck]) -> Vec<(LimitCheck, u64, Source)> {
+    pub fn spent<C: AsRef<LimitCheck>>(&self, checks: &[C]) -> Vec<(LimitCheck, u64, Source)> {
         self.outcomes
             .iter()
-            .zip(checks)
+            .zip(checks.iter().map(AsRef::as_ref))
             .filter(|((o, s), c)| o.allowed && c.cost > 0 && matches!(s, Source::Store | Source::Local))
             .map(|((o, s), c)| (c.clone(), o.at_us, *s))
             .collect()
@@ -281,11 +294,11 @@ pub struct Limiter {
 }
 
 impl Limiter {
-    /// Check `checks` (each with its rule's failure policy, same order).
-    pub async fn check(&self, checks: &[LimitCheck], policies: &[FailurePolicy]) -> Verdict {
+    /// Check `checks`, each with its rule's failure policy.
+    pub async fn check<P: PolicedCheck>(&self, checks: &[P]) -> Verdict {
         let now = self.clock.now_us();
         if let Some(deny) = &self.deny {
-            for (i, c) in checks.iter().enumerate() {
+            for (i, c) in checks.iter().map(AsRef::as_ref).enumerate() {
                 if c.shadow {
                     continue;
                 }
@@ -316,7 +329,12 @@ impl Limiter {
             }
         };
         if let Some(deny) = &self.deny {
-            for (i, (o, c)) in checked.outcomes.iter().zip(checks).enumerate() {
+            for (i, (o, c)) in checked
+                .outcomes
+                .iter()
+                .zip(checks.iter().map(AsRef::as_ref))
+                .enumerate()
+            {
                 if !o.allowed && !c.shadow && o.retry_after_us > 0 && !checked.failed.iter().any(|(f, _)| *f == i) {
                     deny.insert(c, now + o.retry_after_us.min(DENY_CACHE_MAX_US));
                 }
@@ -327,7 +345,7 @@ impl Limiter {
             store_error: checked.failed.first().map(|(_, e)| e.clone()),
         };
         if !checked.failed.is_empty() {
-            self.on_failure(checks, policies, &checked.failed, &mut verdict).await;
+            self.on_failure(checks, &checked.failed, &mut verdict).await;
         }
         verdict
     }
@@ -335,24 +353,18 @@ impl Limiter {
     /// Decide the checks the store could not (each by its rule's failure policy). The local
     /// fallback runs only when nothing else already rejects the request; when the policies
     /// reject a request the store had admitted elsewhere, the store's spending is refunded.
-    async fn on_failure(
-        &self,
-        checks: &[LimitCheck],
-        policies: &[FailurePolicy],
-        failed: &[(usize, StoreError)],
-        verdict: &mut Verdict,
-    ) {
+    async fn on_failure<P: PolicedCheck>(&self, checks: &[P], failed: &[(usize, StoreError)], verdict: &mut Verdict) {
         // A denial among the answered checks: the store already refunded what the request spent.
         let store_denied = verdict
             .outcomes
             .iter()
-            .zip(checks)
+            .zip(checks.iter().map(AsRef::as_ref))
             .enumerate()
             .any(|(i, ((o, _), c))| !o.allowed && !c.shadow && !failed.iter().any(|(f, _)| *f == i));
         let mut local = Vec::new();
         for &(i, _) in failed {
             let entry = &mut verdict.outcomes[i];
-            match policies.get(i).copied().unwrap_or(FailurePolicy::Open) {
+            match checks.get(i).map_or(FailurePolicy::Open, PolicedCheck::policy) {
                 FailurePolicy::Open => *entry = (full(), Source::FailOpen),
                 FailurePolicy::Closed => {
                     *entry = (
@@ -366,7 +378,7 @@ impl Limiter {
                 }
                 FailurePolicy::Local { share } => {
                     *entry = (full(), Source::Local);
-                    local.push((i, local_share(&checks[i], share)));
+                    local.push((i, local_share(checks[i].as_ref(), share)));
                 }
             }
         }

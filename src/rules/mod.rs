@@ -122,8 +122,14 @@ pub struct Rule {
 impl Rule {
     /// The limits that apply to `identity`: its override if any, else the rule's.
     pub fn limits_for(&self, identity: &Identity) -> &[Quota] {
+        self.limits_for_id(&identity.id)
+    }
+
+    /// The limits that apply to the identity `id` (key id, JWT user, IP): its override if
+    /// any, else the rule's.
+    pub fn limits_for_id(&self, id: &str) -> &[Quota] {
         if !self.overrides.is_empty() {
-            if let Some(o) = self.overrides.get(&*identity.id) {
+            if let Some(o) = self.overrides.get(id) {
                 return o;
             }
         }

@@ -8,7 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use tollgate::config::{EnvOverrides, GatewayConfig};
-use tollgate::gateway::Running;
+use tollgate::server::Running;
 
 /// A gateway serving on loopback with its config directory.
 pub struct TestGateway {
@@ -68,7 +68,7 @@ pub async fn gateway(upstream: &str, extra: &str, rules: &str, keys: Option<&str
     let dir = tempfile::tempdir().unwrap();
     let p = write_config(dir.path(), upstream, extra, rules, keys);
     let cfg = GatewayConfig::load(&p, &EnvOverrides::default()).unwrap_or_else(|e| panic!("{e}"));
-    let running = tollgate::gateway::start(cfg).await.unwrap();
+    let running = tollgate::server::start(cfg).await.unwrap();
     let url = format!("http://{}", running.addr);
     let admin = format!("http://{}", running.admin_addr);
     TestGateway {

@@ -65,7 +65,7 @@ use super::algorithm::{Algorithm, Quota};
 use super::{Checked, LimitCheck, Outcome, Store, StoreError, StoreKey};
 use conn::{is_noscript, open, Conn, Inner};
 use protocol::{peeked, Mode};
-use slots::{group_by_tag, one_tag};
+use slots::group_by_tag;
 
 /// The key [`Store::probe`] checks (a cost-0 token-bucket check: it admits nothing and expires
 /// within a millisecond). Outside any key prefix so it can never collide with a limit.
@@ -181,129 +181,6 @@ impl RedisStore {
         )
     }
 
-    /// [`Store::check`] at an explicit `now` (microseconds since the epoch) instead of Redis
-    /// `TIME` when `now` is `Some` — differential tests drive Redis and the memory store with
-    /// the same clock. `None` is the production path.
-    ///
-    /// Each slot's call is bounded by `store.timeout` and gated by its shard's breaker, so a
-    /// failed shard fails only its own checks (in [`Checked::failed`]); a denial from a healthy
-    /// slot stands, and the healthy slots that spent for a denied request are refunded.
-    pub async fn check_at(&self, checks: &[LimitCheck], now: Option<u64>) -> Checked {
-        if checks.is_empty() {
-            return Checked::default();
-        }
-        let start = Instant::now();
-        if one_tag(checks.iter().map(|c| &c.key)) {
-            // Fast path: one slot, one script call, no grouping.
-            return match self.check_group(now, checks.to_vec()).await {
-                Ok((_, outcomes)) => Checked {
-                    outcomes,
-                    failed: Vec::new(),
-                },
-                Err(e) => Checked::all_failed(checks.len(), e),
-            };
-        }
-        let groups = group_by_tag(checks.iter().map(|c| &c.key));
-        let calls = groups
-            .iter()
-            .map(|g| self.check_group(now, g.iter().map(|&i| checks[i].clone()).collect()));
-        let results = futures_util::future::join_all(calls).await;
-        let mut out = Checked {
-            outcomes: vec![Outcome::default(); checks.len()],
-            failed: Vec::new(),
-        };
-        let mut answered: Vec<(&[usize], u64)> = Vec::with_capacity(groups.len());
-        for (g, r) in groups.iter().zip(results) {
-            match r {
-                Ok((group_now, outs)) => {
-                    answered.push((g, group_now));
-                    for (&i, o) in g.iter().zip(outs) {
-                        out.outcomes[i] = o;
-                    }
-                }
-                Err(e) => out.failed.extend(g.iter().map(|&i| (i, e.clone()))),
-            }
-        }
-        let outcomes = &out.outcomes;
-        let denied = |i: usize| !outcomes[i].allowed && !checks[i].shadow;
-        if !answered.iter().any(|(g, _)| g.iter().any(|&i| denied(i))) {
-            return out;
-        }
-        // Blocked by a healthy slot: give back what the groups that spent (no non-shadow denial
-        // inside) took, in the window their script counted it in.
-        let mut refunds: Vec<(u64, Vec<LimitCheck>)> = Vec::new();
-        for (g, group_now) in &answered {
-            if g.iter().any(|&i| denied(i)) {
-                continue; // this group's script wrote nothing
-            }
-            let spent: Vec<LimitCheck> = g
-                .iter()
-                .filter(|&&i| outcomes[i].allowed && checks[i].cost > 0)
-                .map(|&i| checks[i].clone())
-                .collect();
-            if !spent.is_empty() {
-                refunds.push((*group_now, spent));
-            }
-        }
-        if !refunds.is_empty() {
-            self.spawn_refunds(refunds, start).await;
-        }
-        out
-    }
-
-    /// One slot's checks: refused at once while its shard's breaker is open, else one call
-    /// bounded by `store.timeout` whose result counts towards that breaker.
-    async fn check_group(&self, now: Option<u64>, checks: Vec<LimitCheck>) -> batch::Answer {
-        let slot = checks.first().map_or(0, |c| slots::slot_of(c.key.as_str()));
-        let shard = Arc::clone(self.inner.topo.load().shard_for(slot));
-        if shard.breaker.is_open() {
-            return Err(StoreError::CircuitOpen);
-        }
-        let res = match tokio::time::timeout(self.inner.timeout, self.check_slot(now, slot, checks)).await {
-            Ok(r) => r,
-            Err(_) => Err(StoreError::Timeout),
-        };
-        match &res {
-            Ok(_) => shard.breaker.success(),
-            Err(e) => self.inner.shard_failure(&shard, e),
-        }
-        res
-    }
-
-    /// Check one request's limits on one slot: through the batch task in production
-    /// (`now == None`); as a call of its own when a test drives time.
-    async fn check_slot(&self, now: Option<u64>, slot: u16, checks: Vec<LimitCheck>) -> batch::Answer {
-        match now {
-            None => self.batches.check(slot, checks).await,
-            Some(_) => self.inner.check_batch(now, std::iter::once(checks.as_slice())).await,
-        }
-    }
-
-    /// Refund `(now, checks)` groups in a spawned task, so they complete even if the caller
-    /// drops this future, and wait for them for at most half of the remaining deadline (a slow
-    /// refund never turns a denial into a store failure).
-    async fn spawn_refunds(&self, refunds: Vec<(u64, Vec<LimitCheck>)>, start: Instant) {
-        let inner = Arc::clone(&self.inner);
-        let task = async move {
-            let calls = refunds
-                .iter()
-                .map(|(now, cs)| inner.call(Mode::Refund, Some(*now), cs.iter(), peeked));
-            for r in futures_util::future::join_all(calls).await {
-                if let Err(e) = r {
-                    tracing::warn!(error = %e, "refund of a rejected cross-slot request failed");
-                }
-            }
-        };
-        match tokio::runtime::Handle::try_current() {
-            Ok(handle) => {
-                let join = handle.spawn(task);
-                let budget = self.inner.timeout.saturating_sub(start.elapsed()) / 2;
-                let _ = tokio::time::timeout(budget, join).await;
-            }
-            Err(_) => task.await,
-        }
-    }
-
     /// Peek at `checks` grouped by slot, concurrently; one entry per check.
     async fn peek_groups(&self, checks: &[LimitCheck]) -> Result<Vec<Option<Outcome>>, StoreError> {
         if checks.is_empty() {
@@ -390,7 +267,7 @@ impl RedisStore {
 }
 
 impl Store for RedisStore {
-    async fn check(&self, checks: &[LimitCheck]) -> Checked {
+    async fn check<C: AsRef<LimitCheck> + Sync>(&self, checks: &[C]) -> Checked {
         self.check_at(checks, None).await
     }
 

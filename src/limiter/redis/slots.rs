@@ -16,8 +16,13 @@
 //! Standalone Redis is one shard that owns every slot.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use redis::Value;
+
+use super::protocol::{peeked, Mode};
+use super::{batch, RedisStore};
+use crate::limiter::{Checked, LimitCheck, Outcome, StoreError};
 
 use crate::limiter::StoreKey;
 
@@ -190,6 +195,134 @@ pub(crate) fn one_tag<'a>(mut keys: impl Iterator<Item = &'a StoreKey>) -> bool 
             keys.all(|k| k.hash_tag() == tag)
         }
         None => true,
+    }
+}
+
+/// Several slots: all or nothing with refunds (see the module docs of `redis`).
+impl RedisStore {
+    /// [`Store::check`] at an explicit `now` (microseconds since the epoch) instead of Redis
+    /// `TIME` when `now` is `Some` — differential tests drive Redis and the memory store with
+    /// the same clock. `None` is the production path.
+    ///
+    /// Each slot's call is bounded by `store.timeout` and gated by its shard's breaker, so a
+    /// failed shard fails only its own checks (in [`Checked::failed`]); a denial from a healthy
+    /// slot stands, and the healthy slots that spent for a denied request are refunded.
+    pub async fn check_at<C: AsRef<LimitCheck> + Sync>(&self, checks: &[C], now: Option<u64>) -> Checked {
+        if checks.is_empty() {
+            return Checked::default();
+        }
+        let start = Instant::now();
+        let owned = || checks.iter().map(|c| c.as_ref().clone());
+        if one_tag(checks.iter().map(|c| &c.as_ref().key)) {
+            // Fast path: one slot, one script call, no grouping.
+            return match self.check_group(now, owned().collect()).await {
+                Ok((_, outcomes)) => Checked {
+                    outcomes,
+                    failed: Vec::new(),
+                },
+                Err(e) => Checked::all_failed(checks.len(), e),
+            };
+        }
+        let checks: Vec<LimitCheck> = owned().collect();
+        let groups = group_by_tag(checks.iter().map(|c| &c.key));
+        let calls = groups
+            .iter()
+            .map(|g| self.check_group(now, g.iter().map(|&i| checks[i].clone()).collect()));
+        let results = futures_util::future::join_all(calls).await;
+        let mut out = Checked {
+            outcomes: vec![Outcome::default(); checks.len()],
+            failed: Vec::new(),
+        };
+        let mut answered: Vec<(&[usize], u64)> = Vec::with_capacity(groups.len());
+        for (g, r) in groups.iter().zip(results) {
+            match r {
+                Ok((group_now, outs)) => {
+                    answered.push((g, group_now));
+                    for (&i, o) in g.iter().zip(outs) {
+                        out.outcomes[i] = o;
+                    }
+                }
+                Err(e) => out.failed.extend(g.iter().map(|&i| (i, e.clone()))),
+            }
+        }
+        let outcomes = &out.outcomes;
+        let denied = |i: usize| !outcomes[i].allowed && !checks[i].shadow;
+        if !answered.iter().any(|(g, _)| g.iter().any(|&i| denied(i))) {
+            return out;
+        }
+        // Blocked by a healthy slot: give back what the groups that spent (no non-shadow denial
+        // inside) took, in the window their script counted it in.
+        let mut refunds: Vec<(u64, Vec<LimitCheck>)> = Vec::new();
+        for (g, group_now) in &answered {
+            if g.iter().any(|&i| denied(i)) {
+                continue; // this group's script wrote nothing
+            }
+            let spent: Vec<LimitCheck> = g
+                .iter()
+                .filter(|&&i| outcomes[i].allowed && checks[i].cost > 0)
+                .map(|&i| checks[i].clone())
+                .collect();
+            if !spent.is_empty() {
+                refunds.push((*group_now, spent));
+            }
+        }
+        if !refunds.is_empty() {
+            self.spawn_refunds(refunds, start).await;
+        }
+        out
+    }
+
+    /// One slot's checks: refused at once while its shard's breaker is open, else one call
+    /// bounded by `store.timeout` whose result counts towards that breaker.
+    async fn check_group(&self, now: Option<u64>, checks: Vec<LimitCheck>) -> batch::Answer {
+        let slot = checks.first().map_or(0, |c| slot_of(c.key.as_str()));
+        let shard = Arc::clone(self.inner.topo.load().shard_for(slot));
+        if shard.breaker.is_open() {
+            return Err(StoreError::CircuitOpen);
+        }
+        let res = match tokio::time::timeout(self.inner.timeout, self.check_slot(now, slot, checks)).await {
+            Ok(r) => r,
+            Err(_) => Err(StoreError::Timeout),
+        };
+        match &res {
+            Ok(_) => shard.breaker.success(),
+            Err(e) => self.inner.shard_failure(&shard, e),
+        }
+        res
+    }
+
+    /// Check one request's limits on one slot: through the batch task in production
+    /// (`now == None`); as a call of its own when a test drives time.
+    async fn check_slot(&self, now: Option<u64>, slot: u16, checks: Vec<LimitCheck>) -> batch::Answer {
+        match now {
+            None => self.batches.check(slot, checks).await,
+            Some(_) => self.inner.check_batch(now, std::iter::once(checks.as_slice())).await,
+        }
+    }
+
+    /// Refund `(now, checks)` groups in a spawned task, so they complete even if the caller
+    /// drops this future, and wait for them for at most half of the remaining deadline (a slow
+    /// refund never turns a denial into a store failure).
+    async fn spawn_refunds(&self, refunds: Vec<(u64, Vec<LimitCheck>)>, start: Instant) {
+        let inner = Arc::clone(&self.inner);
+        let task = async move {
+            let calls = refunds
+                .iter()
+                .map(|(now, cs)| inner.call(Mode::Refund, Some(*now), cs.iter(), peeked));
+            for r in futures_util::future::join_all(calls).await {
+                if let Err(e) = r {
+                    tracing::warn!(error = %e, "refund of a rejected cross-slot request failed");
+                }
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(handle) => {
+                let join = handle.spawn(task);
+                let budget = self.inner.timeout.saturating_sub(start.elapsed()) / 2;
+                let _ = tokio::time::timeout(budget, join).await;
+            }
+            Err(_) => task.await,
+        }
     }
 }
 

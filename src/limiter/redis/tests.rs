@@ -5,6 +5,7 @@ use std::num::NonZeroU64;
 
 use super::conn::connect_timeout;
 use super::protocol::{check_cmd, checked, parse_packed, peeked, script_cmd, Mode};
+use super::slots::one_tag;
 use super::*;
 
 fn check(key: &str, algorithm: Algorithm, shadow: bool) -> LimitCheck {

@@ -1,5 +1,6 @@
-//! The running gateway: shared state, the proxy and admin listeners, graceful shutdown, and the
-//! background tasks (store probe, file watching).
+//! The gateway's shared, immutable state: the config, the rules-and-keys snapshot handle, the
+//! limiter and the metrics, and the reload that swaps the snapshot. `server` builds it and hands
+//! an `Arc` of it to the proxy and the admin API; nothing here starts a task or binds a socket.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -8,13 +9,9 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use arc_swap::ArcSwap;
-use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use tokio::net::TcpListener;
-use tokio::sync::{watch, Semaphore};
 
 use crate::clock::{SharedClock, SystemClock};
+use crate::config::reload::Trigger;
 use crate::config::{ConfigError, GatewayConfig, StoreKind};
 use crate::identity::KeyRegistry;
 use crate::limiter::deny_cache::DenyCache;
@@ -41,27 +38,27 @@ pub struct Snapshot {
 }
 
 /// The gateway's shared state.
-pub struct Gateway {
+pub struct State {
     /// The validated gateway config (fixed for the process lifetime).
-    pub config: GatewayConfig,
+    config: GatewayConfig,
     /// Rules + keys; requests `load()` it once.
-    pub snapshot: ArcSwap<Snapshot>,
+    snapshot: ArcSwap<Snapshot>,
     /// The limiter (store, local fallback, deny cache, breaker).
-    pub limiter: Limiter,
+    limiter: Limiter,
     /// Metrics.
-    pub metrics: Arc<Metrics>,
+    metrics: Arc<Metrics>,
     /// Builds store keys.
-    pub keys: KeyBuilder,
+    keys: KeyBuilder,
     /// Pooled connections to the upstream.
-    pub upstream: crate::http::upstream::Upstream,
+    upstream: crate::http::upstream::Upstream,
     /// Time source.
-    pub clock: SharedClock,
+    clock: SharedClock,
     /// Shadow denials seen (for log sampling).
-    pub shadow_seen: AtomicU64,
+    shadow_seen: AtomicU64,
     /// Serialises reloads (never held across request handling).
     reload_lock: tokio::sync::Mutex<()>,
     /// Upstream failures are logged at most once a second.
-    pub upstream_log: crate::log_throttle::LogThrottle,
+    upstream_log: crate::log_throttle::LogThrottle,
     /// SHA-256 of the gateway config file as it was read at start (`None`: not readable then).
     config_digest: Option<[u8; 32]>,
 }
@@ -197,13 +194,58 @@ pub enum StartError {
     },
 }
 
-impl Gateway {
+impl State {
+    /// The validated gateway config, fixed for the process lifetime.
+    pub fn config(&self) -> &GatewayConfig {
+        &self.config
+    }
+
+    /// The rules-and-keys snapshot handle: a request `load()`s it once.
+    pub fn snapshot(&self) -> &ArcSwap<Snapshot> {
+        &self.snapshot
+    }
+
+    /// The limiter: store, local fallback, deny cache, per-shard breakers.
+    pub fn limiter(&self) -> &Limiter {
+        &self.limiter
+    }
+
+    /// The metrics, with handles resolved when the rules loaded.
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// The store-key builder (prefix and salt).
+    pub fn keys(&self) -> &KeyBuilder {
+        &self.keys
+    }
+
+    /// The pooled connections to the upstream.
+    pub fn upstream(&self) -> &crate::http::upstream::Upstream {
+        &self.upstream
+    }
+
+    /// The time source (a fake clock in tests).
+    pub fn clock(&self) -> &SharedClock {
+        &self.clock
+    }
+
+    /// Shadow denials seen so far (for log sampling).
+    pub fn shadow_seen(&self) -> &AtomicU64 {
+        &self.shadow_seen
+    }
+
+    /// Throttles the log lines of upstream failures.
+    pub fn upstream_log(&self) -> &crate::log_throttle::LogThrottle {
+        &self.upstream_log
+    }
+
     /// Build the gateway: load rules and keys, connect the store.
     pub async fn new(config: GatewayConfig) -> Result<Arc<Self>, StartError> {
         Self::with_clock(config, Arc::new(SystemClock)).await
     }
 
-    /// As [`Gateway::new`] with an injected clock.
+    /// As [`State::new`] with an injected clock.
     pub async fn with_clock(config: GatewayConfig, clock: SharedClock) -> Result<Arc<Self>, StartError> {
         let metrics = Metrics::new();
         let snap = load_snapshot(&config, &metrics)?;
@@ -246,7 +288,7 @@ impl Gateway {
             config.upstream.pool_max_idle_per_host,
         );
         let keys = key_builder(&config);
-        let gw = Arc::new(Gateway {
+        let gw = Arc::new(State {
             snapshot: ArcSwap::from_pointee(snap),
             limiter,
             metrics,
@@ -265,29 +307,35 @@ impl Gateway {
     /// Reload rules, API keys and JWT keys. On error the old ones all stay in force. Also notices (warning
     /// and `tollgate_config_file_changed`) when the gateway config file itself was edited: its
     /// settings (listeners, store, identity) need a restart.
-    pub async fn reload(&self, why: &str) -> Result<ReloadReport, ConfigError> {
+    pub async fn reload(&self, why: Trigger) -> Result<ReloadReport, ConfigError> {
+        let why = why.as_str();
         let _guard = self.reload_lock.lock().await;
         self.check_config_file();
-        // The JWT keys (public key / JWKS files) reload with the rules: all or nothing.
-        let loaded = load_snapshot(&self.config, &self.metrics).and_then(|snap| {
-            let jwt = match &self.config.identity.jwt {
+        // Parse, validate, compile and compare on a blocking thread: a large registry takes
+        // seconds, and the runtime's workers serve requests meanwhile. The JWT keys (public key
+        // / JWKS files) reload with the rules: all or nothing.
+        let (config, metrics, old) = (self.config.clone(), self.metrics.clone(), self.snapshot.load_full());
+        let rules_file = self.config.rules_file.clone();
+        let loaded = tokio::task::spawn_blocking(move || {
+            let snap = load_snapshot(&config, &metrics)?;
+            let jwt = match &config.identity.jwt {
                 Some(k) => Some(k.prepare()?),
                 None => None,
             };
-            Ok((snap, jwt))
-        });
+            let rules = Changes::between(&rule_signatures(&old.rules), &rule_signatures(&snap.rules));
+            let keys = Changes::between(&key_entries(&old.keys), &key_entries(&snap.keys));
+            let changed = rules.any() || keys.any() || old.rules.version != snap.rules.version;
+            let old_rules: Vec<String> = old.rules.rules.iter().map(|r| r.name.to_string()).collect();
+            Ok((snap, jwt, rules, keys, changed, old_rules))
+        })
+        .await
+        .unwrap_or_else(|e| Err(ConfigError::file(&rules_file, format!("the reload task failed: {e}"))));
         match loaded {
-            Ok((snap, jwt)) => {
+            Ok((snap, jwt, rules, keys, changed, old_rules)) => {
                 if let (Some(keys), Some(v)) = (&self.config.identity.jwt, jwt) {
                     keys.install(v);
                 }
-                let old = self.snapshot.load();
-                let rules = Changes::between(&rule_signatures(&old.rules), &rule_signatures(&snap.rules));
-                let keys = Changes::between(&key_entries(&old.keys), &key_entries(&snap.keys));
                 let version = snap.rules.version.clone();
-                let changed = rules.any() || keys.any() || old.rules.version != version;
-                let old_rules: Vec<String> = old.rules.rules.iter().map(|r| r.name.to_string()).collect();
-                drop(old);
                 self.metrics.set_rules_version(&version);
                 self.metrics.reload_succeeded(snap.loaded_at);
                 self.metrics
@@ -301,7 +349,9 @@ impl Gateway {
                         self.metrics.forget_rule(r);
                     }
                 }
-                self.snapshot.store(Arc::new(snap));
+                let previous = self.snapshot.swap(Arc::new(snap));
+                // Freeing a large snapshot takes a while too: not on a request thread.
+                tokio::task::spawn_blocking(move || drop(previous));
                 if let Some(d) = &self.limiter.deny {
                     // Limits may have changed: cached denials may no longer be true.
                     d.clear();
@@ -380,246 +430,4 @@ impl Gateway {
             Err(_) => Err(StoreError::Timeout),
         }
     }
-
-    /// While a shard's breaker is open, probe that shard and close its breaker when it answers.
-    pub fn spawn_probe(self: &Arc<Self>, mut stop: watch::Receiver<bool>) {
-        if self.limiter.store.is_memory() {
-            return;
-        }
-        let gw = self.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(gw.config.store.probe_interval);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    _ = tick.tick() => {}
-                    _ = stop.changed() => return,
-                }
-                let open = gw.limiter.heal().await;
-                gw.metrics.breaker_open.set(i64::try_from(open).unwrap_or(i64::MAX));
-            }
-        });
-    }
-}
-
-/// A running gateway: its bound addresses and how to stop it.
-pub struct Running {
-    /// The proxy's bound address.
-    pub addr: SocketAddr,
-    /// The admin listener's bound address.
-    pub admin_addr: SocketAddr,
-    /// The shared state.
-    pub gateway: Arc<Gateway>,
-    /// Send `true` to begin graceful shutdown.
-    pub shutdown: watch::Sender<bool>,
-    /// Resolves when the proxy has drained.
-    pub done: tokio::task::JoinHandle<()>,
-}
-
-impl Running {
-    /// Begin graceful shutdown and wait for the drain.
-    pub async fn stop(self) {
-        let _ = self.shutdown.send(true);
-        let _ = self.done.await;
-    }
-}
-
-/// Bind the listeners and start serving. Use port 0 in `config` to get free ports.
-pub async fn start(config: GatewayConfig) -> Result<Running, StartError> {
-    let gw = Gateway::new(config).await?;
-    start_with(gw).await
-}
-
-/// Start serving an already-built gateway.
-pub async fn start_with(gw: Arc<Gateway>) -> Result<Running, StartError> {
-    let listen = gw.config.listen;
-    let listener = TcpListener::bind(listen)
-        .await
-        .map_err(|source| StartError::Bind { addr: listen, source })?;
-    let admin_listen = gw.config.admin_listen;
-    let admin = TcpListener::bind(admin_listen)
-        .await
-        .map_err(|source| StartError::Bind {
-            addr: admin_listen,
-            source,
-        })?;
-    let addr = listener
-        .local_addr()
-        .map_err(|source| StartError::Bind { addr: listen, source })?;
-    let admin_addr = admin.local_addr().map_err(|source| StartError::Bind {
-        addr: admin_listen,
-        source,
-    })?;
-    let (tx, rx) = watch::channel(false);
-    gw.spawn_probe(rx.clone());
-    crate::config::reload::spawn_watcher(gw.clone(), rx.clone());
-    tokio::spawn(crate::admin::serve(gw.clone(), admin, rx.clone()));
-    let done = tokio::spawn(serve(gw.clone(), listener, rx));
-    tracing::info!(
-        %addr,
-        %admin_addr,
-        store = crate::describe::store_kind(gw.config.store.kind),
-        upstream = %gw.config.upstream.url,
-        admin_token = gw.config.admin.token.is_some(),
-        "tollgate listening"
-    );
-    // Every start, not only the first: `admin.insecure`, ignored overrides, risky timeouts.
-    for note in &gw.config.notes {
-        tracing::warn!("{note}");
-    }
-    Ok(Running {
-        addr,
-        admin_addr,
-        gateway: gw,
-        shutdown: tx,
-        done,
-    })
-}
-
-/// The HTTP/2 connection preface (RFC 9113 §3.4): a client speaking h2c with prior knowledge
-/// starts with it; anything else is HTTP/1.
-const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-
-/// Peek (without consuming) at a new connection's first bytes: `Some(true)` for the HTTP/2
-/// preface, `Some(false)` for HTTP/1, `None` if the client closed or failed before sending.
-/// Only a client that has sent a strict prefix of the preface so far ("P", "PRI * ...") makes
-/// this wait; it re-peeks every millisecond (the caller bounds the whole wait).
-async fn sniff_h2(stream: &tokio::net::TcpStream) -> Option<bool> {
-    let mut buf = [0u8; H2_PREFACE.len()];
-    loop {
-        let n = stream.peek(&mut buf).await.ok()?;
-        if n == 0 {
-            return None;
-        }
-        if buf[..n] != H2_PREFACE[..n] {
-            return Some(false);
-        }
-        if n == H2_PREFACE.len() {
-            return Some(true);
-        }
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-}
-
-/// The proxy accept loop. Returns after shutdown was signalled and in-flight requests drained
-/// (or `shutdown_grace` passed).
-///
-/// Each connection is sniffed once (`sniff_h2`, a peek) and then served by hyper's HTTP/1 or
-/// HTTP/2 connection directly. (hyper-util's `auto` connection did the same detection but kept
-/// a rewind wrapper in front of every read of the connection's life: about 2 % of the request
-/// path's instructions.) Shutdown: every connection task watches `stop`, asks its connection
-/// to finish gracefully, and holds a clone of `drained`; the loop waits until all are dropped.
-pub async fn serve(gw: Arc<Gateway>, listener: TcpListener, mut stop: watch::Receiver<bool>) {
-    let sc = gw.config.server.clone();
-    let mut h1 = hyper::server::conn::http1::Builder::new();
-    h1.timer(TokioTimer::new())
-        .header_read_timeout(sc.header_read_timeout)
-        // Twice the configured limits: within them tollgate checks the limits itself and
-        // answers a JSON 431 (`respond.rs`); past them hyper's parser answers an empty one.
-        .max_buf_size(sc.max_header_bytes.saturating_mul(2).max(8192))
-        .max_headers(2 * crate::proxy::MAX_HEADERS)
-        .keep_alive(true);
-    let mut h2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
-    h2.timer(TokioTimer::new())
-        .keep_alive_interval(Some(sc.idle_timeout))
-        .keep_alive_timeout(Duration::from_secs(20))
-        .max_concurrent_streams(256);
-    let (h1, h2) = (Arc::new(h1), Arc::new(h2));
-    // Every connection task holds a sender; `recv` returns `None` once all of them are gone.
-    let (drained, mut all_drained) = tokio::sync::mpsc::channel::<()>(1);
-    let conns = Arc::new(Semaphore::new(sc.max_connections));
-    loop {
-        let (stream, peer) = tokio::select! {
-            r = listener.accept() => match r {
-                Ok(x) => x,
-                Err(e) => {
-                    // EMFILE and friends: back off instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            _ = stop.changed() => break,
-        };
-        let Ok(permit) = conns.clone().try_acquire_owned() else {
-            gw.metrics.local_response(503);
-            tokio::spawn(reject_over_capacity(stream));
-            continue;
-        };
-        let _ = stream.set_nodelay(true);
-        let gw2 = gw.clone();
-        let svc = service_fn(move |req: hyper::Request<Incoming>| {
-            let gw = gw2.clone();
-            async move { Ok::<_, std::convert::Infallible>(gw.handle(req, peer).await) }
-        });
-        let (h1, h2, drained, mut stop) = (h1.clone(), h2.clone(), drained.clone(), stop.clone());
-        let open = crate::metrics::InFlight::enter(&gw.metrics.open_connections);
-        let first_byte = sc.header_read_timeout;
-        tokio::spawn(async move {
-            // hyper's header timer starts only with the first request: a client that connects
-            // and sends nothing would hold its connection (and permit) forever.
-            let is_h2 = tokio::select! {
-                r = tokio::time::timeout(first_byte, sniff_h2(&stream)) => match r {
-                    Ok(Some(h2)) => h2,
-                    _ => return,
-                },
-                _ = stop.changed() => return,
-            };
-            let io = TokioIo::new(stream);
-            let result = if is_h2 {
-                let conn = std::pin::pin!(h2.serve_connection(io, svc));
-                until_stopped(conn, &mut stop, |c| c.graceful_shutdown()).await
-            } else {
-                let conn = std::pin::pin!(h1.serve_connection(io, svc).with_upgrades());
-                until_stopped(conn, &mut stop, |c| c.graceful_shutdown()).await
-            };
-            if let Err(e) = result {
-                tracing::debug!(error = %e, %peer, "connection ended with error");
-            }
-            drop(permit);
-            drop(open);
-            drop(drained);
-        });
-    }
-    drop(listener);
-    drop(drained);
-    tracing::info!("shutting down: draining in-flight requests");
-    tokio::select! {
-        _ = all_drained.recv() => tracing::info!("drained"),
-        _ = tokio::time::sleep(sc.shutdown_grace) => tracing::warn!("shutdown grace period passed; closing remaining connections"),
-    }
-}
-
-/// Drive `conn` to its end; once `stop` fires, ask it to finish gracefully (`shutdown`: answer
-/// what is in flight, then close) and keep driving it.
-async fn until_stopped<C, T>(
-    mut conn: std::pin::Pin<&mut C>,
-    stop: &mut watch::Receiver<bool>,
-    shutdown: impl FnOnce(std::pin::Pin<&mut C>),
-) -> Result<T, hyper::Error>
-where
-    C: std::future::Future<Output = Result<T, hyper::Error>>,
-{
-    tokio::select! {
-        r = conn.as_mut() => return r,
-        _ = stop.changed() => {}
-    }
-    shutdown(conn.as_mut());
-    conn.await
-}
-
-/// Over `max_connections`: answer 503 and close, without reading the request.
-async fn reject_over_capacity(mut stream: tokio::net::TcpStream) {
-    use tokio::io::AsyncWriteExt;
-    let body = br#"{"error":"unavailable","message":"too many connections"}"#;
-    let head = format!(
-        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
-        body.len()
-    );
-    let _ = tokio::time::timeout(Duration::from_secs(1), async {
-        let _ = stream.write_all(head.as_bytes()).await;
-        let _ = stream.write_all(body).await;
-        let _ = stream.shutdown().await;
-    })
-    .await;
 }

@@ -15,64 +15,39 @@ use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 
-use crate::gateway::Gateway;
 use crate::http::headers::{self, Binding};
 use crate::http::respond::{self, GatewayError};
 use crate::http::{forward, BoxError, ProxyBody};
-use crate::identity::{identify, Identity};
+use crate::identity::Identity;
 use crate::limiter::{local_share, FailurePolicy, LimitCheck, Source, StoreError, Verdict};
-use crate::rules::{caller, key_value, normalize, KeyValue, RequestInfo};
+use crate::rules::caller;
+use crate::state::State;
 
-/// The checks of one request and the rule each came from.
-struct Plan {
-    /// What to ask the store.
-    checks: Vec<LimitCheck>,
-    /// Failure policy per check.
-    policies: Vec<FailurePolicy>,
-    /// Rule index per check.
-    owners: Vec<u32>,
-}
+pub mod plan;
 
-impl Plan {
-    /// The headers' view of check `i` with outcome `o` reached through `source`: the quota
-    /// enforced is this node's share of it when the rule fell back to the local store.
-    fn binding<'a>(
-        &'a self,
-        snap: &'a crate::gateway::Snapshot,
-        i: usize,
-        o: &'a crate::limiter::Outcome,
-        source: Source,
-    ) -> Binding<'a> {
-        let check = match (source, self.policies[i]) {
-            (Source::Local, FailurePolicy::Local { share }) => local_share(&self.checks[i], share),
-            _ => self.checks[i].clone(),
-        };
-        Binding {
-            rule: &snap.rules.rules[self.owners[i] as usize].name,
-            quota: check.quota,
-            cost: check.cost,
-            outcome: o,
-        }
+pub use plan::host_for_matching;
+use plan::{RequestParts, RequestPlan};
+
+/// The headers' view of planned check `i` with outcome `o` reached through `source`: the quota
+/// enforced is this node's share of it when the rule fell back to the local store.
+fn binding_of<'a>(
+    plan: &RequestPlan,
+    snap: &'a crate::state::Snapshot,
+    i: usize,
+    o: &'a crate::limiter::Outcome,
+    source: Source,
+) -> Binding<'a> {
+    let p = &plan.checks[i];
+    let check = match (source, p.policy) {
+        (Source::Local, FailurePolicy::Local { share }) => local_share(&p.check, share),
+        _ => p.check.clone(),
+    };
+    Binding {
+        rule: &snap.rules.rules[p.rule as usize].name,
+        quota: check.quota,
+        cost: check.cost,
+        outcome: o,
     }
-}
-
-/// Host without port, from `Host` or the URI authority (HTTP/2).
-fn request_host<B>(req: &Request<B>) -> Option<&str> {
-    let raw = match req.headers().get(header::HOST) {
-        Some(h) => h.to_str().ok()?,
-        None => req.uri().host()?,
-    };
-    Some(host_for_matching(raw))
-}
-
-/// A `Host` value as rules match it: without the port, and without a trailing dot
-/// (`api.example.` is `api.example`: one name, one rule).
-pub fn host_for_matching(raw: &str) -> &str {
-    let host = match raw.rfind(':') {
-        Some(i) if !raw.ends_with(']') && raw[i + 1..].bytes().all(|b| b.is_ascii_digit()) => &raw[..i],
-        _ => raw,
-    };
-    host.strip_suffix('.').unwrap_or(host)
 }
 
 /// Refuses requests a proxy must not pass on.
@@ -114,84 +89,16 @@ fn headers_within<B>(req: &Request<B>, max_bytes: usize) -> Result<(), GatewayEr
     Ok(())
 }
 
-impl Gateway {
+impl State {
     /// Serve one request; never fails (errors become responses in `crate::http::respond`).
     pub async fn handle(self: Arc<Self>, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
         match self.clone().handle_inner(req, peer).await {
             Ok(r) => r,
             Err(e) => {
-                self.metrics.local_response(e.status().as_u16());
+                self.metrics().local_response(e.status().as_u16());
                 e.into_response()
             }
         }
-    }
-
-    /// Build the store checks for a request: the chosen rule of each key kind, its limits
-    /// (or the caller's override), one hash per distinct key value.
-    fn plan(
-        &self,
-        snap: &crate::gateway::Snapshot,
-        req_headers: &http::HeaderMap,
-        ident: &Identity,
-        info: &RequestInfo<'_>,
-    ) -> Plan {
-        let selected = snap.rules.select(info);
-        let mut plan = Plan {
-            checks: Vec::with_capacity(selected.len() + 1),
-            policies: Vec::with_capacity(selected.len() + 1),
-            owners: Vec::with_capacity(selected.len() + 1),
-        };
-        if selected.is_empty() {
-            return plan;
-        }
-        let ip_text: Arc<str> = if ident.kind == crate::identity::IdentityKind::Ip {
-            ident.id.clone()
-        } else {
-            Arc::from(ident.ip.to_string())
-        };
-        let mut last: Option<(KeyValue<'_>, String)> = None;
-        for ri in selected {
-            let rule = &snap.rules.rules[ri as usize];
-            let Some(value) = key_value(&rule.key, ident, req_headers, &ip_text) else {
-                continue;
-            };
-            let limits = rule.limits_for(ident);
-            if let (KeyValue::Global, Some(keys)) = (value, snap.global_keys.get(ri as usize)) {
-                // Global counters have fixed keys, built when the rules loaded.
-                if keys.len() >= limits.len() {
-                    for (q, key) in limits.iter().zip(keys) {
-                        plan.checks.push(LimitCheck {
-                            key: key.clone(),
-                            quota: *q,
-                            cost: rule.cost,
-                            shadow: rule.shadow,
-                        });
-                        plan.policies.push(rule.failure);
-                        plan.owners.push(ri);
-                    }
-                    continue;
-                }
-            }
-            let tag = match &last {
-                Some((v, t)) if *v == value && value != KeyValue::Global => t.clone(),
-                _ => {
-                    let t = value.tag(&self.keys, &rule.name);
-                    last = Some((value, t.clone()));
-                    t
-                }
-            };
-            for (n, q) in limits.iter().enumerate() {
-                plan.checks.push(LimitCheck {
-                    key: self.keys.key(&tag, &rule.name, n),
-                    quota: *q,
-                    cost: rule.cost,
-                    shadow: rule.shadow,
-                });
-                plan.policies.push(rule.failure);
-                plan.owners.push(ri);
-            }
-        }
-        plan
     }
 
     async fn handle_inner(
@@ -200,50 +107,46 @@ impl Gateway {
         peer: SocketAddr,
     ) -> Result<Response<ProxyBody>, GatewayError> {
         validate(&req)?;
-        headers_within(&req, self.config.server.max_header_bytes)?;
+        headers_within(&req, self.config().server.max_header_bytes)?;
         if let Some(len) = req.headers().get(header::CONTENT_LENGTH) {
             let len: u64 = len
                 .to_str()
                 .ok()
                 .and_then(|s| s.parse().ok())
                 .ok_or(GatewayError::BadRequest("invalid Content-Length"))?;
-            if len > self.config.server.max_body_bytes {
+            if len > self.config().server.max_body_bytes {
                 return Err(GatewayError::PayloadTooLarge);
             }
         }
-        let snap = self.snapshot.load();
-        let now_us = self.clock.now_us();
-        let now_secs = now_us / 1_000_000;
-        let ident = identify(req.headers(), peer.ip(), &snap.keys, &self.config.identity, now_secs);
-        let path = normalize(req.uri().path());
-        let info = RequestInfo {
+        let snap = self.snapshot().load();
+        let now_us = self.clock().now_us();
+        let parts = RequestParts {
             method: req.method(),
-            path: &path,
-            host: request_host(&req),
+            uri: req.uri(),
             headers: req.headers(),
-            tier: &ident.tier,
+            peer: peer.ip(),
         };
-        let plan = self.plan(&snap, req.headers(), &ident, &info);
-        drop(path);
+        let plan = plan::plan(&snap, self.keys(), &self.config().identity, parts, now_us / 1_000_000);
+        let ident = &plan.identity;
 
         let mut binding: Option<(usize, crate::limiter::Outcome, Source)> = None;
         let mut delay_us = 0u64;
         let mut refund_guard = None;
         if plan.checks.is_empty() {
-            self.metrics.unmatched.inc();
+            self.metrics().unmatched.inc();
         } else {
             let started = Instant::now();
-            let verdict = self.limiter.check(&plan.checks, &plan.policies).await;
-            self.metrics.check_latency.observe(started.elapsed().as_secs_f64());
-            self.account(&snap, &plan, &verdict, &ident);
+            let verdict = self.limiter().check(&plan.checks).await;
+            self.metrics().check_latency.observe(started.elapsed().as_secs_f64());
+            self.account(&snap, &plan, &verdict, ident);
             // Fail closed wins over everything: the store is down and the rule says so.
             if let Some(i) = plan
                 .checks
                 .iter()
                 .zip(&verdict.outcomes)
-                .position(|(c, (_, s))| !c.shadow && *s == Source::FailClosed)
+                .position(|(c, (_, s))| !c.check.shadow && *s == Source::FailClosed)
             {
-                let rule = &snap.rules.rules[plan.owners[i] as usize];
+                let rule = &snap.rules.rules[plan.checks[i].rule as usize];
                 return Err(GatewayError::LimiterUnavailable {
                     rule: rule.name.to_string(),
                     retry_after_secs: 1,
@@ -255,14 +158,14 @@ impl Gateway {
                 plan.checks
                     .iter()
                     .zip(&verdict.outcomes)
-                    .map(|(c, (o, src))| (c.shadow || *src == Source::FailOpen, *o, c.cost)),
+                    .map(|(c, (o, src))| (c.check.shadow || *src == Source::FailOpen, *o, c.check.cost)),
             );
             if let Some(i) = idx {
                 let (o, src) = verdict.outcomes[i];
                 if !o.allowed {
-                    let b = plan.binding(&snap, i, &o, src);
-                    let lim = &self.config.limits;
-                    self.metrics.rate_limited();
+                    let b = binding_of(&plan, &snap, i, &o, src);
+                    let lim = &self.config().limits;
+                    self.metrics().rate_limited();
                     return Ok(respond::rate_limited(&b, lim.ietf_headers, lim.legacy_headers, now_us));
                 }
                 binding = Some((i, o, src));
@@ -284,7 +187,7 @@ impl Gateway {
         if delay_us > 0 {
             // Leaky bucket: wait our turn. If the client leaves, this future is dropped and the
             // guard gives the slot back.
-            let _queued = crate::metrics::InFlight::enter(&self.metrics.leaky_queue);
+            let _queued = crate::metrics::InFlight::enter(&self.metrics().leaky_queue);
             tokio::time::sleep(Duration::from_micros(delay_us)).await;
         }
         if let Some(mut g) = refund_guard.take() {
@@ -293,31 +196,32 @@ impl Gateway {
 
         let mut resp = self.forward(req, peer).await?;
         if let Some((i, o, src)) = binding {
-            let b = plan.binding(&snap, i, &o, src);
-            let lim = &self.config.limits;
+            let b = binding_of(&plan, &snap, i, &o, src);
+            let lim = &self.config().limits;
             headers::write(resp.headers_mut(), &b, lim.ietf_headers, lim.legacy_headers, now_us);
         }
         Ok(resp)
     }
 
     /// Metrics and logs for one verdict.
-    fn account(&self, snap: &crate::gateway::Snapshot, plan: &Plan, verdict: &Verdict, ident: &Identity) {
+    fn account(&self, snap: &crate::state::Snapshot, plan: &RequestPlan, verdict: &Verdict, ident: &Identity) {
         if let Some(e) = &verdict.store_error {
             match e {
-                StoreError::Timeout => self.metrics.store_timeout.inc(),
-                StoreError::CircuitOpen => self.metrics.store_circuit_open.inc(),
-                _ => self.metrics.store_error.inc(),
+                StoreError::Timeout => self.metrics().store_timeout.inc(),
+                StoreError::CircuitOpen => self.metrics().store_circuit_open.inc(),
+                _ => self.metrics().store_error.inc(),
             };
         }
         let mut last_rule = u32::MAX;
-        for ((c, (o, src)), ri) in plan.checks.iter().zip(&verdict.outcomes).zip(&plan.owners) {
+        for (p, (o, src)) in plan.checks.iter().zip(&verdict.outcomes) {
+            let (c, ri) = (&p.check, &p.rule);
             // One count per rule: its first denying limit, else its first limit.
             let first_of_rule = *ri != last_rule;
             last_rule = *ri;
             let m = &snap.rule_metrics[*ri as usize];
             let rule = &snap.rules.rules[*ri as usize];
             if *src == Source::DenyCache && !o.allowed {
-                self.metrics.deny_cache_hits.inc();
+                self.metrics().deny_cache_hits.inc();
             }
             if !first_of_rule && o.allowed {
                 continue;
@@ -328,15 +232,15 @@ impl Gateway {
                 (Source::Local, true, _) => m.local.inc(),
                 (_, true, _) => m.allowed.inc(),
                 (_, false, true) => {
-                    let n = self.shadow_seen.fetch_add(1, Ordering::Relaxed);
-                    if n % self.config.limits.shadow_log_sample == 0 {
-                        tracing::info!(rule = %rule.name, identity_kind = ident.kind.as_str(), identity = %caller(ident).tag(&self.keys, ""), retry_after_ms = o.retry_after_us / 1000, sampled_one_in = self.config.limits.shadow_log_sample, "shadow rule would deny");
+                    let n = self.shadow_seen().fetch_add(1, Ordering::Relaxed);
+                    if n % self.config().limits.shadow_log_sample == 0 {
+                        tracing::info!(rule = %rule.name, identity_kind = ident.kind.as_str(), identity = %caller(ident).tag(self.keys(), ""), retry_after_ms = o.retry_after_us / 1000, sampled_one_in = self.config().limits.shadow_log_sample, "shadow rule would deny");
                     }
                     m.would_deny.inc()
                 }
                 (_, false, false) => {
                     if *src != Source::DenyCache {
-                        tracing::info!(rule = %rule.name, identity_kind = ident.kind.as_str(), identity = %caller(ident).tag(&self.keys, ""), retry_after_ms = o.retry_after_us / 1000, "denied");
+                        tracing::info!(rule = %rule.name, identity_kind = ident.kind.as_str(), identity = %caller(ident).tag(self.keys(), ""), retry_after_ms = o.retry_after_us / 1000, "denied");
                     }
                     if matches!(src, Source::Local) {
                         m.local.inc();
@@ -353,7 +257,7 @@ impl Gateway {
         let client_upgrade = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut req));
         let (parts, body) = req.into_parts();
         let mut out = Request::new(
-            Limited::new(body, self.config.server.max_body_bytes as usize)
+            Limited::new(body, self.config().server.max_body_bytes as usize)
                 .map_err(|e| -> BoxError { e })
                 .boxed_unsync(),
         );
@@ -379,13 +283,13 @@ impl Gateway {
         }
 
         let started = Instant::now();
-        let result = tokio::time::timeout(self.config.upstream.request_timeout, self.upstream.send(out)).await;
-        self.metrics.upstream_latency.observe(started.elapsed().as_secs_f64());
+        let result = tokio::time::timeout(self.config().upstream.request_timeout, self.upstream().send(out)).await;
+        self.metrics().upstream_latency.observe(started.elapsed().as_secs_f64());
         let mut resp = match result {
             Err(_) => {
-                self.metrics.upstream_status[5].inc();
-                if let Some(suppressed) = self.upstream_log.allow() {
-                    tracing::warn!(method = %method, path = %parts.uri.path(), upstream = %self.config.upstream.authority, timeout_ms = self.config.upstream.request_timeout.as_millis() as u64, suppressed, "upstream timed out (repeats logged at most once a second, `suppressed` counts the others)");
+                self.metrics().upstream_status[5].inc();
+                if let Some(suppressed) = self.upstream_log().allow() {
+                    tracing::warn!(method = %method, path = %parts.uri.path(), upstream = %self.config().upstream.authority, timeout_ms = self.config().upstream.request_timeout.as_millis() as u64, suppressed, "upstream timed out (repeats logged at most once a second, `suppressed` counts the others)");
                 }
                 return Err(GatewayError::GatewayTimeout);
             }
@@ -395,17 +299,17 @@ impl Gateway {
                 return Err(GatewayError::PayloadTooLarge);
             }
             Ok(Err(e)) => {
-                self.metrics.upstream_status[5].inc();
-                if let Some(suppressed) = self.upstream_log.allow() {
-                    tracing::warn!(method = %method, path = %parts.uri.path(), upstream = %self.config.upstream.authority, error = %e, suppressed, "upstream request failed (repeats logged at most once a second, `suppressed` counts the others)");
+                self.metrics().upstream_status[5].inc();
+                if let Some(suppressed) = self.upstream_log().allow() {
+                    tracing::warn!(method = %method, path = %parts.uri.path(), upstream = %self.config().upstream.authority, error = %e, suppressed, "upstream request failed (repeats logged at most once a second, `suppressed` counts the others)");
                 }
                 return Err(GatewayError::BadGateway(e.to_string()));
             }
             Ok(Ok(r)) => r,
         };
         let class = (resp.status().as_u16() / 100).clamp(1, 5) as usize - 1;
-        self.metrics.upstream_status[class].inc();
-        self.metrics.upstream_response(resp.status().as_u16());
+        self.metrics().upstream_status[class].inc();
+        self.metrics().upstream_response(resp.status().as_u16());
 
         if resp.status() == http::StatusCode::SWITCHING_PROTOCOLS {
             if let Some(client_up) = client_upgrade {
@@ -446,7 +350,7 @@ fn body_over_limit(e: &(dyn std::error::Error + 'static)) -> bool {
 /// request is dropped (client disconnected): each in the store and the window it was spent in.
 struct RefundGuard {
     /// The gateway (for its limiter).
-    gw: Arc<Gateway>,
+    gw: Arc<State>,
     /// What to refund; `None` once the request went through.
     spent: Option<Vec<(LimitCheck, u64, Source)>>,
 }
@@ -457,7 +361,7 @@ impl Drop for RefundGuard {
             let gw = self.gw.clone();
             if let Ok(h) = tokio::runtime::Handle::try_current() {
                 h.spawn(async move {
-                    gw.limiter.refund(&spent).await;
+                    gw.limiter().refund(&spent).await;
                     tracing::debug!("client left while queued; leaky-bucket slot refunded");
                 });
             }

@@ -1,0 +1,172 @@
+//! One request's plan: who the caller is and every limit it must pass, built in this one place
+//! for the proxy, `/explain`, `/keys` and `tollgate explain` alike, so they can never disagree
+//! about the keys a request uses.
+//!
+//! Pure: no I/O. Identity and matching read borrowed request data; one tag (a SHA-256) is
+//! computed per distinct key value, and a `global` rule's keys were built when the rules loaded.
+
+use std::net::IpAddr;
+
+use http::{header, HeaderMap, Method, Uri};
+
+use crate::config::IdentityConfig;
+use crate::identity::{identify, Identity, IdentityKind};
+use crate::limiter::keys::KeyBuilder;
+use crate::limiter::{FailurePolicy, LimitCheck, PolicedCheck};
+use crate::rules::{key_value, normalize, KeyValue, RequestInfo};
+use crate::state::Snapshot;
+
+/// One limit of the plan: what to check, what happens when the store cannot answer for it,
+/// and the rule it came from.
+#[derive(Debug, Clone)]
+pub struct PlannedCheck {
+    /// The limit: key, quota, cost, shadow.
+    pub check: LimitCheck,
+    /// The rule's failure policy.
+    pub policy: FailurePolicy,
+    /// Index of the rule in the snapshot's rule set.
+    pub rule: u32,
+}
+
+impl AsRef<LimitCheck> for PlannedCheck {
+    fn as_ref(&self) -> &LimitCheck {
+        &self.check
+    }
+}
+
+impl PolicedCheck for PlannedCheck {
+    fn policy(&self) -> FailurePolicy {
+        self.policy
+    }
+}
+
+/// Everything one request is checked against.
+#[derive(Debug, Clone)]
+pub struct RequestPlan {
+    /// The caller.
+    pub identity: Identity,
+    /// The chosen rule of each key kind, each with all its limits (its override's, when the
+    /// caller has one), rule after rule. Empty when no rule matched.
+    pub checks: Vec<PlannedCheck>,
+}
+
+/// The parts of a request a plan reads.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestParts<'a> {
+    /// Method.
+    pub method: &'a Method,
+    /// Request target; only the path is matched (the query never is).
+    pub uri: &'a Uri,
+    /// Headers (identity, host, header conditions and `header:` keys).
+    pub headers: &'a HeaderMap,
+    /// The connection's peer address.
+    pub peer: IpAddr,
+}
+
+/// Build the plan of `req` against `snap`.
+pub fn plan(
+    snap: &Snapshot,
+    keys: &KeyBuilder,
+    identity: &IdentityConfig,
+    req: RequestParts<'_>,
+    now_secs: u64,
+) -> RequestPlan {
+    let ident = identify(req.headers, req.peer, &snap.keys, identity, now_secs);
+    let path = normalize(req.uri.path());
+    let info = RequestInfo {
+        method: req.method,
+        path: &path,
+        host: request_host(req.headers, req.uri),
+        headers: req.headers,
+        tier: &ident.tier,
+    };
+    let selected = snap.rules.select(&info);
+    let mut checks = Vec::with_capacity(selected.len() + 1);
+    if !selected.is_empty() {
+        let ip_text: std::borrow::Cow<'_, str> = if ident.kind == IdentityKind::Ip {
+            std::borrow::Cow::Borrowed(&ident.id)
+        } else {
+            std::borrow::Cow::Owned(ident.ip.to_string())
+        };
+        let mut last: Option<(KeyValue<'_>, String)> = None;
+        for ri in selected {
+            if let Some(value) = key_value(&snap.rules.rules[ri as usize].key, &ident, req.headers, &ip_text) {
+                rule_checks(snap, keys, ri, value, &ident.id, &mut last, &mut checks);
+            }
+        }
+    }
+    RequestPlan {
+        identity: ident,
+        checks,
+    }
+}
+
+/// Append the checks of rule `ri` for the key value `value`, with the limits of `who`'s
+/// override when the rule has one. `last` remembers the previous value's tag, so a caller's
+/// rules hash its value once.
+pub fn rule_checks<'v>(
+    snap: &Snapshot,
+    keys: &KeyBuilder,
+    ri: u32,
+    value: KeyValue<'v>,
+    who: &str,
+    last: &mut Option<(KeyValue<'v>, String)>,
+    out: &mut Vec<PlannedCheck>,
+) {
+    let rule = &snap.rules.rules[ri as usize];
+    let limits = rule.limits_for_id(who);
+    let planned = |check: LimitCheck| PlannedCheck {
+        check,
+        policy: rule.failure,
+        rule: ri,
+    };
+    if let (KeyValue::Global, Some(fixed)) = (value, snap.global_keys.get(ri as usize)) {
+        // Global counters have fixed keys, built when the rules loaded.
+        if fixed.len() >= limits.len() {
+            out.extend(limits.iter().zip(fixed).map(|(q, key)| {
+                planned(LimitCheck {
+                    key: key.clone(),
+                    quota: *q,
+                    cost: rule.cost,
+                    shadow: rule.shadow,
+                })
+            }));
+            return;
+        }
+    }
+    let tag = match last {
+        Some((v, t)) if *v == value && value != KeyValue::Global => t.clone(),
+        _ => {
+            let t = value.tag(keys, &rule.name);
+            *last = Some((value, t.clone()));
+            t
+        }
+    };
+    out.extend(limits.iter().enumerate().map(|(n, q)| {
+        planned(LimitCheck {
+            key: keys.key(&tag, &rule.name, n),
+            quota: *q,
+            cost: rule.cost,
+            shadow: rule.shadow,
+        })
+    }));
+}
+
+/// Host without port, from `Host` or the URI authority (HTTP/2).
+pub fn request_host<'a>(headers: &'a HeaderMap, uri: &'a Uri) -> Option<&'a str> {
+    let raw = match headers.get(header::HOST) {
+        Some(h) => h.to_str().ok()?,
+        None => uri.host()?,
+    };
+    Some(host_for_matching(raw))
+}
+
+/// A `Host` value as rules match it: without the port, and without a trailing dot
+/// (`api.example.` is `api.example`: one name, one rule).
+pub fn host_for_matching(raw: &str) -> &str {
+    let host = match raw.rfind(':') {
+        Some(i) if !raw.ends_with(']') && raw[i + 1..].bytes().all(|b| b.is_ascii_digit()) => &raw[..i],
+        _ => raw,
+    };
+    host.strip_suffix('.').unwrap_or(host)
+}
