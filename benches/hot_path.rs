@@ -1,6 +1,9 @@
 //! Micro-benchmarks of the request path's pure parts: rule matching over 1,000 rules, identity
 //! extraction (JWT verification included), memory-store decisions, and store-key building.
 
+// criterion_group! generates undocumented public functions.
+#![allow(missing_docs)]
+
 use std::hint::black_box;
 use std::num::NonZeroU64;
 use std::path::Path;

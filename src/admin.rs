@@ -28,11 +28,15 @@ use crate::limiter::{LimitCheck, Store, StoreKey};
 use crate::rules::{caller, key_value, normalize, window_text, KeyKind, RequestInfo, Rule};
 use crate::state::{Snapshot, State};
 
+/// Time an admin client has to send its request headers (the admin port is for people and
+/// scrapers on a short network path; a slow one is cut off instead of holding a task).
+const ADMIN_HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Serve the admin API until `stop`.
 pub async fn serve(gw: Arc<State>, listener: TcpListener, mut stop: watch::Receiver<bool>) {
     loop {
         let (stream, peer) = tokio::select! {
-            r = listener.accept() => match r { Ok(x) => x, Err(_) => continue },
+            x = crate::http::accept(&listener) => x,
             _ = stop.changed() => return,
         };
         let gw = gw.clone();
@@ -43,7 +47,7 @@ pub async fn serve(gw: Arc<State>, listener: TcpListener, mut stop: watch::Recei
             });
             let _ = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
-                .header_read_timeout(std::time::Duration::from_secs(10))
+                .header_read_timeout(ADMIN_HEADER_TIMEOUT)
                 .serve_connection(TokioIo::new(stream), svc)
                 .await;
         });

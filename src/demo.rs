@@ -92,9 +92,7 @@ async fn echo(mut req: Request<Incoming>) -> Result<Response<ProxyBody>, Infalli
 /// Serve the echo upstream on `listener` until the task is dropped.
 pub async fn serve_echo(listener: TcpListener) {
     loop {
-        let Ok((stream, _)) = listener.accept().await else {
-            continue;
-        };
+        let (stream, _) = crate::http::accept(&listener).await;
         tokio::spawn(async move {
             let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
                 .serve_connection_with_upgrades(TokioIo::new(stream), service_fn(echo))

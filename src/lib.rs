@@ -21,7 +21,8 @@
 //! | [`demo`] | `tollgate demo`: an echo upstream plus the gateway on the memory store |
 //! | [`log_throttle`] | rate-limited logging of errors that repeat during an outage |
 //! | [`describe`] | plain-language descriptions of the loaded config for `check` and the admin API |
-#![warn(missing_docs)]
+#![forbid(unsafe_code)]
+#![warn(missing_docs, unreachable_pub)]
 
 pub mod admin;
 pub mod clock;

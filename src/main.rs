@@ -20,10 +20,14 @@ struct Cli {
     log_format: Option<LogFormat>,
     #[command(subcommand)]
     command: Option<Command>,
-    /// State config (when no sub-command is given, `run` is implied).
-    #[arg(long, env = "TOLLGATE_CONFIG", default_value = "config/gateway.yaml")]
-    config: PathBuf,
+    /// Gateway config, for every sub-command (`run` is implied when none is given); default
+    /// `config/gateway.yaml`. For `demo`, a config of your own instead of the built-in one.
+    #[arg(long, global = true, env = "TOLLGATE_CONFIG")]
+    config: Option<PathBuf>,
 }
+
+/// Where the gateway config is when `--config` and `TOLLGATE_CONFIG` are both absent.
+const DEFAULT_CONFIG: &str = "config/gateway.yaml";
 
 #[derive(Clone, Copy, ValueEnum)]
 enum LogFormat {
@@ -34,22 +38,11 @@ enum LogFormat {
 #[derive(Subcommand)]
 enum Command {
     /// Serve (the default).
-    Run {
-        /// State config.
-        #[arg(long, env = "TOLLGATE_CONFIG", default_value = "config/gateway.yaml")]
-        config: PathBuf,
-    },
+    Run,
     /// Validate the gateway config, rules and keys; print a summary.
-    Check {
-        /// State config.
-        #[arg(long, env = "TOLLGATE_CONFIG", default_value = "config/gateway.yaml")]
-        config: PathBuf,
-    },
+    Check,
     /// Show the identity, matching rules and store keys for a request.
     Explain {
-        /// State config.
-        #[arg(long, env = "TOLLGATE_CONFIG", default_value = "config/gateway.yaml")]
-        config: PathBuf,
         /// Method.
         #[arg(long, default_value = "GET")]
         method: String,
@@ -77,9 +70,6 @@ enum Command {
     /// Run the embedded demo (echo upstream + gateway on the memory store). Works from any
     /// directory: the demo config is built into the binary.
     Demo {
-        /// A demo gateway config of your own instead of the built-in one.
-        #[arg(long)]
-        config: Option<PathBuf>,
         /// Proxy address (default 127.0.0.1:8080).
         #[arg(long)]
         listen: Option<std::net::SocketAddr>,
@@ -110,18 +100,18 @@ fn init_logs(format: Option<LogFormat>) {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let command = cli.command.unwrap_or(Command::Run { config: cli.config });
-    match command {
+    let given = cli.config;
+    let config = given.clone().unwrap_or_else(|| PathBuf::from(DEFAULT_CONFIG));
+    match cli.command.unwrap_or(Command::Run) {
         Command::HashKey { key } => hash_key(key),
-        Command::Check { config } => check(&config),
+        Command::Check => check(&config),
         Command::Explain {
-            config,
             method,
             path,
             headers,
             ip,
         } => explain(&config, &method, &path, &headers, ip),
-        Command::Run { config } => {
+        Command::Run => {
             init_logs(cli.log_format);
             runtime(async move {
                 let cfg = GatewayConfig::load(&config, &EnvOverrides::from_env()).map_err(|e| e.to_string())?;
@@ -132,14 +122,10 @@ fn main() -> ExitCode {
                 Ok(())
             })
         }
-        Command::Demo {
-            config,
-            listen,
-            admin_listen,
-        } => {
+        Command::Demo { listen, admin_listen } => {
             init_logs(cli.log_format.or(Some(LogFormat::Human)));
             runtime(async move {
-                tollgate::demo::run(config.as_deref(), listen, admin_listen)
+                tollgate::demo::run(given.as_deref(), listen, admin_listen)
                     .await
                     .map_err(|e| e.to_string())
             })

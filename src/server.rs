@@ -125,7 +125,7 @@ async fn sniff_h2(stream: &tokio::net::TcpStream) -> Option<bool> {
         if n == H2_PREFACE.len() {
             return Some(true);
         }
-        tokio::time::sleep(Duration::from_millis(1)).await;
+        tokio::time::sleep(SNIFF_RETRY).await;
     }
 }
 
@@ -150,23 +150,17 @@ pub async fn serve(gw: Arc<State>, listener: TcpListener, mut stop: watch::Recei
     let mut h2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
     h2.timer(TokioTimer::new())
         .keep_alive_interval(Some(sc.idle_timeout))
-        .keep_alive_timeout(Duration::from_secs(20))
-        .max_concurrent_streams(256);
+        .keep_alive_timeout(H2_PING_TIMEOUT)
+        .max_concurrent_streams(H2_MAX_STREAMS);
     let (h1, h2) = (Arc::new(h1), Arc::new(h2));
     // Every connection task holds a sender; `recv` returns `None` once all of them are gone.
     let (drained, mut all_drained) = tokio::sync::mpsc::channel::<()>(1);
+    // Flipped when `shutdown_grace` has passed: every connection still open is dropped.
+    let (kill, killed) = watch::channel(false);
     let conns = Arc::new(Semaphore::new(sc.max_connections));
     loop {
         let (stream, peer) = tokio::select! {
-            r = listener.accept() => match r {
-                Ok(x) => x,
-                Err(e) => {
-                    // EMFILE and friends: back off instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
+            x = crate::http::accept(&listener) => x,
             _ = stop.changed() => break,
         };
         let Ok(permit) = conns.clone().try_acquire_owned() else {
@@ -181,6 +175,7 @@ pub async fn serve(gw: Arc<State>, listener: TcpListener, mut stop: watch::Recei
             async move { Ok::<_, std::convert::Infallible>(gw.handle(req, peer).await) }
         });
         let (h1, h2, drained, mut stop) = (h1.clone(), h2.clone(), drained.clone(), stop.clone());
+        let mut killed = killed.clone();
         let open = crate::metrics::InFlight::enter(&gw.metrics().open_connections);
         let first_byte = sc.header_read_timeout;
         tokio::spawn(async move {
@@ -194,12 +189,19 @@ pub async fn serve(gw: Arc<State>, listener: TcpListener, mut stop: watch::Recei
                 _ = stop.changed() => return,
             };
             let io = TokioIo::new(stream);
-            let result = if is_h2 {
-                let conn = std::pin::pin!(h2.serve_connection(io, svc));
-                until_stopped(conn, &mut stop, |c| c.graceful_shutdown()).await
-            } else {
-                let conn = std::pin::pin!(h1.serve_connection(io, svc).with_upgrades());
-                until_stopped(conn, &mut stop, |c| c.graceful_shutdown()).await
+            let serve = async {
+                if is_h2 {
+                    let conn = std::pin::pin!(h2.serve_connection(io, svc));
+                    until_stopped(conn, &mut stop, |c| c.graceful_shutdown()).await
+                } else {
+                    let conn = std::pin::pin!(h1.serve_connection(io, svc).with_upgrades());
+                    until_stopped(conn, &mut stop, |c| c.graceful_shutdown()).await
+                }
+            };
+            let result = tokio::select! {
+                r = serve => r,
+                // The grace period passed: drop the connection, whatever it was doing.
+                _ = killed.changed() => Ok(()),
             };
             if let Err(e) = result {
                 tracing::debug!(error = %e, %peer, "connection ended with error");
@@ -214,7 +216,10 @@ pub async fn serve(gw: Arc<State>, listener: TcpListener, mut stop: watch::Recei
     tracing::info!("shutting down: draining in-flight requests");
     tokio::select! {
         _ = all_drained.recv() => tracing::info!("drained"),
-        _ = tokio::time::sleep(sc.shutdown_grace) => tracing::warn!("shutdown grace period passed; closing remaining connections"),
+        _ = tokio::time::sleep(sc.shutdown_grace) => {
+            tracing::warn!("shutdown grace period passed; closing the remaining connections");
+            let _ = kill.send(true);
+        }
     }
 }
 
@@ -236,22 +241,47 @@ where
     conn.await
 }
 
-/// Over `max_connections`: answer 503 and close, without reading the request.
-async fn reject_over_capacity(mut stream: tokio::net::TcpStream) {
-    use tokio::io::AsyncWriteExt;
-    let body = br#"{"error":"unavailable","message":"too many connections"}"#;
-    let head = format!(
-        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
-        body.len()
-    );
-    let _ = tokio::time::timeout(Duration::from_secs(1), async {
-        let _ = stream.write_all(head.as_bytes()).await;
-        let _ = stream.write_all(body).await;
-        let _ = stream.shutdown().await;
+/// How long to wait before peeking again while a connection's first bytes trickle in (the
+/// whole sniff is bounded by `header_read_timeout`).
+const SNIFF_RETRY: Duration = Duration::from_millis(1);
+
+/// An HTTP/2 peer that does not answer a keep-alive ping within this is gone: close it.
+pub const H2_PING_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Streams one HTTP/2 client may have open at once: enough for a busy multiplexing client,
+/// few enough that one connection cannot hold a large share of the gateway's memory.
+pub const H2_MAX_STREAMS: u32 = 256;
+
+/// How long a connection over `max_connections` is served its 503 before it is closed.
+const REJECT_WITHIN: Duration = Duration::from_secs(1);
+
+/// Over `max_connections`: answer the connection's request with the 503 of `respond.rs`, in
+/// the protocol the client speaks (HTTP/1.1, or h2c with prior knowledge), then close. Bounded
+/// by [`REJECT_WITHIN`], so a slow client cannot hold the extra connection.
+async fn reject_over_capacity(stream: tokio::net::TcpStream) {
+    let svc = service_fn(|_req: hyper::Request<Incoming>| async {
+        Ok::<_, std::convert::Infallible>(
+            crate::http::respond::GatewayError::Unavailable("too many connections").into_response(),
+        )
+    });
+    let _ = tokio::time::timeout(REJECT_WITHIN, async move {
+        let Some(is_h2) = sniff_h2(&stream).await else {
+            return;
+        };
+        let io = TokioIo::new(stream);
+        let _ = if is_h2 {
+            hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                .serve_connection(io, svc)
+                .await
+        } else {
+            hyper::server::conn::http1::Builder::new()
+                .keep_alive(false)
+                .serve_connection(io, svc)
+                .await
+        };
     })
     .await;
 }
-
 /// While a shard's breaker is open, probe that shard and close its breaker when it answers.
 fn spawn_probe(gw: &Arc<State>, mut stop: watch::Receiver<bool>) {
     if gw.limiter().store.is_memory() {

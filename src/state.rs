@@ -22,6 +22,13 @@ use crate::limiter::{Backend, Limiter, Store, StoreError};
 use crate::metrics::{Metrics, RuleMetrics};
 use crate::rules::RuleSet;
 
+/// Upstream failures are logged at most once per this, with a count of those suppressed.
+const UPSTREAM_LOG_EVERY: Duration = Duration::from_secs(1);
+
+/// The store-health probe waits at least this long (a store check's own deadline is shorter,
+/// and a probe also loads the script where it is missing).
+const READY_PROBE_MIN: Duration = Duration::from_millis(200);
+
 /// Everything one request reads, swapped whole on reload.
 pub struct Snapshot {
     /// The compiled rules.
@@ -297,7 +304,7 @@ impl State {
             clock,
             shadow_seen: AtomicU64::new(0),
             reload_lock: tokio::sync::Mutex::new(()),
-            upstream_log: crate::log_throttle::LogThrottle::new(Duration::from_secs(1)),
+            upstream_log: crate::log_throttle::LogThrottle::new(UPSTREAM_LOG_EVERY),
             config_digest,
             config,
         });
@@ -421,7 +428,7 @@ impl State {
     /// asks this; `/readyz` itself does not (readiness never depends on the store).
     pub async fn store_ready(&self) -> Result<(), StoreError> {
         match tokio::time::timeout(
-            self.config.store.timeout.max(Duration::from_millis(200)),
+            self.config.store.timeout.max(READY_PROBE_MIN),
             self.limiter.store.probe(),
         )
         .await

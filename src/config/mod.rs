@@ -175,7 +175,9 @@ pub struct LimitsConfig {
 pub struct ServerConfig {
     /// Time to receive request headers.
     pub header_read_timeout: Duration,
-    /// Idle keep-alive connections close after this.
+    /// HTTP/2: the interval of keep-alive pings; a connection whose peer does not answer one
+    /// within `server::H2_PING_TIMEOUT` is closed. (HTTP/1.1 keep-alive connections are not
+    /// timed out by it.)
     pub idle_timeout: Duration,
     /// Concurrent connections.
     pub max_connections: usize,

@@ -139,7 +139,7 @@ pub struct RawLimits {
 pub struct RawServer {
     /// Time a client has to send its request headers.
     pub header_read_timeout: Option<Spanned<String>>,
-    /// Idle keep-alive connections are closed after this.
+    /// HTTP/2 keep-alive ping interval.
     pub idle_timeout: Option<Spanned<String>>,
     /// Concurrent client connections.
     pub max_connections: Option<Spanned<usize>>,

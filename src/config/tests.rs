@@ -1,4 +1,4 @@
-//! State config parsing and validation.
+//! Gateway config parsing and validation.
 
 use std::path::Path;
 

@@ -25,3 +25,21 @@ pub fn full(b: impl Into<Bytes>) -> ProxyBody {
 pub fn empty() -> ProxyBody {
     full(Bytes::new())
 }
+
+/// How long an accept loop waits after `accept` failed (EMFILE, ENFILE, ENOMEM...) before it
+/// tries again: the error persists until some connection closes, so retrying at once would
+/// spin a core.
+pub const ACCEPT_BACKOFF: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// Accept the next connection; on an error, log it, wait [`ACCEPT_BACKOFF`] and try again.
+pub async fn accept(listener: &tokio::net::TcpListener) -> (tokio::net::TcpStream, std::net::SocketAddr) {
+    loop {
+        match listener.accept().await {
+            Ok(x) => return x,
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed; backing off");
+                tokio::time::sleep(ACCEPT_BACKOFF).await;
+            }
+        }
+    }
+}

@@ -12,18 +12,6 @@ use super::{full, ProxyBody};
 /// Everything that ends a request without (or instead of) the upstream's response.
 #[derive(Debug, thiserror::Error)]
 pub enum GatewayError {
-    /// Over quota.
-    #[error("rate limit exceeded for rule {rule}")]
-    RateLimited {
-        /// Rule name.
-        rule: String,
-        /// Units per window (or capacity).
-        limit: u64,
-        /// Window in µs.
-        window_us: u64,
-        /// µs until the same request would pass.
-        retry_after_us: u64,
-    },
     /// The store failed and a `failure: closed` rule applies.
     #[error("rate limiter unavailable (rule {rule})")]
     LimiterUnavailable {
@@ -65,7 +53,6 @@ impl GatewayError {
     /// The status code.
     pub fn status(&self) -> StatusCode {
         match self {
-            GatewayError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             GatewayError::LimiterUnavailable { .. } | GatewayError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             GatewayError::BadGateway(_) => StatusCode::BAD_GATEWAY,
             GatewayError::GatewayTimeout => StatusCode::GATEWAY_TIMEOUT,
@@ -82,18 +69,6 @@ impl GatewayError {
         let status = self.status();
         let mut retry: Option<u64> = None;
         let body = match &self {
-            GatewayError::RateLimited {
-                rule,
-                limit,
-                window_us,
-                retry_after_us,
-            } => {
-                let secs = headers::ceil_secs_min1(*retry_after_us);
-                let now = SystemTime::now()
-                    .duration_since(SystemTime::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_secs());
-                return limited_response(rate_limited_body(rule, *limit, *window_us, secs, now + secs), secs);
-            }
             GatewayError::LimiterUnavailable { rule, retry_after_secs } => {
                 retry = Some(*retry_after_secs);
                 json!({

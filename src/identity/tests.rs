@@ -251,7 +251,7 @@ fn api_keys_identify_only_when_registered() {
 
 /// Minimal base64url without padding, for hand-built tokens.
 mod base64_like {
-    pub fn encode_url(data: &[u8]) -> String {
+    pub(super) fn encode_url(data: &[u8]) -> String {
         const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
         let mut out = String::new();
         for chunk in data.chunks(3) {
