@@ -22,10 +22,10 @@ use tokio::sync::watch;
 use crate::config::GatewayConfig;
 use crate::http::respond::{self, GatewayError};
 use crate::http::ProxyBody;
-use crate::identity::identify;
 use crate::limiter::keys::{KeyBuilder, Namespace};
 use crate::limiter::{LimitCheck, Store, StoreKey};
-use crate::rules::{caller, key_value, normalize, window_text, KeyKind, RequestInfo, Rule};
+use crate::proxy::plan::{request_host, RequestParts};
+use crate::rules::{caller, normalize, window_text, KeyKind, RequestInfo, Rule};
 use crate::state::{Snapshot, State};
 
 /// Time an admin client has to send its request headers (the admin port is for people and
@@ -290,7 +290,7 @@ fn identity_checks(keys: &KeyBuilder, snap: &Snapshot, who: &str) -> Candidates 
     };
     let mut checks = Vec::new();
     let mut has_override = false;
-    for r in &snap.rules.rules {
+    for (ri, r) in snap.rules.rules.iter().enumerate() {
         let other_tier =
             r.key == KeyKind::User && matches!((&r.tier, &key_tier), (Some(t), Some(k)) if t.as_str() != &**k);
         let (ns, certain) = match r.key {
@@ -302,18 +302,16 @@ fn identity_checks(keys: &KeyBuilder, snap: &Snapshot, who: &str) -> Candidates 
             KeyKind::Org => (Namespace::Org, is_org),
             KeyKind::Header(_) => (Namespace::Header, false),
         };
-        let tag = keys.tag(ns, who.as_bytes());
         let over = r.overrides.get(who);
         has_override |= over.is_some();
-        let limits = over.unwrap_or(&r.limits);
-        for (n, q) in limits.iter().enumerate() {
+        // The keys the proxy would use for this value: the plan's own key builder.
+        let mut planned = Vec::new();
+        let value = crate::rules::KeyValue::Value(ns, who.as_bytes());
+        let ri = u32::try_from(ri).unwrap_or(u32::MAX);
+        crate::proxy::plan::rule_checks(snap, keys, ri, value, who, &mut None, &mut planned);
+        for p in planned {
             checks.push(Candidate {
-                check: LimitCheck {
-                    key: keys.key(&tag, &r.name, n),
-                    quota: *q,
-                    cost: 0,
-                    shadow: r.shadow,
-                },
+                check: LimitCheck { cost: 0, ..p.check },
                 rule: r.name.to_string(),
                 kind: r.key.to_text(),
                 certain: (certain && !other_tier) || over.is_some(),
@@ -402,21 +400,24 @@ pub fn explain(
     ip: IpAddr,
     now_secs: u64,
 ) -> Value {
-    let ident = identify(headers, ip, &snap.keys, &config.identity, now_secs);
-    let pq = path.split('?').next().unwrap_or("/");
-    let norm = normalize(pq);
-    let host = headers
-        .get(http::header::HOST)
-        .and_then(|h| h.to_str().ok())
-        .map(crate::proxy::host_for_matching);
+    // The same plan the proxy builds for this request: one place decides the keys.
+    let uri: http::Uri = path.parse().unwrap_or_else(|_| http::Uri::from_static("/"));
+    let parts = RequestParts {
+        method,
+        uri: &uri,
+        headers,
+        peer: ip,
+    };
+    let plan = crate::proxy::plan::plan(snap, keys, &config.identity, parts, now_secs);
+    let ident = &plan.identity;
+    let norm = normalize(uri.path());
     let info = RequestInfo {
         method,
         path: &norm,
-        host,
+        host: request_host(headers, &uri),
         headers,
         tier: &ident.tier,
     };
-    let ip_text = ident.ip.to_string();
     let matches: Vec<Value> = snap
         .rules
         .explain(&info)
@@ -438,29 +439,30 @@ pub fn explain(
                 "shadow": r.shadow,
             });
             if c.chosen {
-                match key_value(&r.key, &ident, headers, &ip_text) {
-                    Some(val) => {
-                        let tag = val.tag(keys, &r.name);
-                        let ks: Vec<Value> = r
-                            .limits_for(&ident)
-                            .iter()
-                            .enumerate()
-                            .map(|(n, q)| json!({"store_key": keys.key(&tag, &r.name, n).as_str(), "algorithm": q.algorithm.as_str(), "limit": q.limit.get(), "window": window_text(q.window_us.get()), "cost": r.cost}))
-                            .collect();
-                        v["limits"] = Value::Array(ks);
-                        v["override"] = Value::Bool(r.overrides.contains_key(&*ident.id));
-                    }
-                    None => v["skipped"] = Value::String("the request has no value for this key kind (no org / no header)".into()),
+                let planned: Vec<Value> = plan
+                    .checks
+                    .iter()
+                    .filter(|p| p.rule == c.rule)
+                    .map(|p| {
+                        let q = &p.check.quota;
+                        json!({"store_key": p.check.key.as_str(), "algorithm": q.algorithm.as_str(), "limit": q.limit.get(), "window": window_text(q.window_us.get()), "cost": p.check.cost})
+                    })
+                    .collect();
+                if planned.is_empty() {
+                    v["skipped"] = Value::String("the request has no value for this key kind (no org / no header)".into());
+                } else {
+                    v["limits"] = Value::Array(planned);
+                    v["override"] = Value::Bool(r.overrides.contains_key(&*ident.id));
                 }
             }
             v
         })
         .collect();
     json!({
-        "request": {"method": method.as_str(), "path": pq, "normalized_path": &*norm},
+        "request": {"method": method.as_str(), "path": uri.path(), "normalized_path": &*norm},
         "identity": {
             "kind": ident.kind.as_str(),
-            "id": if ident.kind == crate::identity::IdentityKind::Ip { ident.id.to_string() } else { format!("{} (hash {})", ident.id, caller(&ident).tag(keys, "")) },
+            "id": if ident.kind == crate::identity::IdentityKind::Ip { ident.id.to_string() } else { format!("{} (hash {})", ident.id, caller(ident).tag(keys, "")) },
             "tier": &*ident.tier,
             "org": ident.org.as_deref(),
             "ip": ident.ip.to_string(),

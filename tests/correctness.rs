@@ -315,3 +315,65 @@ async fn the_binding_limit_is_the_one_exhausted_longest() {
     assert!(t(&r) > 2);
     gw.running.stop().await;
 }
+
+/// Issue #13: the proxy and `/explain` build their keys from one plan, so for the same request —
+/// a Host with a port and a trailing dot, a query string, a header-keyed rule, a host-specific
+/// rule — the keys `/explain` names are exactly the keys the proxy wrote to Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_names_exactly_the_keys_the_proxy_spends() {
+    let server = RedisServer::start();
+    let up = echo().await;
+    let rules = r#"rules:
+  - { name: per-ip, match: { path: "/api/**" }, key: ip, algorithm: fixed_window, limit: 100, window: 1h }
+  - { name: by-host, match: { path: "/api/**", host: api.example.com }, key: global, algorithm: sliding_window, limits: [ { limit: 100, window: 1m }, { limit: 1000, window: 1h } ] }
+  - { name: by-client, match: { path: "/api/items/{id}" }, key: "header:X-Client", algorithm: token_bucket, rate: 10/s, capacity: 20 }
+"#;
+    let gw = gateway(
+        &format!("http://{up}"),
+        &store_yaml("redis", &[server.url()]),
+        rules,
+        None,
+    )
+    .await;
+    let c = client();
+    let target = "/api//items/7?debug=1&x=%2F";
+    let r = c
+        .get(format!("{}{target}", gw.url))
+        .header("Host", "API.example.com.:8443")
+        .header("X-Client", "mobile-7")
+        .header("X-Forwarded-For", "10.7.7.7")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let mut written: Vec<String> = server
+        .cli(&["--scan", "--pattern", "tl:*"])
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    written.sort();
+    let v: serde_json::Value = c
+        .get(format!("{}/explain", gw.admin))
+        .query(&[("method", "GET"), ("path", target)])
+        .header("Host", "API.example.com.:8443")
+        .header("X-Client", "mobile-7")
+        .header("X-Forwarded-For", "10.7.7.7")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let mut named: Vec<String> = v["matches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["chosen"] == true)
+        .flat_map(|m| m["limits"].as_array().cloned().unwrap_or_default())
+        .map(|l| l["store_key"].as_str().unwrap().to_owned())
+        .collect();
+    named.sort();
+    assert_eq!(named.len(), 4, "per-ip, two by-host windows, by-client: {v}");
+    assert_eq!(named, written, "explain: {v}");
+    gw.running.stop().await;
+}

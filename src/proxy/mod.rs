@@ -118,7 +118,9 @@ impl State {
                 return Err(GatewayError::PayloadTooLarge);
             }
         }
-        let snap = self.snapshot().load();
+        // An owned handle, not a guard: the snapshot stays alive across the awaits below
+        // (store check, leaky-bucket wait, upstream exchange) without pinning an arc-swap slot.
+        let snap = self.snapshot().load_full();
         let now_us = self.clock().now_us();
         let parts = RequestParts {
             method: req.method(),
