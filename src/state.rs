@@ -146,10 +146,11 @@ fn file_digest(path: &std::path::Path) -> Option<[u8; 32]> {
 
 /// Load rules and keys into a snapshot, resolving metric handles.
 pub fn load_snapshot(config: &GatewayConfig, metrics: &Metrics) -> Result<Snapshot, ConfigError> {
-    let rules =
-        RuleSet::load(&config.rules_file).map_err(|e| e.named_in(&config.path, "rules_file", config.rules_file_at))?;
+    let rules = RuleSet::load(&config.rules_file, config.limits.max_rules)
+        .map_err(|e| e.named_in(&config.path, "rules_file", config.rules_file_at))?;
     let keys = match &config.keys_file {
-        Some(k) => KeyRegistry::load(k).map_err(|e| e.named_in(&config.path, "keys_file", config.keys_file_at))?,
+        Some(k) => KeyRegistry::load_max(k, config.limits.max_keys)
+            .map_err(|e| e.named_in(&config.path, "keys_file", config.keys_file_at))?,
         None => KeyRegistry::empty(),
     };
     let rule_metrics = rules.rules.iter().map(|r| metrics.rule(&r.name)).collect();

@@ -79,7 +79,64 @@ pub fn parse_file<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, Conf
 
 /// Parse YAML text (named `path` in errors).
 pub fn parse_str<T: serde::de::DeserializeOwned>(path: &Path, text: &str) -> Result<T, ConfigError> {
-    serde_saphyr::from_str::<T>(text).map_err(|e| {
+    parse_with(path, text, serde_saphyr::Options::default(), None)
+}
+
+/// How large a file of many similar entries (API keys, rules) may be, for the YAML parser's
+/// budget: `entries` of at most `nodes_per_entry` YAML nodes and `bytes_per_entry` bytes of
+/// scalar text each. `what` names the setting that raises it, for the error.
+#[derive(Debug, Clone, Copy)]
+pub struct Sized {
+    /// Entries allowed.
+    pub entries: usize,
+    /// YAML nodes (maps, sequences, scalars) one entry may take.
+    pub nodes_per_entry: usize,
+    /// Scalar bytes one entry may take.
+    pub bytes_per_entry: usize,
+    /// The setting that raises `entries` (`limits.max_keys`).
+    pub what: &'static str,
+}
+
+/// [`parse_str`] with the parser's budgets sized for `size`: a registry of a million keys
+/// parses, and alias expansion stays bounded (the alias limits are not raised).
+pub fn parse_str_sized<T: serde::de::DeserializeOwned>(path: &Path, text: &str, size: Sized) -> Result<T, ConfigError> {
+    let nodes = size.entries.saturating_mul(size.nodes_per_entry).saturating_add(10_000);
+    let mut budget = serde_saphyr::Budget::default();
+    budget.max_nodes = nodes;
+    budget.max_events = nodes.saturating_mul(2);
+    budget.max_total_scalar_bytes = size
+        .entries
+        .saturating_mul(size.bytes_per_entry)
+        .saturating_add(1 << 20);
+    let mut options = serde_saphyr::Options::default();
+    options.budget = Some(budget);
+    parse_with(path, text, options, Some(size))
+}
+
+/// Read and [`parse_str_sized`] a file.
+pub fn parse_file_sized<T: serde::de::DeserializeOwned>(path: &Path, size: Sized) -> Result<T, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ConfigError::file(path, format!("cannot read: {e}")))?;
+    parse_str_sized(path, &text, size)
+}
+
+fn parse_with<T: serde::de::DeserializeOwned>(
+    path: &Path,
+    text: &str,
+    options: serde_saphyr::Options,
+    size: Option<Sized>,
+) -> Result<T, ConfigError> {
+    serde_saphyr::from_str_with_options::<T>(text, options).map_err(|e| {
+        if let (Some(size), true) = (size, e.to_string().contains("budget")) {
+            // The parser's own words ("budget breached: Nodes { nodes: 250001 }") mean nothing
+            // to an operator: say which setting bounds the file.
+            return ConfigError::file(
+                path,
+                format!(
+                    "the file is larger than {} allows ({} entries of at most {} YAML nodes each); raise {} in gateway.yaml",
+                    size.what, size.entries, size.nodes_per_entry, size.what
+                ),
+            );
+        }
         let (line, col) = e.location().map(|l| (l.line(), l.column())).unwrap_or((0, 0));
         let msg = e.without_snippet().to_string();
         // The rendered message may itself carry a position and a snippet: keep its first line,

@@ -168,6 +168,10 @@ pub struct LimitsConfig {
     pub deny_cache_max: usize,
     /// Log one in N shadow denials.
     pub shadow_log_sample: u64,
+    /// Most API keys `keys_file` may hold (the parser's budget is sized from it).
+    pub max_keys: usize,
+    /// Most rules `rules_file` may hold.
+    pub max_rules: usize,
 }
 
 /// `server:`, validated.
@@ -499,6 +503,14 @@ impl GatewayConfig {
             deny_cache: l.deny_cache.unwrap_or(true),
             deny_cache_max: at_least(f, &l.deny_cache_max, "limits.deny_cache_max", 1, 100_000)?,
             shadow_log_sample: at_least(f, &l.shadow_log_sample, "limits.shadow_log_sample", 1, 100)?,
+            max_keys: at_least(
+                f,
+                &l.max_keys,
+                "limits.max_keys",
+                1,
+                crate::identity::keys::DEFAULT_MAX_KEYS,
+            )?,
+            max_rules: at_least(f, &l.max_rules, "limits.max_rules", 1, crate::rules::DEFAULT_MAX_RULES)?,
         };
 
         let sv = &raw.server;

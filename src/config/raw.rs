@@ -131,6 +131,10 @@ pub struct RawLimits {
     pub deny_cache_max: Option<Spanned<usize>>,
     /// One in N shadow denials is logged.
     pub shadow_log_sample: Option<Spanned<u64>>,
+    /// Most API keys `keys_file` may hold.
+    pub max_keys: Option<Spanned<usize>>,
+    /// Most rules `rules_file` may hold.
+    pub max_rules: Option<Spanned<usize>>,
 }
 
 /// `server:`.

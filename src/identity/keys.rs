@@ -7,7 +7,10 @@ use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
-use crate::config::error::{parse_file, ConfigError};
+use crate::config::error::{parse_file_sized, ConfigError, Sized};
+
+/// Keys a registry may hold unless `limits.max_keys` says otherwise.
+pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
 use crate::config::raw::RawKeys;
 
 /// One registered key.
@@ -39,9 +42,30 @@ impl KeyRegistry {
         Self::default()
     }
 
-    /// Load and validate a `keys.yaml`.
+    /// Load and validate a `keys.yaml` of at most the default `limits.max_keys` keys.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let raw: RawKeys = parse_file(path)?;
+        Self::load_max(path, DEFAULT_MAX_KEYS)
+    }
+
+    /// Load and validate a `keys.yaml` of at most `max_keys` keys (`limits.max_keys`).
+    pub fn load_max(path: &Path, max_keys: usize) -> Result<Self, ConfigError> {
+        let size = Sized {
+            entries: max_keys,
+            // `{id, sha256, tier, org}`: a map, four keys, four values.
+            nodes_per_entry: 12,
+            bytes_per_entry: 512,
+            what: "limits.max_keys",
+        };
+        let raw: RawKeys = parse_file_sized(path, size)?;
+        if raw.keys.len() > max_keys {
+            return Err(ConfigError::file(
+                path,
+                format!(
+                    "{} keys is over limits.max_keys ({max_keys}); raise it in gateway.yaml",
+                    raw.keys.len()
+                ),
+            ));
+        }
         Self::compile(path, raw)
     }
 

@@ -296,3 +296,39 @@ fn a_cached_token_still_expires() {
         IdentityKind::Ip
     );
 }
+
+/// Issue #23: the YAML parser's budgets are sized from `limits.max_keys`, so a registry past
+/// the old ceiling (~35,000 keys) loads, and one over the limit gets an error that names
+/// the setting instead of the parser's "budget breached: Nodes { .. }".
+#[test]
+fn a_large_registry_loads_and_an_oversized_one_names_its_limit() {
+    use std::fmt::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("keys.yaml");
+    let mut text = String::from("keys:\n");
+    let _ = writeln!(
+        text,
+        "  - {{ id: real, sha256: {}, tier: pro }}",
+        crate::identity::keys::hash_key("the-real-secret")
+    );
+    for i in 1..40_000u32 {
+        let _ = writeln!(
+            text,
+            "  - {{ id: k{i}, sha256: {i:064x}, tier: pro, org: o{} }}",
+            i % 100
+        );
+    }
+    std::fs::write(&path, &text).unwrap();
+    let reg = KeyRegistry::load(&path).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(reg.len(), 40_000);
+    assert!(reg.lookup(b"the-real-secret").is_some());
+
+    let err = KeyRegistry::load_max(&path, 39_999).unwrap_err().to_string();
+    assert!(
+        err.contains("40000 keys is over limits.max_keys (39999); raise it in gateway.yaml"),
+        "{err}"
+    );
+    let err = KeyRegistry::load_max(&path, 1_000).unwrap_err().to_string();
+    assert!(err.contains("raise limits.max_keys in gateway.yaml"), "{err}");
+    assert!(!err.contains("Nodes {"), "{err}");
+}

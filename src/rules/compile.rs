@@ -11,8 +11,12 @@ use serde_saphyr::{Location, Spanned};
 use sha2::Digest;
 
 use super::{KeyKind, Pattern, Rule, RuleSet, Specificity};
+use crate::config::error::{parse_str_sized, Sized};
 use crate::config::raw::{RawOverride, RawRule, RawRules, RawWindow};
 use crate::config::{duration, ConfigError};
+
+/// Rules a rules file may hold unless `limits.max_rules` says otherwise.
+pub const DEFAULT_MAX_RULES: usize = 50_000;
 use crate::limiter::{Algorithm, FailurePolicy, Quota};
 
 fn name_ok(s: &str) -> bool {
@@ -213,15 +217,37 @@ fn failure_policy(
 }
 
 impl RuleSet {
-    /// Load and validate a rules file.
-    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+    /// Load and validate a rules file of at most `max_rules` rules (`limits.max_rules`).
+    pub fn load(path: &Path, max_rules: usize) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|e| ConfigError::file(path, format!("cannot read: {e}")))?;
-        Self::from_str(path, &text)
+        Self::from_str_max(path, &text, max_rules)
     }
 
-    /// Parse and validate rules text (`path` names it in errors).
+    /// Parse and validate rules text (`path` names it in errors), at most the default
+    /// `limits.max_rules` rules.
     pub fn from_str(path: &Path, text: &str) -> Result<Self, ConfigError> {
-        let raw: RawRules = crate::config::parse_str(path, text)?;
+        Self::from_str_max(path, text, DEFAULT_MAX_RULES)
+    }
+
+    /// Parse and validate rules text of at most `max_rules` rules.
+    pub fn from_str_max(path: &Path, text: &str, max_rules: usize) -> Result<Self, ConfigError> {
+        let size = Sized {
+            entries: max_rules,
+            // A rule with match conditions, several windows and a few overrides.
+            nodes_per_entry: 96,
+            bytes_per_entry: 4096,
+            what: "limits.max_rules",
+        };
+        let raw: RawRules = parse_str_sized(path, text, size)?;
+        if raw.rules.len() > max_rules {
+            return Err(ConfigError::file(
+                path,
+                format!(
+                    "{} rules is over limits.max_rules ({max_rules}); raise it in gateway.yaml",
+                    raw.rules.len()
+                ),
+            ));
+        }
         let mut set = Self::compile(path, raw)?;
         set.version = hex::encode(&sha2::Sha256::digest(text.as_bytes())[..8]);
         Ok(set)

@@ -23,7 +23,7 @@ pub use crate::http::headers::{window_text, WindowText};
 use crate::identity::{Identity, IdentityKind};
 use crate::limiter::keys::{KeyBuilder, Namespace};
 use crate::limiter::{FailurePolicy, Quota};
-pub use compile::parse_rate;
+pub use compile::{parse_rate, DEFAULT_MAX_RULES};
 pub use path::{normalize, Pattern, PatternClass};
 use trie::Node;
 
