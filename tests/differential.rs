@@ -8,7 +8,7 @@
 //! (±1 µs for integer algorithms, ±2 µs for the sliding window) on times and requires exact
 //! `allowed` and `remaining`.
 
-mod common;
+mod support;
 
 use std::num::NonZeroU64;
 use std::sync::Arc;
@@ -17,7 +17,7 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
-use common::{RedisCluster, RedisServer};
+use support::*;
 use tollgate::clock::FakeClock;
 use tollgate::limiter::memory::MemoryStore;
 use tollgate::limiter::redis::{RedisMode, RedisStore};

@@ -12,13 +12,13 @@
 //!
 //! See SECURITY.md for the threat model these tests back.
 
-mod harness;
+mod support;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use harness::*;
+use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -179,7 +179,7 @@ async fn path_spellings_all_count_against_the_same_rule() {
     assert_eq!(status(a, "POST", "/api/v1/login", "").await, 429);
     assert_eq!(status(a, "GET", "/api/v1/login", "").await, 200);
     assert_eq!(status(a, "POST", "/api/v1/logins", "").await, 200);
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -208,7 +208,7 @@ async fn host_spellings_all_count_against_the_same_host_rule() {
     // Another host is another rule (here: none but the open one).
     let req = b"GET /x HTTP/1.1\r\nHost: other.example\r\nConnection: close\r\n\r\n";
     assert_eq!(status_of(&send(a, req, Duration::from_secs(5)).await), 200);
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 /// Five requests, each claiming a different client in X-Forwarded-For; their statuses.
@@ -231,7 +231,7 @@ async fn spoofed_x_forwarded_for_is_ignored_unless_the_peer_is_a_trusted_proxy()
         [200, 200, 200, 429, 429],
         "spoofed X-Forwarded-For bought fresh quota"
     );
-    gw.running.stop().await;
+    gw.stop().await;
 
     // A trusted proxy range that does not include the peer: still ignored.
     let gw = gateway(
@@ -247,7 +247,7 @@ async fn spoofed_x_forwarded_for_is_ignored_unless_the_peer_is_a_trusted_proxy()
         [200, 200, 200, 429, 429],
         "X-Forwarded-For believed from an untrusted peer"
     );
-    gw.running.stop().await;
+    gw.stop().await;
 
     // The peer is a trusted proxy: each forwarded client has its own counter, and the
     // right-most untrusted entry is the client (entries a client prepends are ignored).
@@ -275,7 +275,7 @@ async fn spoofed_x_forwarded_for_is_ignored_unless_the_peer_is_a_trusted_proxy()
         [200, 200, 200, 429],
         "client-prepended X-Forwarded-For entries were believed"
     );
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -414,7 +414,7 @@ async fn unknown_api_keys_and_invalid_jwts_buy_no_fresh_quota() {
         200
     );
     assert_eq!(status(a, "GET", "/x", "X-API-Key: registered-key\r\n").await, 200);
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 /// URL-safe base64 without padding (JWT segments), so the test needs no extra crate.
@@ -468,7 +468,7 @@ async fn store_keys_carry_only_a_hex_hash_of_caller_bytes() {
             assert_eq!(tail, format!("{rule}:0"), "caller bytes reached the store key {key:?}");
         }
     }
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -501,7 +501,7 @@ async fn oversized_headers_and_too_many_headers_get_431() {
     assert_eq!(status(a, "GET", "/x", &ok).await, 200);
     let some: String = (0..60).map(|i| format!("X-H{i}: v\r\n")).collect();
     assert_eq!(status(a, "GET", "/x", &some).await, 200);
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -524,7 +524,7 @@ async fn garbage_request_lines_get_400() {
     }
     // Still serving.
     assert_eq!(status(a, "GET", "/x", "").await, 200);
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -579,7 +579,7 @@ async fn content_length_with_transfer_encoding_never_reaches_the_upstream_togeth
             "a refused request reached the upstream: {conn:?}"
         );
     }
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -606,7 +606,7 @@ async fn missing_or_doubled_host_is_400() {
     assert_eq!(status_of(&r), 200, "{r:?}");
     let seen = rec.wait_for(1).await.join("\n");
     assert!(!seen.contains("/nohost") && !seen.contains("/twohosts"), "{seen}");
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[test]
@@ -687,7 +687,7 @@ async fn five_thousand_entry_x_forwarded_for_and_30_kb_bearer_are_bounded() {
     .await;
     assert_eq!(status(gw.running.addr, "GET", "/x", &xff).await, 431);
     assert_eq!(status(gw.running.addr, "GET", "/x", &token).await, 431);
-    gw.running.stop().await;
+    gw.stop().await;
 
     // With room for them: served, and bounded. Only the right-most 32 X-Forwarded-For entries
     // are read (all trusted here), so the client is the last one read, not 198.51.100.1.
@@ -718,7 +718,7 @@ async fn five_thousand_entry_x_forwarded_for_and_30_kb_bearer_are_bounded() {
         codes.push(status(a, "GET", "/x", &t).await);
     }
     assert_eq!(codes, [200, 200, 200, 429], "30 KB tokens bought quota");
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -762,7 +762,7 @@ async fn bodies_over_max_body_bytes_get_413_and_never_reach_the_upstream_whole()
             "more than the limit was forwarded"
         );
     }
-    gw.running.stop().await;
+    gw.stop().await;
 
     // Chunked, over the limit, upstream already answered: its answer stands, and it still gets
     // an aborted body, never a complete one.
@@ -777,7 +777,7 @@ async fn bodies_over_max_body_bytes_get_413_and_never_reach_the_upstream_whole()
         "the upstream got a complete over-limit body: {:?}",
         seen[0]
     );
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -859,7 +859,7 @@ async fn slowloris_silent_and_idle_connections_are_cut_off() {
     );
     // And the gateway still serves.
     assert_eq!(status(a, "GET", "/x", "").await, 200);
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -913,7 +913,7 @@ async fn connections_over_the_cap_get_503_and_are_closed() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -972,7 +972,7 @@ async fn a_thousand_idle_connections_do_not_stop_new_requests() {
         );
     }
     drop(idle);
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 /// The soft limit on open files of this process.

@@ -1,11 +1,11 @@
 //! What clients and operators see, end to end on the memory store: headers on every limited
 //! response, 429 bodies, shadow mode, leaky-bucket shaping, admin endpoints, metrics.
 
-mod harness;
+mod support;
 
 use std::time::{Duration, Instant};
 
-use harness::*;
+use support::*;
 
 fn header(r: &reqwest::Response, name: &str) -> String {
     r.headers()
@@ -84,7 +84,7 @@ async fn every_limited_response_carries_the_binding_limit() {
         96,
         "3 admitted + this one; the denied request spent no per-IP quota"
     );
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -94,7 +94,7 @@ async fn header_families_are_configurable() {
     let r = client().get(format!("{}/x", gw.url)).send().await.unwrap();
     assert!(r.headers().contains_key("ratelimit"));
     assert!(!r.headers().contains_key("x-ratelimit-limit"));
-    gw.running.stop().await;
+    gw.stop().await;
     let gw = gateway(
         &format!("http://{up}"),
         "limits:\n  headers: [x-ratelimit]\n",
@@ -105,7 +105,7 @@ async fn header_families_are_configurable() {
     let r = client().get(format!("{}/x", gw.url)).send().await.unwrap();
     assert!(!r.headers().contains_key("ratelimit"));
     assert!(r.headers().contains_key("x-ratelimit-remaining"));
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -127,7 +127,7 @@ async fn a_client_following_the_headers_never_sees_a_429() {
         }
     }
     assert!(ok >= 8, "made progress: {ok}");
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -148,7 +148,7 @@ async fn shadow_rules_spend_and_report_but_never_reject() {
         m.contains("tollgate_requests_total{rule=\"dark\",decision=\"allowed\"} 2"),
         "{m}"
     );
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -179,7 +179,7 @@ async fn leaky_bucket_spaces_concurrent_requests_and_denies_past_capacity() {
     assert!(ms[0] < 120, "{ms:?}");
     assert!((160..=330).contains(&ms[1]), "{ms:?}");
     assert!((360..=530).contains(&ms[2]), "{ms:?}");
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -198,7 +198,7 @@ async fn a_client_that_leaves_the_queue_frees_its_slot() {
     let a = c.get(format!("{}/x", gw.url)).send().await.unwrap();
     assert_eq!(a.status(), 200);
     assert!(t0.elapsed() < Duration::from_millis(600), "{:?}", t0.elapsed());
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -267,5 +267,5 @@ async fn admin_endpoints() {
         "no identity in metrics"
     );
     assert_eq!(c.get(format!("{}/nope", gw.admin)).send().await.unwrap().status(), 404);
-    gw.running.stop().await;
+    gw.stop().await;
 }

@@ -1,11 +1,11 @@
 //! End-to-end proxying through the real gateway to a real upstream: pass-through, hop-by-hop
 //! headers, streaming, 502/504, upgrades, SIGTERM drain.
 
-mod harness;
+mod support;
 
 use std::time::{Duration, Instant};
 
-use harness::*;
+use support::*;
 
 #[tokio::test]
 async fn status_body_and_headers_pass_through_and_hop_by_hop_is_dropped() {
@@ -41,7 +41,7 @@ async fn status_body_and_headers_pass_through_and_hop_by_hop_is_dropped() {
     assert_eq!(h["x-forwarded-proto"], "http");
     assert!(h["x-forwarded-host"].as_str().unwrap().starts_with("127.0.0.1:"));
     assert!(h["forwarded"].as_str().unwrap().starts_with("for=127.0.0.1;proto=http"));
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -64,7 +64,7 @@ async fn eight_mib_body_streams_intact_both_ways() {
     let got = r.bytes().await.unwrap();
     assert_eq!(got.len(), body.len());
     assert!(got.as_ref() == body.as_slice(), "body corrupted");
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -75,7 +75,7 @@ async fn upstream_down_is_502_and_slow_is_504() {
     assert_eq!(r.status(), 502);
     let v: serde_json::Value = r.json().await.unwrap();
     assert_eq!(v["error"], "bad_gateway");
-    gw.running.stop().await;
+    gw.stop().await;
 
     let up = echo().await;
     let gw = gateway(&format!("http://{up}"), "", OPEN_RULES, None).await;
@@ -85,7 +85,7 @@ async fn upstream_down_is_502_and_slow_is_504() {
     assert!(started.elapsed() < Duration::from_secs(4), "request_timeout is 2s");
     let v: serde_json::Value = r.json().await.unwrap();
     assert_eq!(v["error"], "gateway_timeout");
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -109,7 +109,7 @@ async fn websocket_style_upgrade_passes_through() {
         .unwrap()
         .unwrap();
     assert_eq!(&got, b"ping through the tunnel");
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -122,7 +122,7 @@ async fn http2_cleartext_is_served() {
     assert_eq!(r.status(), 200);
     let v: serde_json::Value = r.json().await.unwrap();
     assert_eq!(v["path"], "/h2");
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -161,7 +161,7 @@ async fn the_protocol_is_told_apart_even_when_the_first_bytes_trickle_in() {
         .unwrap()
         .unwrap();
     assert_eq!(head[3], 4, "a SETTINGS frame (type 4) first: {head:?}");
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[test]
@@ -227,5 +227,5 @@ async fn stale_pooled_connections_never_fail_a_request() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
-    gw.running.stop().await;
+    gw.stop().await;
 }

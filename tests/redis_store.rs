@@ -2,12 +2,12 @@
 //! expiry, all-or-nothing across slots, peek/reset/probe, and Redis Cluster behaviour (MOVED,
 //! a killed master, a frozen master).
 
-mod common;
+mod support;
 
 use std::num::NonZeroU64;
 use std::time::{Duration, Instant};
 
-use common::{RedisCluster, RedisServer};
+use support::*;
 use tollgate::limiter::redis::{RedisMode, RedisStore, SCRIPT_SOURCE};
 use tollgate::limiter::{Algorithm, LimitCheck, Quota, Store, StoreError, StoreKey};
 
@@ -65,11 +65,11 @@ async fn cluster_store(c: &RedisCluster) -> RedisStore {
 
 /// The raw state of a key, whatever its type, as text (to compare before/after).
 fn raw_state(port: u16, key: &str) -> String {
-    let ty = common::cli(port, &["TYPE", key]);
+    let ty = redis_cli(port, &["TYPE", key]);
     let body = match ty.as_str() {
-        "string" => common::cli(port, &["GET", key]),
+        "string" => redis_cli(port, &["GET", key]),
         "hash" => {
-            let mut v: Vec<String> = common::cli(port, &["HGETALL", key])
+            let mut v: Vec<String> = redis_cli(port, &["HGETALL", key])
                 .lines()
                 .map(str::to_owned)
                 .collect::<Vec<_>>()
@@ -79,7 +79,7 @@ fn raw_state(port: u16, key: &str) -> String {
             v.sort();
             v.join(",")
         }
-        "zset" => common::cli(port, &["ZRANGE", key, "0", "-1", "WITHSCORES"]),
+        "zset" => redis_cli(port, &["ZRANGE", key, "0", "-1", "WITHSCORES"]),
         _ => String::new(),
     };
     format!("{ty}:{body}")
@@ -87,22 +87,29 @@ fn raw_state(port: u16, key: &str) -> String {
 
 /// Retry `check` until it succeeds (after a restart, failover, ...) or `timeout` passes.
 async fn until_ok(store: &RedisStore, checks: &[LimitCheck], timeout: Duration) -> Vec<tollgate::limiter::Outcome> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        match tokio::time::timeout(T, store.check(checks))
-            .await
-            .map(|c| c.into_result())
-        {
-            Ok(Ok(v)) => return v,
-            Ok(Err(e)) if Instant::now() >= deadline => panic!("store never recovered: {e}"),
-            Err(_) if Instant::now() >= deadline => panic!("store never recovered: timeout"),
-            // What the gateway's probe loop does: probe open shards, close their breakers.
-            _ => {
-                store.heal().await;
-                tokio::time::sleep(Duration::from_millis(50)).await
+    let last = std::cell::RefCell::new(String::from("never tried"));
+    let ok = eventually_some(timeout, || {
+        let last = &last;
+        async move {
+            match tokio::time::timeout(T, store.check(checks))
+                .await
+                .map(|c| c.into_result())
+            {
+                Ok(Ok(v)) => Some(v),
+                failed => {
+                    *last.borrow_mut() = match failed {
+                        Ok(Err(e)) => e.to_string(),
+                        _ => "timeout".into(),
+                    };
+                    // What the gateway's probe loop does: probe open shards, close their breakers.
+                    store.heal().await;
+                    None
+                }
             }
         }
-    }
+    })
+    .await;
+    ok.unwrap_or_else(|| panic!("store never recovered: {}", last.borrow()))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -624,7 +631,7 @@ async fn cluster_checks_across_masters_all_or_nothing_and_moved() {
         .unwrap();
     assert!(o.iter().all(|o| o.allowed));
     for (i, &m) in masters.iter().enumerate() {
-        assert_eq!(common::cli(m, &["HGET", &key(i), "c"]), "1", "stored on its master");
+        assert_eq!(redis_cli(m, &["HGET", &key(i), "c"]), "1", "stored on its master");
     }
     // The third denies: the first two are refunded on their masters.
     let o = store
@@ -634,7 +641,7 @@ async fn cluster_checks_across_masters_all_or_nothing_and_moved() {
         .unwrap();
     assert!(o[0].allowed && o[1].allowed && !o[2].allowed);
     for (i, &m) in masters.iter().enumerate() {
-        assert_eq!(common::cli(m, &["HGET", &key(i), "c"]), "1", "refunded on master {m}");
+        assert_eq!(redis_cli(m, &["HGET", &key(i), "c"]), "1", "refunded on master {m}");
     }
 
     // Reshard the first key's slot to another master: the store follows MOVED and finds the
@@ -648,7 +655,7 @@ async fn cluster_checks_across_masters_all_or_nothing_and_moved() {
         .unwrap();
     assert!(o[0].allowed);
     assert_eq!(o[0].remaining, 3, "count 2 after the move: the migrated key was used");
-    assert_eq!(common::cli(masters[1], &["HGET", &key(0), "c"]), "2");
+    assert_eq!(redis_cli(masters[1], &["HGET", &key(0), "c"]), "2");
 
     // NOSCRIPT everywhere: EVAL fallback per node, and the probe reloads every master.
     cluster.script_flush_all();
@@ -661,7 +668,7 @@ async fn cluster_checks_across_masters_all_or_nothing_and_moved() {
     cluster.script_flush_all();
     store.probe().await.unwrap();
     for &m in &masters {
-        assert_eq!(common::cli(m, &["SCRIPT", "EXISTS", store.script_sha()]), "1");
+        assert_eq!(redis_cli(m, &["SCRIPT", "EXISTS", store.script_sha()]), "1");
     }
 }
 

@@ -1,13 +1,13 @@
 //! Hot reload end to end: atomic renames, Kubernetes `..data` symlink swaps, broken files,
 //! counters surviving reloads, and 30 rewrites under concurrent load.
 
-mod harness;
+mod support;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use harness::*;
+use support::*;
 
 fn rules(name: &str, limit: u64) -> String {
     format!("rules:\n  - {{ name: {name}, match: {{ path: \"/**\" }}, key: global, algorithm: fixed_window, limit: {limit}, window: 1h }}\n")
@@ -52,7 +52,7 @@ async fn an_atomic_rename_is_live_within_a_second_and_counters_survive() {
         2,
         "{codes:?}: 3 + 2 = the limit of 5"
     );
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -81,7 +81,7 @@ async fn a_broken_file_is_refused_and_the_old_rules_stay() {
     std::fs::remove_file(gw.path("rules.yaml")).unwrap();
     tokio::time::sleep(Duration::from_millis(600)).await;
     assert_eq!(version(&c, &gw.admin).await, v0);
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[cfg(unix)]
@@ -187,7 +187,7 @@ async fn thirty_rewrites_under_concurrent_load_lose_no_request_and_the_final_lim
         .find(|l| l.starts_with("tollgate_requests_total{rule=\"final\",decision=\"allowed\"}"))
         .unwrap();
     assert!(line.ends_with(" 25"), "{line}");
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 /// SIGHUP reloads even when no file changed (the operator asked for it).
