@@ -135,6 +135,7 @@ async fn the_protocol_is_told_apart_even_when_the_first_bytes_trickle_in() {
     for (first, rest) in [("P", "OST /t1 HTTP/1.1\r\n"), ("PR", "OPFIND /t2 HTTP/1.1\r\n")] {
         let mut s = tokio::net::TcpStream::connect(gw.running.addr).await.unwrap();
         s.write_all(first.as_bytes()).await.unwrap();
+        // Not synchronisation: the pause is what is tested (the deciding byte comes later).
         tokio::time::sleep(Duration::from_millis(30)).await;
         s.write_all(rest.as_bytes()).await.unwrap();
         s.write_all(b"Host: a\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
@@ -152,6 +153,7 @@ async fn the_protocol_is_told_apart_even_when_the_first_bytes_trickle_in() {
     // not an HTTP/1 400).
     let mut s = tokio::net::TcpStream::connect(gw.running.addr).await.unwrap();
     s.write_all(b"PRI * HTTP/2").await.unwrap();
+    // Not synchronisation: the pause is what is tested (the preface arrives in two parts).
     tokio::time::sleep(Duration::from_millis(30)).await;
     s.write_all(b".0\r\n\r\nSM\r\n\r\n").await.unwrap();
     s.write_all(&[0, 0, 0, 4, 0, 0, 0, 0, 0]).await.unwrap(); // an empty SETTINGS frame
@@ -171,7 +173,19 @@ fn sigterm_drains_in_flight_requests_then_exits_zero() {
     let mut gw = binary(&format!("http://{up}"), "", OPEN_RULES);
     let url = format!("{}/slow/800", gw.url);
     let inflight = rt.spawn(async move { client().get(url).send().await.map(|r| r.status().as_u16()) });
-    std::thread::sleep(Duration::from_millis(200));
+    // SIGTERM once the request is in flight: the gateway has counted it (it is past the limit
+    // check, on its way to the slow upstream).
+    let admin = gw.admin.clone();
+    let admitted = rt.block_on(eventually(Duration::from_secs(5), || async {
+        metric_value(
+            &client(),
+            &admin,
+            "tollgate_requests_total{rule=\"open\",decision=\"allowed\"}",
+        )
+        .await
+            >= 1.0
+    }));
+    assert!(admitted, "the slow request never reached the gateway");
     let pid = gw.child.id().to_string();
     assert!(std::process::Command::new("kill")
         .args(["-TERM", &pid])
@@ -180,15 +194,9 @@ fn sigterm_drains_in_flight_requests_then_exits_zero() {
         .success());
     let status = rt.block_on(inflight).unwrap().unwrap();
     assert_eq!(status, 200, "the in-flight request finished");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        if let Some(code) = gw.child.try_wait().unwrap() {
-            assert!(code.success(), "exit {code:?}");
-            break;
-        }
-        assert!(Instant::now() < deadline, "did not exit after SIGTERM");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let code = eventually_some_blocking(Duration::from_secs(10), || gw.child.try_wait().unwrap());
+    let code = code.expect("did not exit after SIGTERM");
+    assert!(code.success(), "exit {code:?}");
     // New connections are refused once it stopped.
     assert!(std::net::TcpStream::connect(gw.url.trim_start_matches("http://")).is_err());
 }
@@ -224,6 +232,8 @@ async fn stale_pooled_connections_never_fail_a_request() {
         assert_eq!(r.status(), 200, "request {i}");
         assert_eq!(r.text().await.unwrap(), "ok");
         if i % 2 == 0 {
+            // Not synchronisation: every other request comes after a pause, so the pool holds
+            // connections the upstream has closed both before and after the proxy saw the FIN.
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
