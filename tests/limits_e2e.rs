@@ -123,6 +123,8 @@ async fn a_client_following_the_headers_never_sees_a_429() {
         ok += 1;
         let (_, rem, t) = parse_ratelimit(&header(&r, "ratelimit"));
         if rem == 0 {
+            // Not synchronisation: a well-behaved client waits out the window the headers name
+            // (that is what is tested).
             tokio::time::sleep(Duration::from_secs(t)).await;
         }
     }
@@ -156,17 +158,30 @@ async fn leaky_bucket_spaces_concurrent_requests_and_denies_past_capacity() {
     let up = echo().await;
     let rules = "rules:\n  - { name: shaper, match: { path: \"/**\" }, key: global, algorithm: leaky_bucket, rate: 5/s, capacity: 3 }\n";
     let gw = gateway(&format!("http://{up}"), "", rules, None).await;
+    let c = client();
+    let admitted = || async {
+        metric_value(
+            &c,
+            &gw.admin,
+            "tollgate_requests_total{rule=\"shaper\",decision=\"allowed\"}",
+        )
+        .await
+    };
     let start = Instant::now();
     let mut tasks = Vec::new();
-    for _ in 0..3 {
+    for i in 0..3 {
         let url = format!("{}/x", gw.url);
         tasks.push(tokio::spawn(async move {
             let r = client().get(url).send().await.unwrap();
             (r.status().as_u16(), start.elapsed())
         }));
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        // One at a time: the next request is sent once the bucket has taken this one.
+        let taken = eventually(Duration::from_secs(1), || async {
+            admitted().await >= f64::from(i + 1)
+        })
+        .await;
+        assert!(taken, "request {i} was not admitted into the bucket");
     }
-    tokio::time::sleep(Duration::from_millis(20)).await;
     let fourth = client().get(format!("{}/x", gw.url)).send().await.unwrap();
     assert_eq!(fourth.status(), 429, "the queue is bounded by capacity");
     let mut done: Vec<(u16, Duration)> = Vec::new();
@@ -192,7 +207,13 @@ async fn a_client_that_leaves_the_queue_frees_its_slot() {
     // The second waits ~500 ms; it gives up after 100 ms.
     let r = tokio::time::timeout(Duration::from_millis(100), c.get(format!("{}/x", gw.url)).send()).await;
     assert!(r.is_err(), "should still be queued");
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // The gateway noticed the client left: the waiting request is gone from the queue (its
+    // drop is what gives the slot back).
+    let left = eventually(Duration::from_secs(2), || async {
+        metric_value(&c, &gw.admin, "tollgate_leaky_bucket_queued_requests").await == 0.0
+    })
+    .await;
+    assert!(left, "the abandoned request is still queued");
     // Its slot was given back: the next request is admitted (with a delay), and so is one more.
     let t0 = Instant::now();
     let a = c.get(format!("{}/x", gw.url)).send().await.unwrap();
