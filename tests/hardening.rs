@@ -327,10 +327,6 @@ async fn ipv6_clients_inside_one_64_share_a_counter() {
     gw.stop().await;
 }
 
-fn jwt_fixture(name: &str) -> Vec<u8> {
-    std::fs::read(format!("{}/tests/fixtures/jwt/{name}", env!("CARGO_MANIFEST_DIR"))).unwrap()
-}
-
 fn rs256(claims: &serde_json::Value) -> String {
     let key = jsonwebtoken::EncodingKey::from_rsa_pem(&jwt_fixture("rsa_private.pem")).unwrap();
     jsonwebtoken::encode(&jsonwebtoken::Header::new(jsonwebtoken::Algorithm::RS256), claims, &key).unwrap()

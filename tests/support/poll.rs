@@ -47,25 +47,6 @@ where
     .is_some()
 }
 
-/// Poll `condition` for `duration` and return the first value that differs from `expected`, if
-/// any: the check that "nothing happens" for a while, watching an observable value instead of
-/// sleeping and looking once.
-pub async fn never<T, F, Fut>(duration: Duration, expected: &T, mut condition: F) -> Option<T>
-where
-    T: PartialEq,
-    F: FnMut() -> Fut,
-    Fut: Future<Output = T>,
-{
-    eventually_some(duration, || {
-        let f = condition();
-        async move {
-            let v = f.await;
-            (v != *expected).then_some(v)
-        }
-    })
-    .await
-}
-
 /// Blocking [`eventually_some`], for code outside a runtime (process management, `#[test]`s
 /// driving the real binary). Never call it on a runtime worker thread.
 pub fn eventually_some_blocking<T>(timeout: Duration, mut condition: impl FnMut() -> Option<T>) -> Option<T> {

@@ -292,7 +292,7 @@ impl RedisCluster {
 
     /// Every live node says `cluster_state:ok` with 16384 slots ok, and every replica's
     /// master link is up.
-    pub fn is_healthy(&self) -> bool {
+    fn is_healthy(&self) -> bool {
         self.live_ports().iter().all(|&p| {
             let info = redis_cli(p, &["CLUSTER", "INFO"]);
             if !(info.contains("cluster_state:ok") && info.contains("cluster_slots_ok:16384")) {
@@ -304,7 +304,7 @@ impl RedisCluster {
     }
 
     /// Ports of the nodes that were not killed.
-    pub fn live_ports(&self) -> Vec<u16> {
+    fn live_ports(&self) -> Vec<u16> {
         self.nodes
             .iter()
             .filter(|n| n.child.is_some())
@@ -356,7 +356,7 @@ impl RedisCluster {
     }
 
     /// The port of the master serving `slot`, per the first responsive node's view.
-    pub fn master_for_slot(&self, slot: u16) -> Option<u16> {
+    fn master_for_slot(&self, slot: u16) -> Option<u16> {
         self.topology()
             .into_iter()
             .find(|n| n.master && n.slots.iter().any(|&(a, b)| a <= slot && slot <= b))
@@ -405,7 +405,7 @@ impl RedisCluster {
     }
 
     /// The node id of `port` (`CLUSTER MYID`).
-    pub fn node_id(&self, port: u16) -> String {
+    fn node_id(&self, port: u16) -> String {
         redis_cli(port, &["CLUSTER", "MYID"])
     }
 
