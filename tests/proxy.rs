@@ -239,3 +239,20 @@ async fn stale_pooled_connections_never_fail_a_request() {
     }
     gw.stop().await;
 }
+
+/// A `TestGateway` stops on drop: without `stop()`, its proxy and admin listeners close.
+#[tokio::test]
+async fn a_dropped_test_gateway_stops_listening() {
+    use tokio::net::TcpStream;
+    let up = echo().await;
+    let gw = gateway(&format!("http://{up}"), "", OPEN_RULES, None).await;
+    let (addr, admin) = (gw.addr(), gw.running.admin_addr);
+    assert!(TcpStream::connect(addr).await.is_ok());
+    assert!(TcpStream::connect(admin).await.is_ok());
+    drop(gw);
+    let closed = eventually(Duration::from_secs(5), || async {
+        TcpStream::connect(addr).await.is_err() && TcpStream::connect(admin).await.is_err()
+    })
+    .await;
+    assert!(closed, "a dropped gateway still accepts connections");
+}
