@@ -303,6 +303,16 @@ async fn every_written_key_gets_an_expiry() {
         .iter()
         .map(|&a| lc(&format!("tl:{{ttl}}:{}", a.as_str()), a, 4, period, 1))
         .collect();
+    // The fixed window's key lives until the end of its 2 s window by Redis time: check early
+    // in a window, or the key may be gone before its PTTL is read.
+    let early = eventually(Duration::from_secs(3), || async {
+        let time = server.cli(&["TIME"]);
+        let mut parts = time.lines().map(|l| l.trim().parse::<u64>().unwrap());
+        let (secs, micros) = (parts.next().unwrap(), parts.next().unwrap());
+        (secs * 1_000_000 + micros) % period < period / 2
+    })
+    .await;
+    assert!(early, "Redis TIME never reached the first half of a window");
     let o = store.check(&checks).await.into_result().unwrap();
     assert!(o.iter().all(|o| o.allowed));
     for c in &checks {
