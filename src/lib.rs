@@ -6,16 +6,21 @@
 //!
 //! # Layout
 //!
+//! Data flows one way: [`server`] wires everything → [`proxy`] handles one request → the core
+//! below it ([`rules`], [`identity`], [`limiter`], pure or behind the [`limiter::Store`] trait) →
+//! [`http`] (bytes out). Nothing below [`server`] holds an `Arc` of more than [`state::State`].
+//!
 //! | module | what it does |
 //! |---|---|
-//! | [`config`] | raw serde structs, validation into typed config, live reload of rules and keys |
+//! | [`server`] | composition root: binds listeners, starts admin, file watcher and store probe, owns shutdown |
+//! | [`state`] | the shared state (config, snapshot handle, limiter, metrics; private fields), reload |
+//! | [`proxy`] | the request path: plan (`proxy::plan`, one `RequestPlan` per request) → check → forward / respond |
+//! | [`admin`] | admin listener: health, readiness, status, metrics, rules, reload, explain, counters; token auth |
+//! | [`config`] | raw serde structs, validation into typed config, the file watcher; errors and parsing in a leaf |
 //! | [`identity`] | request → [`identity::Identity`] (JWT, API key, client IP); pure, no I/O |
-//! | [`rules`] | compiled rule set and matcher: (request, identity) → limits; pure, no I/O |
-//! | [`limiter`] | algorithms, the [`limiter::Store`] trait, memory and Redis stores (Redis checks batched per slot by one task), deny cache, breaker, failure policy |
-//! | [`proxy`] | the request path: identify → match → check → forward / respond |
-//! | [`http`] | responses (the one place errors become HTTP), rate-limit headers, forwarding helpers, the upstream connection pool |
-//! | [`gateway`] | shared state, listeners, graceful shutdown, background probe |
-//! | [`admin`] | admin listener: health, readiness, metrics, rules, reload, explain, counters |
+//! | [`rules`] | types, `compile` (validation, specificity), `trie` (matching); pure, no I/O |
+//! | [`limiter`] | algorithms, the [`limiter::Store`] trait, memory and Redis stores (`redis/{conn,protocol,slots,batch}`), key schema (`keys`), deny cache, per-shard breakers, failure policy |
+//! | [`http`] | `respond` (every locally made response), rate-limit headers, forwarding helpers, the upstream pool |
 //! | [`metrics`] | Prometheus metrics with handles resolved at rule load |
 //! | [`clock`] | injectable time ([`clock::FakeClock`] for tests) |
 //! | [`demo`] | `tollgate demo`: an echo upstream plus the gateway on the memory store |

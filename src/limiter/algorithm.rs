@@ -46,6 +46,15 @@ pub enum Algorithm {
 }
 
 impl Algorithm {
+    /// Every algorithm, in code order.
+    pub const ALL: [Algorithm; 5] = [
+        Algorithm::TokenBucket,
+        Algorithm::LeakyBucket,
+        Algorithm::FixedWindow,
+        Algorithm::SlidingLog,
+        Algorithm::SlidingWindow,
+    ];
+
     /// The config spelling, also used in logs and the admin API.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -4,14 +4,7 @@ const SEC: u64 = 1_000_000;
 /// An epoch-aligned start, so window boundaries fall on whole seconds.
 const T0: u64 = 1_700_000_000 * SEC;
 
-/// Every algorithm.
-const ALL: [Algorithm; 5] = [
-    Algorithm::TokenBucket,
-    Algorithm::LeakyBucket,
-    Algorithm::FixedWindow,
-    Algorithm::SlidingLog,
-    Algorithm::SlidingWindow,
-];
+const ALL: [Algorithm; 5] = Algorithm::ALL;
 
 fn nz(v: u64) -> NonZeroU64 {
     NonZeroU64::new(v).unwrap()

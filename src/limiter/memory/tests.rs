@@ -106,13 +106,7 @@ fn quota(alg: Algorithm, limit: u64, window_us: u64) -> Quota {
     }
 }
 
-const ALL: [Algorithm; 5] = [
-    Algorithm::TokenBucket,
-    Algorithm::LeakyBucket,
-    Algorithm::FixedWindow,
-    Algorithm::SlidingLog,
-    Algorithm::SlidingWindow,
-];
+const ALL: [Algorithm; 5] = Algorithm::ALL;
 
 fn on(key: &str, q: Quota, cost: u64) -> LimitCheck {
     LimitCheck {

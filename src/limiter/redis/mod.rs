@@ -67,6 +67,8 @@ use conn::{is_noscript, open, Conn, Inner};
 use protocol::{peeked, Mode};
 use slots::group_by_tag;
 
+use crate::config::redact_url;
+
 /// The key [`Store::probe`] checks (a cost-0 token-bucket check: it admits nothing and expires
 /// within a millisecond). Outside any key prefix so it can never collide with a limit.
 pub const PROBE_KEY: &str = "tollgate:probe:{tollgate-probe}";
@@ -373,20 +375,6 @@ mod batch;
 mod conn;
 mod protocol;
 mod slots;
-
-/// `url` with any password replaced by `***`, for logs.
-pub fn redact_url(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            let creds = &url[scheme + 3..at];
-            match creds.split_once(':') {
-                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
-                None => format!("{}***{}", &url[..scheme + 3], &url[at..]),
-            }
-        }
-        _ => url.to_owned(),
-    }
-}
 
 #[cfg(test)]
 mod tests;
