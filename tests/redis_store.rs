@@ -18,14 +18,6 @@ const T: Duration = Duration::from_millis(300);
 /// during the test.
 const NOW: u64 = 4_000_000_000_000_000;
 
-const ALL: [Algorithm; 5] = [
-    Algorithm::TokenBucket,
-    Algorithm::LeakyBucket,
-    Algorithm::FixedWindow,
-    Algorithm::SlidingLog,
-    Algorithm::SlidingWindow,
-];
-
 fn nz(v: u64) -> NonZeroU64 {
     NonZeroU64::new(v).unwrap()
 }
@@ -206,7 +198,7 @@ async fn sliding_log_counts_requests_in_the_same_microsecond() {
 async fn cross_slot_rejection_refunds_every_algorithm() {
     let server = RedisServer::start();
     let store = single(&server).await;
-    for algo in ALL {
+    for algo in Algorithm::ALL {
         let a = format!("tl:{{a-{}}}:r:p", algo.as_str());
         let b = format!("tl:{{b-{}}}:r:p", algo.as_str());
         let la = |cost| lc(&a, algo, 10, 10_000_000, cost);
@@ -299,7 +291,7 @@ async fn every_written_key_gets_an_expiry() {
     let server = RedisServer::start();
     let store = single(&server).await;
     let period = 2_000_000;
-    let checks: Vec<LimitCheck> = ALL
+    let checks: Vec<LimitCheck> = Algorithm::ALL
         .iter()
         .map(|&a| lc(&format!("tl:{{ttl}}:{}", a.as_str()), a, 4, period, 1))
         .collect();
@@ -339,7 +331,7 @@ async fn every_written_key_gets_an_expiry() {
 async fn peek_reset_and_trait_refund() {
     let server = RedisServer::start();
     let store = single(&server).await;
-    let checks: Vec<LimitCheck> = ALL
+    let checks: Vec<LimitCheck> = Algorithm::ALL
         .iter()
         .map(|&a| lc(&format!("tl:{{peek}}:{}", a.as_str()), a, 4, 60_000_000, 1))
         .collect();
@@ -378,7 +370,7 @@ async fn peek_reset_and_trait_refund() {
 async fn a_key_of_another_type_is_replaced_not_an_error() {
     let server = RedisServer::start();
     let store = single(&server).await;
-    for algo in ALL {
+    for algo in Algorithm::ALL {
         let key = format!("tl:{{type}}:{}", algo.as_str());
         // Leave a key of a type this algorithm does not use.
         if algo.is_bucket() {
@@ -586,7 +578,7 @@ async fn a_batch_is_evaluated_request_by_request() {
 async fn concurrent_checks_are_batched_and_exact() {
     let server = RedisServer::start();
     let store = std::sync::Arc::new(single(&server).await);
-    for algorithm in ALL {
+    for algorithm in Algorithm::ALL {
         let key = format!("tl:{{c}}:{algorithm:?}");
         let limit = lc(&key, algorithm, 100, 3_600_000_000, 1);
         let (calls0, reqs0) = store.batch_stats();
