@@ -2,14 +2,11 @@
 //! 24 concurrent clients on one identity, exactly `limit` admitted for every algorithm; and a
 //! layered request denied by its per-IP rule spends none of its per-user quota.
 
-mod common;
-mod harness;
+mod support;
 
 use std::sync::Arc;
 
-use common::RedisCluster;
-use harness::*;
-use tollgate::config::{EnvOverrides, GatewayConfig};
+use support::*;
 
 const KEY: &str = "fleet-key";
 
@@ -18,27 +15,24 @@ fn keys_yaml() -> String {
     format!("keys:\n  - {{ id: cust_fleet, sha256: {sha}, tier: pro }}\n")
 }
 
-/// Start `n` gateways sharing one config directory and one cluster.
-async fn fleet(n: usize, cluster: &RedisCluster, rules: &str) -> (Vec<tollgate::server::Running>, tempfile::TempDir) {
+/// Start `n` gateways with the same config (rules, keys, one cluster), each stopped on drop.
+async fn fleet(n: usize, cluster: &RedisCluster, rules: &str) -> Vec<TestGateway> {
     let up = echo().await;
-    let dir = tempfile::tempdir().unwrap();
     let urls: Vec<String> = cluster.seed_urls().iter().map(|u| format!("\"{u}\"")).collect();
     let store = format!(
         "store:\n  kind: redis_cluster\n  urls: [{}]\n  timeout: 250ms\n",
         urls.join(", ")
     );
-    let p = write_config(dir.path(), &format!("http://{up}"), &store, rules, Some(&keys_yaml()));
     let mut out = Vec::new();
     for _ in 0..n {
-        let cfg = GatewayConfig::load(&p, &EnvOverrides::default()).unwrap();
-        out.push(tollgate::server::start(cfg).await.unwrap());
+        out.push(gateway(&format!("http://{up}"), &store, rules, Some(&keys_yaml())).await);
     }
-    (out, dir)
+    out
 }
 
 /// 24 clients send `total` requests for one identity, round-robin over the gateways.
-async fn hammer(gws: &[tollgate::server::Running], path: &str, total: usize) -> (usize, usize) {
-    let urls: Arc<Vec<String>> = Arc::new(gws.iter().map(|g| format!("http://{}{path}", g.addr)).collect());
+async fn hammer(gws: &[TestGateway], path: &str, total: usize) -> (usize, usize) {
+    let urls: Arc<Vec<String>> = Arc::new(gws.iter().map(|g| format!("{}{path}", g.url)).collect());
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let mut tasks = Vec::new();
     for _ in 0..24 {
@@ -85,7 +79,7 @@ rules:
   - { name: tb, match: { path: "/tb" }, key: user, algorithm: token_bucket, rate: 1/h, capacity: 40 }
   - { name: lb, match: { path: "/lb" }, key: user, algorithm: leaky_bucket, rate: 2/s, capacity: 5 }
 "#;
-    let (gws, _dir) = fleet(3, &cluster, rules).await;
+    let gws = fleet(3, &cluster, rules).await;
     for (path, limit, total) in [
         ("/fw", 40, 120),
         ("/sw", 40, 120),
@@ -110,11 +104,11 @@ rules:
   - { name: per-ip,   match: { path: "/**" }, key: ip,   algorithm: fixed_window, limit: 10, window: 1h }
   - { name: per-user, match: { path: "/**" }, key: user, algorithm: sliding_log,  limit: 100, window: 1h }
 "#;
-    let (gws, _dir) = fleet(3, &cluster, rules).await;
+    let gws = fleet(3, &cluster, rules).await;
     // The two counters live on different slots (different hash tags).
     let (ok, denied) = hammer(&gws, "/layered", 60).await;
     assert_eq!((ok, denied), (10, 50));
-    let admin = format!("http://{}", gws[0].admin_addr);
+    let admin = &gws[0].admin;
     let v: serde_json::Value = client()
         .get(format!("{admin}/keys/cust_fleet"))
         .send()

@@ -2,14 +2,12 @@
 //! `config/gateway.cluster.yaml`, `rules.yaml` and `keys.yaml` (only host names and ports
 //! rewritten) against a real 6-node Redis Cluster and a real upstream.
 
-mod common;
-mod harness;
+mod support;
 
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
-use common::RedisCluster;
-use harness::*;
+use support::*;
 
 #[test]
 fn the_shipped_cluster_config_enforces_its_rules() {
@@ -35,33 +33,26 @@ fn the_shipped_cluster_config_enforces_its_rules() {
     for f in ["rules.yaml", "keys.yaml"] {
         std::fs::copy(root.join(f), dir.path().join(f)).unwrap();
     }
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tollgate"))
-        .args(["run", "--config"])
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tollgate"));
+    cmd.args(["run", "--config"])
         .arg(dir.path().join("gateway.yaml"))
         .env_remove("TOLLGATE_LISTEN")
         .env_remove("TOLLGATE_REDIS_URLS")
         .env_remove("TOLLGATE_REDIS_URL")
         // The shipped config reads its admin token from here (docker-compose.yml sets it).
-        .env("TOLLGATE_ADMIN_TOKEN", "compose-equivalent-test-token")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let base = format!("http://127.0.0.1:{port}");
+        .env("TOLLGATE_ADMIN_TOKEN", "compose-equivalent-test-token");
+    let gw = BinaryGateway::spawn(&mut cmd, dir.path().join("tollgate.log"), &[port, admin]);
+    let base = gw.url.clone();
     let result = rt.block_on(async {
         let c = client();
-        let t0 = Instant::now();
-        while c
-            .get(format!("http://127.0.0.1:{admin}/readyz?store=1"))
-            .send()
-            .await
-            .map(|r| r.status().as_u16())
-            .unwrap_or(0)
-            != 200
-        {
-            assert!(t0.elapsed() < Duration::from_secs(10), "not ready");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let ready = eventually(Duration::from_secs(10), || async {
+            c.get(format!("{}/readyz?store=1", gw.admin))
+                .send()
+                .await
+                .is_ok_and(|r| r.status() == 200)
+        })
+        .await;
+        assert!(ready, "not ready: {}", gw.log());
         // Anonymous: `anonymous-per-ip`, 60 a minute.
         let mut ok = 0;
         for _ in 0..70 {
@@ -84,7 +75,6 @@ fn the_shipped_cluster_config_enforces_its_rules() {
         }
         (ok, free_ok)
     });
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(gw);
     assert_eq!(result, (60, 5), "anonymous per-IP 60/min, free search 5/s");
 }

@@ -1,13 +1,11 @@
 //! Issue #24 regressions, end to end: each test failed before its fix. They run the real
 //! gateway against the real echo upstream and real Redis (standalone or a 6-node cluster).
 
-mod common;
-mod harness;
+mod support;
 
 use std::time::{Duration, Instant};
 
-use common::{RedisCluster, RedisServer};
-use harness::{client, echo, gateway, get_text};
+use support::*;
 use tollgate::identity::keys::hash_key;
 use tollgate::limiter::keys::{KeyBuilder, Namespace};
 
@@ -34,24 +32,6 @@ async fn get_from(c: &reqwest::Client, url: &str, ip: &str) -> reqwest::Response
 
 async fn status_from(c: &reqwest::Client, url: &str, ip: &str) -> u16 {
     get_from(c, url, ip).await.status().as_u16()
-}
-
-/// Poll `f` until it is true or `limit` passes.
-async fn eventually<F, Fut>(limit: Duration, mut f: F) -> bool
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + limit;
-    loop {
-        if f().await {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// Defect 1: a frozen shard (master and replica) fails only the limits kept on it. A denial
@@ -134,7 +114,7 @@ async fn a_frozen_shard_fails_only_its_own_limits() {
     })
     .await;
     assert!(healed, "the breaker did not close after the shard came back");
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 /// Defect 2: spending 8 of 10, then reloading through four variants of the rule, admitted 48.
@@ -170,7 +150,7 @@ async fn a_reload_through_variants_never_mints_quota() {
             }
         }
         assert_eq!(admitted, 10, "{store}: the reloads minted quota");
-        gw.running.stop().await;
+        gw.stop().await;
     }
 }
 
@@ -187,7 +167,7 @@ async fn windows_a_microsecond_apart_keep_their_own_counters() {
         codes.push(c.get(format!("{}/x", gw.url)).send().await.unwrap().status().as_u16());
     }
     assert_eq!(codes, [200, 200, 200, 429, 429, 429]);
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 /// Defect 6: a denial that rests on units a refund is about to give back used to sit in the
@@ -235,7 +215,7 @@ async fn a_transient_denial_is_cached_for_at_most_a_second() {
     let glob = keys().key(&keys().global_tag("glob"), "glob", 0);
     let count: u64 = server.cli(&["HGET", glob.as_str(), "c"]).parse().unwrap();
     assert_eq!(count, 2);
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 /// Defects 7 and 8: a denial cached for one caller of a shared org counter is not served to a
@@ -288,7 +268,7 @@ async fn cached_denials_respect_overrides_and_identities_keep_their_namespace() 
         200,
         "API key id 10.8.8.8 shared the counter of client 10.8.8.8"
     );
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 /// Defect 9: with several limits, the headers and Retry-After describe the limit that stays
@@ -313,7 +293,7 @@ async fn the_binding_limit_is_the_one_exhausted_longest() {
     let retry: u64 = r.headers()["retry-after"].to_str().unwrap().parse().unwrap();
     assert!(retry > 2, "Retry-After {retry} names the 2 s window; the 1 m one binds");
     assert!(t(&r) > 2);
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 /// Issue #13: the proxy and `/explain` build their keys from one plan, so for the same request —
@@ -375,5 +355,5 @@ async fn explain_names_exactly_the_keys_the_proxy_spends() {
     named.sort();
     assert_eq!(named.len(), 4, "per-ip, two by-host windows, by-client: {v}");
     assert_eq!(named, written, "explain: {v}");
-    gw.running.stop().await;
+    gw.stop().await;
 }

@@ -8,7 +8,7 @@
 //! (±1 µs for integer algorithms, ±2 µs for the sliding window) on times and requires exact
 //! `allowed` and `remaining`.
 
-mod common;
+mod support;
 
 use std::num::NonZeroU64;
 use std::sync::Arc;
@@ -17,19 +17,11 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
-use common::{RedisCluster, RedisServer};
+use support::*;
 use tollgate::clock::FakeClock;
 use tollgate::limiter::memory::MemoryStore;
 use tollgate::limiter::redis::{RedisMode, RedisStore};
 use tollgate::limiter::{Algorithm, LimitCheck, Outcome, Quota, StoreKey};
-
-const ALL: [Algorithm; 5] = [
-    Algorithm::TokenBucket,
-    Algorithm::LeakyBucket,
-    Algorithm::FixedWindow,
-    Algorithm::SlidingLog,
-    Algorithm::SlidingWindow,
-];
 
 /// Deadline per Redis call (debug build; the tests run in parallel on a small machine).
 const TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
@@ -281,7 +273,7 @@ async fn sliding_window_matches_memory() {
 async fn mixed_algorithms_one_slot_match_memory() {
     let (_server, store) = standalone().await;
     let plan = Plan {
-        algorithms: &ALL,
+        algorithms: &Algorithm::ALL,
         limits: 2..=3,
         sequences: 300,
         steps: 30,
@@ -298,7 +290,7 @@ async fn mixed_algorithms_one_slot_match_memory() {
 async fn mixed_algorithms_across_slots_match_memory() {
     let (_server, store) = standalone().await;
     let plan = Plan {
-        algorithms: &ALL,
+        algorithms: &Algorithm::ALL,
         limits: 2..=3,
         sequences: 200,
         steps: 30,
@@ -317,7 +309,7 @@ async fn cluster_matches_memory() {
         .await
         .expect("connect to the cluster");
     let plan = Plan {
-        algorithms: &ALL,
+        algorithms: &Algorithm::ALL,
         limits: 1..=3,
         sequences: 40,
         steps: 20,
@@ -335,7 +327,7 @@ async fn reloads_that_reshape_limits_match_memory() {
     let (_server, store) = standalone().await;
     for (tags, seed) in [(Tags::One, 9_000_000), (Tags::Spread, 9_500_000)] {
         let plan = Plan {
-            algorithms: &ALL,
+            algorithms: &Algorithm::ALL,
             limits: 1..=3,
             sequences: 200,
             steps: 30,

@@ -2,15 +2,13 @@
 //! restart and `SCRIPT FLUSH` a standalone server, and kill / freeze a Cluster master under load.
 //! For each policy: the statuses, and the latency bound while the store is down.
 
-mod common;
-mod harness;
+mod support;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{RedisCluster, RedisServer};
-use harness::*;
+use support::*;
 
 const RULES: &str = r#"
 rules:
@@ -48,13 +46,9 @@ async fn p99(c: &reqwest::Client, url: &str, n: usize) -> (Duration, Vec<u16>) {
 /// Wait until `url` answers `want`, returning how long it took.
 async fn until_status(c: &reqwest::Client, url: &str, want: u16, limit: Duration) -> Duration {
     let t0 = Instant::now();
-    loop {
-        if status(c, url).await == want {
-            return t0.elapsed();
-        }
-        assert!(t0.elapsed() < limit, "{url} did not return {want} within {limit:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let seen = eventually(limit, || async { status(c, url).await == want }).await;
+    assert!(seen, "{url} did not return {want} within {limit:?}");
+    t0.elapsed()
 }
 
 async fn exactly_n_admitted(c: &reqwest::Client, base: &str, who: &str, tries: usize) -> usize {
@@ -167,7 +161,7 @@ async fn standalone_kill_then_restart() {
             .status(),
         200
     );
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -205,7 +199,7 @@ async fn standalone_freeze_then_thaw() {
     let took = until_status(&c, &format!("{}/closed/x", gw.url), 200, Duration::from_secs(3)).await;
     eprintln!("limits enforced again {took:?} after SIGCONT");
     assert_eq!(exactly_n_admitted(&c, &gw.url, "after-thaw", 8).await, 5);
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -225,7 +219,7 @@ async fn script_flush_is_invisible_to_clients() {
     // EVALSHA gets NOSCRIPT and falls back to EVAL: the count carries on, nothing fails.
     assert_eq!(exactly_n_admitted(&c, &gw.url, "a", 5).await, 3);
     assert_eq!(status(&c, &format!("{}/closed/x", gw.url)).await, 200);
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 /// Load on fail-open rules; counts any non-200 answer.
@@ -272,7 +266,9 @@ async fn cluster_fault(freeze: bool) {
     let load: Vec<_> = (0..4)
         .map(|_| spawn_load(gw.url.clone(), stop.clone(), bad.clone(), ok.clone()))
         .collect();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The fault hits a gateway under load: wait until the load is flowing.
+    let flowing = eventually(Duration::from_secs(5), || async { ok.load(Ordering::Relaxed) >= 50 }).await;
+    assert!(flowing, "the load did not start: {} ok", ok.load(Ordering::Relaxed));
     let victim = cluster.masters()[0];
     let slot = cluster.first_slot_of(victim).unwrap();
     if freeze {
@@ -291,15 +287,13 @@ async fn cluster_fault(freeze: bool) {
     // Give the gateway its 3 s to find the new topology, then check exact limits again.
     let t0 = Instant::now();
     let mut n = 0;
-    let mut exact_ok = false;
-    while t0.elapsed() < Duration::from_secs(5) {
+    let exact_ok = eventually(Duration::from_secs(5), || {
         n += 1;
-        if exactly_n_admitted(&c, &gw.url, &format!("after-{n}"), 7).await == 5 {
-            exact_ok = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+        let who = format!("after-{n}");
+        let (c, url) = (&c, &gw.url);
+        async move { exactly_n_admitted(c, url, &who, 7).await == 5 }
+    })
+    .await;
     eprintln!("exact again {:?} after failover (attempt {n})", t0.elapsed());
     stop.store(true, Ordering::Relaxed);
     for l in load {
@@ -316,7 +310,7 @@ async fn cluster_fault(freeze: bool) {
     );
     assert!(ok.load(Ordering::Relaxed) > 100);
     assert!(exact_ok, "limits not exact within 5 s of the failover");
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -365,5 +359,5 @@ async fn starts_while_redis_is_down_and_picks_it_up_later() {
     let took = until_status(&c, &format!("{}/closed/x", gw.url), 200, Duration::from_secs(3)).await;
     eprintln!("store picked up {took:?} after it came up");
     assert_eq!(exactly_n_admitted(&c, &gw.url, "late", 8).await, 5);
-    gw.running.stop().await;
+    gw.stop().await;
 }

@@ -12,13 +12,13 @@
 //!
 //! See SECURITY.md for the threat model these tests back.
 
-mod harness;
+mod support;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use harness::*;
+use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -118,10 +118,10 @@ impl Recorder {
 
     /// Wait until `n` connections finished (or 5 s passed).
     async fn wait_for(&self, n: usize) -> Vec<String> {
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while self.seen.lock().unwrap().len() < n && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        eventually(Duration::from_secs(5), || async {
+            self.seen.lock().unwrap().len() >= n
+        })
+        .await;
         self.seen()
     }
 }
@@ -148,7 +148,7 @@ const PER_IP_RULES: &str =
 async fn path_spellings_all_count_against_the_same_rule() {
     let up = echo().await;
     let gw = gateway(&format!("http://{up}"), "", LOGIN_RULES, None).await;
-    let a = gw.running.addr;
+    let a = gw.addr();
     let spellings = [
         "/api/v1//login",
         "/api/v1/%6Cogin",
@@ -179,7 +179,7 @@ async fn path_spellings_all_count_against_the_same_rule() {
     assert_eq!(status(a, "POST", "/api/v1/login", "").await, 429);
     assert_eq!(status(a, "GET", "/api/v1/login", "").await, 200);
     assert_eq!(status(a, "POST", "/api/v1/logins", "").await, 200);
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -187,7 +187,7 @@ async fn host_spellings_all_count_against_the_same_host_rule() {
     let up = echo().await;
     let rules = "rules:\n  - { name: api-host, match: { path: \"/**\", host: api.example }, key: ip, algorithm: fixed_window, limit: 3, window: 1h }\n  - { name: open, match: { path: \"/**\" }, key: global, algorithm: fixed_window, limit: 1000000000, window: 1h }\n";
     let gw = gateway(&format!("http://{up}"), "", rules, None).await;
-    let a = gw.running.addr;
+    let a = gw.addr();
     let mut codes = Vec::new();
     for host in [
         "api.example",
@@ -208,7 +208,7 @@ async fn host_spellings_all_count_against_the_same_host_rule() {
     // Another host is another rule (here: none but the open one).
     let req = b"GET /x HTTP/1.1\r\nHost: other.example\r\nConnection: close\r\n\r\n";
     assert_eq!(status_of(&send(a, req, Duration::from_secs(5)).await), 200);
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 /// Five requests, each claiming a different client in X-Forwarded-For; their statuses.
@@ -225,13 +225,13 @@ async fn spoofed_x_forwarded_for_is_ignored_unless_the_peer_is_a_trusted_proxy()
     let up = echo().await;
     // No trusted proxies: rotating X-Forwarded-For from 127.0.0.1 shares the peer's counter.
     let gw = gateway(&format!("http://{up}"), "", PER_IP_RULES, None).await;
-    let codes = rotating_xff_codes(gw.running.addr).await;
+    let codes = rotating_xff_codes(gw.addr()).await;
     assert_eq!(
         codes,
         [200, 200, 200, 429, 429],
         "spoofed X-Forwarded-For bought fresh quota"
     );
-    gw.running.stop().await;
+    gw.stop().await;
 
     // A trusted proxy range that does not include the peer: still ignored.
     let gw = gateway(
@@ -241,13 +241,13 @@ async fn spoofed_x_forwarded_for_is_ignored_unless_the_peer_is_a_trusted_proxy()
         None,
     )
     .await;
-    let codes = rotating_xff_codes(gw.running.addr).await;
+    let codes = rotating_xff_codes(gw.addr()).await;
     assert_eq!(
         codes,
         [200, 200, 200, 429, 429],
         "X-Forwarded-For believed from an untrusted peer"
     );
-    gw.running.stop().await;
+    gw.stop().await;
 
     // The peer is a trusted proxy: each forwarded client has its own counter, and the
     // right-most untrusted entry is the client (entries a client prepends are ignored).
@@ -258,7 +258,7 @@ async fn spoofed_x_forwarded_for_is_ignored_unless_the_peer_is_a_trusted_proxy()
         None,
     )
     .await;
-    let a = gw.running.addr;
+    let a = gw.addr();
     for i in 0..5 {
         assert_eq!(
             status(a, "GET", "/x", &format!("X-Forwarded-For: 198.51.100.{i}\r\n")).await,
@@ -275,7 +275,7 @@ async fn spoofed_x_forwarded_for_is_ignored_unless_the_peer_is_a_trusted_proxy()
         [200, 200, 200, 429],
         "client-prepended X-Forwarded-For entries were believed"
     );
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -295,9 +295,8 @@ async fn ipv6_clients_inside_one_64_share_a_counter() {
         .unwrap()
         .replace("listen: 127.0.0.1:0\n", "listen: \"[::1]:0\"\n");
     std::fs::write(&p, text).unwrap();
-    let cfg = tollgate::config::GatewayConfig::load(&p, &tollgate::config::EnvOverrides::default()).unwrap();
-    let running = tollgate::server::start(cfg).await.unwrap();
-    let a = running.addr;
+    let gw = gateway_from(&p, dir).await;
+    let a = gw.addr();
     assert!(a.is_ipv6());
     let mut codes = Vec::new();
     for ip in [
@@ -325,11 +324,7 @@ async fn ipv6_clients_inside_one_64_share_a_counter() {
     );
     // The peer itself (no header) is ::1, its own client.
     assert_eq!(status(a, "GET", "/x", "").await, 200);
-    running.stop().await;
-}
-
-fn jwt_fixture(name: &str) -> Vec<u8> {
-    std::fs::read(format!("{}/tests/fixtures/jwt/{name}", env!("CARGO_MANIFEST_DIR"))).unwrap()
+    gw.stop().await;
 }
 
 fn rs256(claims: &serde_json::Value) -> String {
@@ -355,7 +350,7 @@ async fn unknown_api_keys_and_invalid_jwts_buy_no_fresh_quota() {
         tollgate::identity::keys::hash_key("registered-key")
     );
     let gw = gateway(&format!("http://{up}"), &extra, PER_USER_RULES, Some(&keys)).await;
-    let a = gw.running.addr;
+    let a = gw.addr();
 
     // Rotating unregistered API keys: all one caller (the IP).
     let mut codes = Vec::new();
@@ -414,7 +409,7 @@ async fn unknown_api_keys_and_invalid_jwts_buy_no_fresh_quota() {
         200
     );
     assert_eq!(status(a, "GET", "/x", "X-API-Key: registered-key\r\n").await, 200);
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 /// URL-safe base64 without padding (JWT segments), so the test needs no extra crate.
@@ -468,7 +463,7 @@ async fn store_keys_carry_only_a_hex_hash_of_caller_bytes() {
             assert_eq!(tail, format!("{rule}:0"), "caller bytes reached the store key {key:?}");
         }
     }
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -484,7 +479,7 @@ async fn oversized_headers_and_too_many_headers_get_431() {
         None,
     )
     .await;
-    let a = gw.running.addr;
+    let a = gw.addr();
     let big = format!("X-Big: {}\r\n", "a".repeat(20 * 1024));
     assert_eq!(status(a, "GET", "/x", &big).await, 431);
     let many: String = (0..150).map(|i| format!("X-H{i}: v\r\n")).collect();
@@ -501,14 +496,14 @@ async fn oversized_headers_and_too_many_headers_get_431() {
     assert_eq!(status(a, "GET", "/x", &ok).await, 200);
     let some: String = (0..60).map(|i| format!("X-H{i}: v\r\n")).collect();
     assert_eq!(status(a, "GET", "/x", &some).await, 200);
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
 async fn garbage_request_lines_get_400() {
     let up = echo().await;
     let gw = gateway(&format!("http://{up}"), "", OPEN_RULES, None).await;
-    let a = gw.running.addr;
+    let a = gw.addr();
     for garbage in [
         &b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03 TLS client hello\r\n\r\n"[..],
         b"GET\r\n\r\n",
@@ -524,14 +519,14 @@ async fn garbage_request_lines_get_400() {
     }
     // Still serving.
     assert_eq!(status(a, "GET", "/x", "").await, 200);
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
 async fn content_length_with_transfer_encoding_never_reaches_the_upstream_together_and_cannot_smuggle() {
     let rec = Recorder::start(false).await;
     let gw = gateway(&format!("http://{}", rec.addr), "", OPEN_RULES, None).await;
-    let a = gw.running.addr;
+    let a = gw.addr();
     let smuggled = "GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n";
     let attempts = [
         format!("POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n{smuggled}"),
@@ -562,8 +557,20 @@ async fn content_length_with_transfer_encoding_never_reaches_the_upstream_togeth
     )
     .await;
     assert_eq!(status_of(&r), 400, "{r:?}");
-    tokio::time::sleep(Duration::from_millis(600)).await;
-    let seen = rec.seen();
+    // Each request the gateway admitted went upstream on a connection of its own (the recorder
+    // answers `connection: close`): wait until all those connections are recorded.
+    let forwarded = metric_value(
+        &client(),
+        &gw.admin,
+        "tollgate_requests_total{rule=\"open\",decision=\"allowed\"}",
+    )
+    .await as usize;
+    let seen = rec.wait_for(forwarded).await;
+    assert!(
+        seen.len() >= forwarded,
+        "{forwarded} forwarded, {} recorded",
+        seen.len()
+    );
     for conn in &seen {
         let lower = conn.to_ascii_lowercase();
         assert!(
@@ -579,14 +586,14 @@ async fn content_length_with_transfer_encoding_never_reaches_the_upstream_togeth
             "a refused request reached the upstream: {conn:?}"
         );
     }
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
 async fn missing_or_doubled_host_is_400() {
     let rec = Recorder::start(false).await;
     let gw = gateway(&format!("http://{}", rec.addr), "", OPEN_RULES, None).await;
-    let a = gw.running.addr;
+    let a = gw.addr();
     let r = send(
         a,
         b"GET /nohost HTTP/1.1\r\nConnection: close\r\n\r\n",
@@ -606,7 +613,7 @@ async fn missing_or_doubled_host_is_400() {
     assert_eq!(status_of(&r), 200, "{r:?}");
     let seen = rec.wait_for(1).await.join("\n");
     assert!(!seen.contains("/nohost") && !seen.contains("/twohosts"), "{seen}");
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[test]
@@ -685,9 +692,9 @@ async fn five_thousand_entry_x_forwarded_for_and_30_kb_bearer_are_bounded() {
         None,
     )
     .await;
-    assert_eq!(status(gw.running.addr, "GET", "/x", &xff).await, 431);
-    assert_eq!(status(gw.running.addr, "GET", "/x", &token).await, 431);
-    gw.running.stop().await;
+    assert_eq!(status(gw.addr(), "GET", "/x", &xff).await, 431);
+    assert_eq!(status(gw.addr(), "GET", "/x", &token).await, 431);
+    gw.stop().await;
 
     // With room for them: served, and bounded. Only the right-most 32 X-Forwarded-For entries
     // are read (all trusted here), so the client is the last one read, not 198.51.100.1.
@@ -696,7 +703,7 @@ async fn five_thousand_entry_x_forwarded_for_and_30_kb_bearer_are_bounded() {
         "identity:\n  trusted_proxies: [127.0.0.0/8, 10.0.0.0/8]\n  jwt:\n    algorithms: [RS256]\n    public_key_file: {pem}\nserver:\n  max_header_bytes: 131072\n"
     );
     let gw = gateway(&format!("http://{up}"), &extra, PER_USER_RULES, None).await;
-    let a = gw.running.addr;
+    let a = gw.addr();
     let v: serde_json::Value = client()
         .get(format!("{}/explain?method=GET&path=/x", gw.admin))
         .header("X-Forwarded-For", &xff["X-Forwarded-For: ".len()..xff.len() - 2])
@@ -718,7 +725,7 @@ async fn five_thousand_entry_x_forwarded_for_and_30_kb_bearer_are_bounded() {
         codes.push(status(a, "GET", "/x", &t).await);
     }
     assert_eq!(codes, [200, 200, 200, 429], "30 KB tokens bought quota");
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -727,7 +734,7 @@ async fn bodies_over_max_body_bytes_get_413_and_never_reach_the_upstream_whole()
     // Content-Length over the limit: 413 before the upstream is contacted.
     let rec = Recorder::start(false).await;
     let gw = gateway(&format!("http://{}", rec.addr), extra, OPEN_RULES, None).await;
-    let a = gw.running.addr;
+    let a = gw.addr();
     let mut req = b"POST /cl HTTP/1.1\r\nHost: x\r\nContent-Length: 4096\r\nConnection: close\r\n\r\n".to_vec();
     req.extend(std::iter::repeat_n(b'a', 4096));
     let r = send(a, &req, Duration::from_secs(3)).await;
@@ -762,13 +769,13 @@ async fn bodies_over_max_body_bytes_get_413_and_never_reach_the_upstream_whole()
             "more than the limit was forwarded"
         );
     }
-    gw.running.stop().await;
+    gw.stop().await;
 
     // Chunked, over the limit, upstream already answered: its answer stands, and it still gets
     // an aborted body, never a complete one.
     let rec = Recorder::start(true).await;
     let gw = gateway(&format!("http://{}", rec.addr), extra, OPEN_RULES, None).await;
-    let r = send(gw.running.addr, &req, Duration::from_secs(3)).await;
+    let r = send(gw.addr(), &req, Duration::from_secs(3)).await;
     assert!(matches!(status_of(&r), 200 | 413), "{r:?}");
     let seen = rec.wait_for(1).await;
     assert_eq!(seen.len(), 1);
@@ -777,7 +784,7 @@ async fn bodies_over_max_body_bytes_get_413_and_never_reach_the_upstream_whole()
         "the upstream got a complete over-limit body: {:?}",
         seen[0]
     );
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -806,7 +813,7 @@ async fn slowloris_silent_and_idle_connections_are_cut_off() {
         None,
     )
     .await;
-    let a = gw.running.addr;
+    let a = gw.addr();
 
     // Slowloris: one header line per 300 ms, never finishing.
     let slow = async {
@@ -814,6 +821,7 @@ async fn slowloris_silent_and_idle_connections_are_cut_off() {
         s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n").await.unwrap();
         let started = Instant::now();
         for i in 0..20 {
+            // Not synchronisation: the drip rate is the attack under test.
             tokio::time::sleep(Duration::from_millis(300)).await;
             if s.write_all(format!("X-Drip-{i}: 1\r\n").as_bytes()).await.is_err() {
                 break;
@@ -859,7 +867,7 @@ async fn slowloris_silent_and_idle_connections_are_cut_off() {
     );
     // And the gateway still serves.
     assert_eq!(status(a, "GET", "/x", "").await, 200);
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -872,7 +880,7 @@ async fn connections_over_the_cap_get_503_and_are_closed() {
         None,
     )
     .await;
-    let a = gw.running.addr;
+    let a = gw.addr();
     // Four clients hold keep-alive connections.
     let mut held = Vec::new();
     for _ in 0..4 {
@@ -901,19 +909,12 @@ async fn connections_over_the_cap_get_503_and_are_closed() {
     let n = held[0].read(&mut buf).await.unwrap();
     assert_eq!(status_of(&String::from_utf8_lossy(&buf[..n])), 200);
     drop(held);
-    let deadline = Instant::now() + Duration::from_secs(3);
-    loop {
-        let code = status(a, "GET", "/x", "").await;
-        if code == 200 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "not served after the held connections closed: {code}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    gw.running.stop().await;
+    let served = eventually(Duration::from_secs(3), || async {
+        status(a, "GET", "/x", "").await == 200
+    })
+    .await;
+    assert!(served, "not served after the held connections closed");
+    gw.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -926,7 +927,7 @@ async fn a_thousand_idle_connections_do_not_stop_new_requests() {
         None,
     )
     .await;
-    let a = gw.running.addr;
+    let a = gw.addr();
     // Two descriptors per idle connection (client and server side live in this process).
     let n = (open_files_limit().saturating_sub(256) / 2).min(1000);
     assert!(
@@ -972,7 +973,7 @@ async fn a_thousand_idle_connections_do_not_stop_new_requests() {
         );
     }
     drop(idle);
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 /// The soft limit on open files of this process.

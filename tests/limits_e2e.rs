@@ -1,11 +1,11 @@
 //! What clients and operators see, end to end on the memory store: headers on every limited
 //! response, 429 bodies, shadow mode, leaky-bucket shaping, admin endpoints, metrics.
 
-mod harness;
+mod support;
 
 use std::time::{Duration, Instant};
 
-use harness::*;
+use support::*;
 
 fn header(r: &reqwest::Response, name: &str) -> String {
     r.headers()
@@ -84,7 +84,7 @@ async fn every_limited_response_carries_the_binding_limit() {
         96,
         "3 admitted + this one; the denied request spent no per-IP quota"
     );
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -94,7 +94,7 @@ async fn header_families_are_configurable() {
     let r = client().get(format!("{}/x", gw.url)).send().await.unwrap();
     assert!(r.headers().contains_key("ratelimit"));
     assert!(!r.headers().contains_key("x-ratelimit-limit"));
-    gw.running.stop().await;
+    gw.stop().await;
     let gw = gateway(
         &format!("http://{up}"),
         "limits:\n  headers: [x-ratelimit]\n",
@@ -105,7 +105,7 @@ async fn header_families_are_configurable() {
     let r = client().get(format!("{}/x", gw.url)).send().await.unwrap();
     assert!(!r.headers().contains_key("ratelimit"));
     assert!(r.headers().contains_key("x-ratelimit-remaining"));
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -123,11 +123,13 @@ async fn a_client_following_the_headers_never_sees_a_429() {
         ok += 1;
         let (_, rem, t) = parse_ratelimit(&header(&r, "ratelimit"));
         if rem == 0 {
+            // Not synchronisation: a well-behaved client waits out the window the headers name
+            // (that is what is tested).
             tokio::time::sleep(Duration::from_secs(t)).await;
         }
     }
     assert!(ok >= 8, "made progress: {ok}");
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -148,7 +150,7 @@ async fn shadow_rules_spend_and_report_but_never_reject() {
         m.contains("tollgate_requests_total{rule=\"dark\",decision=\"allowed\"} 2"),
         "{m}"
     );
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -156,17 +158,30 @@ async fn leaky_bucket_spaces_concurrent_requests_and_denies_past_capacity() {
     let up = echo().await;
     let rules = "rules:\n  - { name: shaper, match: { path: \"/**\" }, key: global, algorithm: leaky_bucket, rate: 5/s, capacity: 3 }\n";
     let gw = gateway(&format!("http://{up}"), "", rules, None).await;
+    let c = client();
+    let admitted = || async {
+        metric_value(
+            &c,
+            &gw.admin,
+            "tollgate_requests_total{rule=\"shaper\",decision=\"allowed\"}",
+        )
+        .await
+    };
     let start = Instant::now();
     let mut tasks = Vec::new();
-    for _ in 0..3 {
+    for i in 0..3 {
         let url = format!("{}/x", gw.url);
         tasks.push(tokio::spawn(async move {
             let r = client().get(url).send().await.unwrap();
             (r.status().as_u16(), start.elapsed())
         }));
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        // One at a time: the next request is sent once the bucket has taken this one.
+        let taken = eventually(Duration::from_secs(1), || async {
+            admitted().await >= f64::from(i + 1)
+        })
+        .await;
+        assert!(taken, "request {i} was not admitted into the bucket");
     }
-    tokio::time::sleep(Duration::from_millis(20)).await;
     let fourth = client().get(format!("{}/x", gw.url)).send().await.unwrap();
     assert_eq!(fourth.status(), 429, "the queue is bounded by capacity");
     let mut done: Vec<(u16, Duration)> = Vec::new();
@@ -179,7 +194,7 @@ async fn leaky_bucket_spaces_concurrent_requests_and_denies_past_capacity() {
     assert!(ms[0] < 120, "{ms:?}");
     assert!((160..=330).contains(&ms[1]), "{ms:?}");
     assert!((360..=530).contains(&ms[2]), "{ms:?}");
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -192,13 +207,19 @@ async fn a_client_that_leaves_the_queue_frees_its_slot() {
     // The second waits ~500 ms; it gives up after 100 ms.
     let r = tokio::time::timeout(Duration::from_millis(100), c.get(format!("{}/x", gw.url)).send()).await;
     assert!(r.is_err(), "should still be queued");
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // The gateway noticed the client left: the waiting request is gone from the queue (its
+    // drop is what gives the slot back).
+    let left = eventually(Duration::from_secs(2), || async {
+        metric_value(&c, &gw.admin, "tollgate_leaky_bucket_queued_requests").await == 0.0
+    })
+    .await;
+    assert!(left, "the abandoned request is still queued");
     // Its slot was given back: the next request is admitted (with a delay), and so is one more.
     let t0 = Instant::now();
     let a = c.get(format!("{}/x", gw.url)).send().await.unwrap();
     assert_eq!(a.status(), 200);
     assert!(t0.elapsed() < Duration::from_millis(600), "{:?}", t0.elapsed());
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -267,5 +288,5 @@ async fn admin_endpoints() {
         "no identity in metrics"
     );
     assert_eq!(c.get(format!("{}/nope", gw.admin)).send().await.unwrap().status(), 404);
-    gw.running.stop().await;
+    gw.stop().await;
 }

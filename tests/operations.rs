@@ -2,15 +2,13 @@
 //! refusals that `tollgate check` reports the same way, `check` output, reload reporting,
 //! the admin token and the admin audit log.
 
-mod common;
-mod harness;
+mod support;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
-use common::{wait_for, RedisServer};
-use harness::*;
+use support::*;
 
 /// Every variable the binary reads from the environment, so a developer's shell never leaks in.
 const ENV_VARS: &[&str] = &[
@@ -61,47 +59,12 @@ fn write(dir: &Path, port: u16, admin: &str, body: &str, rules: &str) -> PathBuf
     p
 }
 
-/// The binary running `run`, stderr (the log) captured in a file. Killed on drop.
-struct Proc {
-    child: Child,
-    log: PathBuf,
-}
-
-impl Proc {
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Start `run --config p` with `env`; wait until both ports accept connections.
-fn run(p: &Path, env: &[(&str, &str)], port: u16, admin_port: u16) -> Proc {
-    let log = p.with_file_name("tollgate.log");
-    let child = tollgate(env)
-        .args(["--log-format", "json", "run", "--config"])
-        .arg(p)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
-    let mut proc = Proc { child, log };
-    let up = wait_for(Duration::from_secs(10), Duration::from_millis(20), || {
-        if let Ok(Some(s)) = proc.child.try_wait() {
-            panic!("tollgate exited early ({s}): {}", proc.log());
-        }
-        (std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
-            && std::net::TcpStream::connect(("127.0.0.1", admin_port)).is_ok())
-        .then_some(())
-    });
-    assert!(up.is_some(), "tollgate did not start: {}", proc.log());
-    proc
+/// Start `run --config p` with `env`; wait until both ports accept connections. The log
+/// (JSON) is `tollgate.log` beside `p`.
+fn run(p: &Path, env: &[(&str, &str)], port: u16, admin_port: u16) -> BinaryGateway {
+    let mut cmd = tollgate(env);
+    cmd.args(["--log-format", "json", "run", "--config"]).arg(p);
+    BinaryGateway::spawn(&mut cmd, p.with_file_name("tollgate.log"), &[port, admin_port])
 }
 
 /// `run` must exit with failure within 10 s; returns its stderr.
@@ -114,9 +77,7 @@ fn run_refused(p: &Path, env: &[(&str, &str)]) -> String {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let status = wait_for(Duration::from_secs(10), Duration::from_millis(20), || {
-        child.try_wait().unwrap()
-    });
+    let status = eventually_some_blocking(Duration::from_secs(10), || child.try_wait().unwrap());
     let Some(status) = status else {
         let _ = child.kill();
         panic!("tollgate started, it should have refused");
@@ -162,7 +123,7 @@ fn readiness_does_not_depend_on_redis_but_store_readiness_does() {
     let _gw = run(&p, &[], port, admin_port);
     let admin = format!("http://127.0.0.1:{admin_port}");
     let base = format!("http://127.0.0.1:{port}");
-    let store_up = wait_for(Duration::from_secs(5), Duration::from_millis(20), || {
+    let store_up = eventually_some_blocking(Duration::from_secs(5), || {
         (status_of(&format!("{admin}/readyz?store=1")) == 200).then_some(())
     });
     assert!(store_up.is_some(), "the store never became ready");
@@ -171,7 +132,7 @@ fn readiness_does_not_depend_on_redis_but_store_readiness_does() {
     redis.kill();
     // The proxy keeps serving (fail open) and stays ready, so its Service keeps it.
     assert_eq!(status_of(&format!("{base}/open/x")), 200);
-    let store_down = wait_for(Duration::from_secs(5), Duration::from_millis(20), || {
+    let store_down = eventually_some_blocking(Duration::from_secs(5), || {
         (status_of(&format!("{admin}/readyz?store=1")) == 503).then_some(())
     });
     assert!(store_down.is_some(), "/readyz?store=1 did not report the dead store");
@@ -348,7 +309,7 @@ fn the_admin_token_guards_every_endpoint_but_health_readiness_and_metrics() {
         }
     }
     // The audit log names the caller and what changed, never the token.
-    let log = wait_for(Duration::from_secs(5), Duration::from_millis(20), || {
+    let log = eventually_some_blocking(Duration::from_secs(5), || {
         let l = gw.log();
         (l.contains("\"action\":\"reset\"") && l.contains("\"action\":\"reload\"")).then_some(l)
     })
@@ -429,7 +390,7 @@ fn an_exposed_admin_listener_needs_a_token_or_insecure_true() {
     );
     for _ in 0..2 {
         let gw = run(&p, &[], port, admin_port);
-        let warned = wait_for(Duration::from_secs(5), Duration::from_millis(20), || {
+        let warned = eventually_some_blocking(Duration::from_secs(5), || {
             gw.log()
                 .lines()
                 .any(|l| l.contains("\"level\":\"WARN\"") && l.contains("admin.insecure: true"))
@@ -440,13 +401,6 @@ fn an_exposed_admin_listener_needs_a_token_or_insecure_true() {
         assert_eq!(s, 200);
         drop(gw);
     }
-}
-
-/// The value of the metric line starting with `name` (labels included), if present.
-fn metric(body: &str, name: &str) -> Option<String> {
-    body.lines()
-        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
-        .map(|l| l.rsplit(' ').next().unwrap_or("").to_string())
 }
 
 #[test]
@@ -477,7 +431,7 @@ fn reloads_report_key_changes_success_and_a_stale_gateway_file() {
     assert_eq!(v["changed"], true, "{v}");
     assert_eq!(v["keys"]["added"], 1, "{v}");
     assert_eq!(v["rules"]["added"], 0, "{v}");
-    let logged = wait_for(Duration::from_secs(5), Duration::from_millis(20), || {
+    let logged = eventually_some_blocking(Duration::from_secs(5), || {
         gw.log()
             .lines()
             .any(|l| {
@@ -512,7 +466,7 @@ fn reloads_report_key_changes_success_and_a_stale_gateway_file() {
     assert_eq!(metric(&m, "tollgate_config_file_changed").as_deref(), Some("0"), "{m}");
     let text = std::fs::read_to_string(&p).unwrap() + "limits: { deny_cache: false }\n";
     atomic_write(&p, &text);
-    let stale = wait_for(Duration::from_secs(5), Duration::from_millis(50), || {
+    let stale = eventually_some_blocking(Duration::from_secs(5), || {
         let m = admin_call("GET", &format!("{admin}/metrics"), None).1;
         (metric(&m, "tollgate_config_file_changed").as_deref() == Some("1")).then_some(())
     });
@@ -778,27 +732,13 @@ fn demo_runs_from_any_directory_and_hash_key_reads_stdin() {
     let elsewhere = tempfile::tempdir().unwrap();
     let (port, admin_port) = (free_port(), free_port());
     let log = elsewhere.path().join("demo.log");
-    let child = tollgate(&[])
-        .current_dir(elsewhere.path())
+    let mut cmd = tollgate(&[]);
+    cmd.current_dir(elsewhere.path())
         .args(["demo", "--listen"])
         .arg(format!("127.0.0.1:{port}"))
         .arg("--admin-listen")
-        .arg(format!("127.0.0.1:{admin_port}"))
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
-    let mut demo = Proc { child, log };
-    let up = wait_for(Duration::from_secs(10), Duration::from_millis(20), || {
-        if let Ok(Some(s)) = demo.child.try_wait() {
-            panic!("demo exited ({s}): {}", demo.log());
-        }
-        std::net::TcpStream::connect(("127.0.0.1", admin_port))
-            .is_ok()
-            .then_some(())
-    });
-    assert!(up.is_some(), "demo did not start: {}", demo.log());
+        .arg(format!("127.0.0.1:{admin_port}"));
+    let demo = BinaryGateway::spawn(&mut cmd, log, &[port, admin_port]);
     assert_eq!(status_of(&format!("http://127.0.0.1:{port}/anything")), 200);
     let (s, rules) = admin_call("GET", &format!("http://127.0.0.1:{admin_port}/rules"), None);
     assert_eq!(s, 200);
@@ -834,10 +774,6 @@ fn demo_runs_from_any_directory_and_hash_key_reads_stdin() {
     assert_eq!(out.status.code(), Some(1));
     let help = tollgate(&[]).args(["hash-key", "--help"]).output().unwrap();
     assert!(text(&help.stdout).contains("standard input"), "{}", text(&help.stdout));
-}
-
-fn jwt_fixture(name: &str) -> Vec<u8> {
-    std::fs::read(format!("{}/tests/fixtures/jwt/{name}", env!("CARGO_MANIFEST_DIR"))).unwrap()
 }
 
 #[test]
@@ -889,9 +825,7 @@ fn a_rotated_jwt_public_key_is_picked_up_without_a_restart() {
         &dir.path().join("jwt.pem"),
         &String::from_utf8(jwt_fixture("ec_public.pem")).unwrap(),
     );
-    let rotated = wait_for(Duration::from_secs(5), Duration::from_millis(50), || {
-        (kind(&ec) == "jwt").then_some(())
-    });
+    let rotated = eventually_some_blocking(Duration::from_secs(5), || (kind(&ec) == "jwt").then_some(()));
     assert!(rotated.is_some(), "the new key was not picked up");
     assert_eq!(kind(&rsa), "ip", "the old key is gone");
     // A broken key file is refused and the current key stays.

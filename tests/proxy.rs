@@ -1,11 +1,11 @@
 //! End-to-end proxying through the real gateway to a real upstream: pass-through, hop-by-hop
 //! headers, streaming, 502/504, upgrades, SIGTERM drain.
 
-mod harness;
+mod support;
 
 use std::time::{Duration, Instant};
 
-use harness::*;
+use support::*;
 
 #[tokio::test]
 async fn status_body_and_headers_pass_through_and_hop_by_hop_is_dropped() {
@@ -41,7 +41,7 @@ async fn status_body_and_headers_pass_through_and_hop_by_hop_is_dropped() {
     assert_eq!(h["x-forwarded-proto"], "http");
     assert!(h["x-forwarded-host"].as_str().unwrap().starts_with("127.0.0.1:"));
     assert!(h["forwarded"].as_str().unwrap().starts_with("for=127.0.0.1;proto=http"));
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -64,7 +64,7 @@ async fn eight_mib_body_streams_intact_both_ways() {
     let got = r.bytes().await.unwrap();
     assert_eq!(got.len(), body.len());
     assert!(got.as_ref() == body.as_slice(), "body corrupted");
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -75,7 +75,7 @@ async fn upstream_down_is_502_and_slow_is_504() {
     assert_eq!(r.status(), 502);
     let v: serde_json::Value = r.json().await.unwrap();
     assert_eq!(v["error"], "bad_gateway");
-    gw.running.stop().await;
+    gw.stop().await;
 
     let up = echo().await;
     let gw = gateway(&format!("http://{up}"), "", OPEN_RULES, None).await;
@@ -85,7 +85,7 @@ async fn upstream_down_is_502_and_slow_is_504() {
     assert!(started.elapsed() < Duration::from_secs(4), "request_timeout is 2s");
     let v: serde_json::Value = r.json().await.unwrap();
     assert_eq!(v["error"], "gateway_timeout");
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -109,7 +109,7 @@ async fn websocket_style_upgrade_passes_through() {
         .unwrap()
         .unwrap();
     assert_eq!(&got, b"ping through the tunnel");
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -122,7 +122,7 @@ async fn http2_cleartext_is_served() {
     assert_eq!(r.status(), 200);
     let v: serde_json::Value = r.json().await.unwrap();
     assert_eq!(v["path"], "/h2");
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -135,6 +135,7 @@ async fn the_protocol_is_told_apart_even_when_the_first_bytes_trickle_in() {
     for (first, rest) in [("P", "OST /t1 HTTP/1.1\r\n"), ("PR", "OPFIND /t2 HTTP/1.1\r\n")] {
         let mut s = tokio::net::TcpStream::connect(gw.running.addr).await.unwrap();
         s.write_all(first.as_bytes()).await.unwrap();
+        // Not synchronisation: the pause is what is tested (the deciding byte comes later).
         tokio::time::sleep(Duration::from_millis(30)).await;
         s.write_all(rest.as_bytes()).await.unwrap();
         s.write_all(b"Host: a\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
@@ -152,6 +153,7 @@ async fn the_protocol_is_told_apart_even_when_the_first_bytes_trickle_in() {
     // not an HTTP/1 400).
     let mut s = tokio::net::TcpStream::connect(gw.running.addr).await.unwrap();
     s.write_all(b"PRI * HTTP/2").await.unwrap();
+    // Not synchronisation: the pause is what is tested (the preface arrives in two parts).
     tokio::time::sleep(Duration::from_millis(30)).await;
     s.write_all(b".0\r\n\r\nSM\r\n\r\n").await.unwrap();
     s.write_all(&[0, 0, 0, 4, 0, 0, 0, 0, 0]).await.unwrap(); // an empty SETTINGS frame
@@ -161,7 +163,7 @@ async fn the_protocol_is_told_apart_even_when_the_first_bytes_trickle_in() {
         .unwrap()
         .unwrap();
     assert_eq!(head[3], 4, "a SETTINGS frame (type 4) first: {head:?}");
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[test]
@@ -171,7 +173,19 @@ fn sigterm_drains_in_flight_requests_then_exits_zero() {
     let mut gw = binary(&format!("http://{up}"), "", OPEN_RULES);
     let url = format!("{}/slow/800", gw.url);
     let inflight = rt.spawn(async move { client().get(url).send().await.map(|r| r.status().as_u16()) });
-    std::thread::sleep(Duration::from_millis(200));
+    // SIGTERM once the request is in flight: the gateway has counted it (it is past the limit
+    // check, on its way to the slow upstream).
+    let admin = gw.admin.clone();
+    let admitted = rt.block_on(eventually(Duration::from_secs(5), || async {
+        metric_value(
+            &client(),
+            &admin,
+            "tollgate_requests_total{rule=\"open\",decision=\"allowed\"}",
+        )
+        .await
+            >= 1.0
+    }));
+    assert!(admitted, "the slow request never reached the gateway");
     let pid = gw.child.id().to_string();
     assert!(std::process::Command::new("kill")
         .args(["-TERM", &pid])
@@ -180,15 +194,9 @@ fn sigterm_drains_in_flight_requests_then_exits_zero() {
         .success());
     let status = rt.block_on(inflight).unwrap().unwrap();
     assert_eq!(status, 200, "the in-flight request finished");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        if let Some(code) = gw.child.try_wait().unwrap() {
-            assert!(code.success(), "exit {code:?}");
-            break;
-        }
-        assert!(Instant::now() < deadline, "did not exit after SIGTERM");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let code = eventually_some_blocking(Duration::from_secs(10), || gw.child.try_wait().unwrap());
+    let code = code.expect("did not exit after SIGTERM");
+    assert!(code.success(), "exit {code:?}");
     // New connections are refused once it stopped.
     assert!(std::net::TcpStream::connect(gw.url.trim_start_matches("http://")).is_err());
 }
@@ -224,8 +232,27 @@ async fn stale_pooled_connections_never_fail_a_request() {
         assert_eq!(r.status(), 200, "request {i}");
         assert_eq!(r.text().await.unwrap(), "ok");
         if i % 2 == 0 {
+            // Not synchronisation: every other request comes after a pause, so the pool holds
+            // connections the upstream has closed both before and after the proxy saw the FIN.
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
-    gw.running.stop().await;
+    gw.stop().await;
+}
+
+/// A `TestGateway` stops on drop: without `stop()`, its proxy and admin listeners close.
+#[tokio::test]
+async fn a_dropped_test_gateway_stops_listening() {
+    use tokio::net::TcpStream;
+    let up = echo().await;
+    let gw = gateway(&format!("http://{up}"), "", OPEN_RULES, None).await;
+    let (addr, admin) = (gw.addr(), gw.running.admin_addr);
+    assert!(TcpStream::connect(addr).await.is_ok());
+    assert!(TcpStream::connect(admin).await.is_ok());
+    drop(gw);
+    let closed = eventually(Duration::from_secs(5), || async {
+        TcpStream::connect(addr).await.is_err() && TcpStream::connect(admin).await.is_err()
+    })
+    .await;
+    assert!(closed, "a dropped gateway still accepts connections");
 }

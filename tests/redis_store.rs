@@ -2,12 +2,12 @@
 //! expiry, all-or-nothing across slots, peek/reset/probe, and Redis Cluster behaviour (MOVED,
 //! a killed master, a frozen master).
 
-mod common;
+mod support;
 
 use std::num::NonZeroU64;
 use std::time::{Duration, Instant};
 
-use common::{RedisCluster, RedisServer};
+use support::*;
 use tollgate::limiter::redis::{RedisMode, RedisStore, SCRIPT_SOURCE};
 use tollgate::limiter::{Algorithm, LimitCheck, Quota, Store, StoreError, StoreKey};
 
@@ -17,14 +17,6 @@ const T: Duration = Duration::from_millis(300);
 /// A fixed "now" in the future (year 2096): keys written at it expire by that clock, never
 /// during the test.
 const NOW: u64 = 4_000_000_000_000_000;
-
-const ALL: [Algorithm; 5] = [
-    Algorithm::TokenBucket,
-    Algorithm::LeakyBucket,
-    Algorithm::FixedWindow,
-    Algorithm::SlidingLog,
-    Algorithm::SlidingWindow,
-];
 
 fn nz(v: u64) -> NonZeroU64 {
     NonZeroU64::new(v).unwrap()
@@ -65,11 +57,11 @@ async fn cluster_store(c: &RedisCluster) -> RedisStore {
 
 /// The raw state of a key, whatever its type, as text (to compare before/after).
 fn raw_state(port: u16, key: &str) -> String {
-    let ty = common::cli(port, &["TYPE", key]);
+    let ty = redis_cli(port, &["TYPE", key]);
     let body = match ty.as_str() {
-        "string" => common::cli(port, &["GET", key]),
+        "string" => redis_cli(port, &["GET", key]),
         "hash" => {
-            let mut v: Vec<String> = common::cli(port, &["HGETALL", key])
+            let mut v: Vec<String> = redis_cli(port, &["HGETALL", key])
                 .lines()
                 .map(str::to_owned)
                 .collect::<Vec<_>>()
@@ -79,7 +71,7 @@ fn raw_state(port: u16, key: &str) -> String {
             v.sort();
             v.join(",")
         }
-        "zset" => common::cli(port, &["ZRANGE", key, "0", "-1", "WITHSCORES"]),
+        "zset" => redis_cli(port, &["ZRANGE", key, "0", "-1", "WITHSCORES"]),
         _ => String::new(),
     };
     format!("{ty}:{body}")
@@ -87,22 +79,29 @@ fn raw_state(port: u16, key: &str) -> String {
 
 /// Retry `check` until it succeeds (after a restart, failover, ...) or `timeout` passes.
 async fn until_ok(store: &RedisStore, checks: &[LimitCheck], timeout: Duration) -> Vec<tollgate::limiter::Outcome> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        match tokio::time::timeout(T, store.check(checks))
-            .await
-            .map(|c| c.into_result())
-        {
-            Ok(Ok(v)) => return v,
-            Ok(Err(e)) if Instant::now() >= deadline => panic!("store never recovered: {e}"),
-            Err(_) if Instant::now() >= deadline => panic!("store never recovered: timeout"),
-            // What the gateway's probe loop does: probe open shards, close their breakers.
-            _ => {
-                store.heal().await;
-                tokio::time::sleep(Duration::from_millis(50)).await
+    let last = std::cell::RefCell::new(String::from("never tried"));
+    let ok = eventually_some(timeout, || {
+        let last = &last;
+        async move {
+            match tokio::time::timeout(T, store.check(checks))
+                .await
+                .map(|c| c.into_result())
+            {
+                Ok(Ok(v)) => Some(v),
+                failed => {
+                    *last.borrow_mut() = match failed {
+                        Ok(Err(e)) => e.to_string(),
+                        _ => "timeout".into(),
+                    };
+                    // What the gateway's probe loop does: probe open shards, close their breakers.
+                    store.heal().await;
+                    None
+                }
             }
         }
-    }
+    })
+    .await;
+    ok.unwrap_or_else(|| panic!("store never recovered: {}", last.borrow()))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -199,7 +198,7 @@ async fn sliding_log_counts_requests_in_the_same_microsecond() {
 async fn cross_slot_rejection_refunds_every_algorithm() {
     let server = RedisServer::start();
     let store = single(&server).await;
-    for algo in ALL {
+    for algo in Algorithm::ALL {
         let a = format!("tl:{{a-{}}}:r:p", algo.as_str());
         let b = format!("tl:{{b-{}}}:r:p", algo.as_str());
         let la = |cost| lc(&a, algo, 10, 10_000_000, cost);
@@ -292,10 +291,20 @@ async fn every_written_key_gets_an_expiry() {
     let server = RedisServer::start();
     let store = single(&server).await;
     let period = 2_000_000;
-    let checks: Vec<LimitCheck> = ALL
+    let checks: Vec<LimitCheck> = Algorithm::ALL
         .iter()
         .map(|&a| lc(&format!("tl:{{ttl}}:{}", a.as_str()), a, 4, period, 1))
         .collect();
+    // The fixed window's key lives until the end of its 2 s window by Redis time: check early
+    // in a window, or the key may be gone before its PTTL is read.
+    let early = eventually(Duration::from_secs(3), || async {
+        let time = server.cli(&["TIME"]);
+        let mut parts = time.lines().map(|l| l.trim().parse::<u64>().unwrap());
+        let (secs, micros) = (parts.next().unwrap(), parts.next().unwrap());
+        (secs * 1_000_000 + micros) % period < period / 2
+    })
+    .await;
+    assert!(early, "Redis TIME never reached the first half of a window");
     let o = store.check(&checks).await.into_result().unwrap();
     assert!(o.iter().all(|o| o.allowed));
     for c in &checks {
@@ -322,7 +331,7 @@ async fn every_written_key_gets_an_expiry() {
 async fn peek_reset_and_trait_refund() {
     let server = RedisServer::start();
     let store = single(&server).await;
-    let checks: Vec<LimitCheck> = ALL
+    let checks: Vec<LimitCheck> = Algorithm::ALL
         .iter()
         .map(|&a| lc(&format!("tl:{{peek}}:{}", a.as_str()), a, 4, 60_000_000, 1))
         .collect();
@@ -361,7 +370,7 @@ async fn peek_reset_and_trait_refund() {
 async fn a_key_of_another_type_is_replaced_not_an_error() {
     let server = RedisServer::start();
     let store = single(&server).await;
-    for algo in ALL {
+    for algo in Algorithm::ALL {
         let key = format!("tl:{{type}}:{}", algo.as_str());
         // Leave a key of a type this algorithm does not use.
         if algo.is_bucket() {
@@ -569,7 +578,7 @@ async fn a_batch_is_evaluated_request_by_request() {
 async fn concurrent_checks_are_batched_and_exact() {
     let server = RedisServer::start();
     let store = std::sync::Arc::new(single(&server).await);
-    for algorithm in ALL {
+    for algorithm in Algorithm::ALL {
         let key = format!("tl:{{c}}:{algorithm:?}");
         let limit = lc(&key, algorithm, 100, 3_600_000_000, 1);
         let (calls0, reqs0) = store.batch_stats();
@@ -624,7 +633,7 @@ async fn cluster_checks_across_masters_all_or_nothing_and_moved() {
         .unwrap();
     assert!(o.iter().all(|o| o.allowed));
     for (i, &m) in masters.iter().enumerate() {
-        assert_eq!(common::cli(m, &["HGET", &key(i), "c"]), "1", "stored on its master");
+        assert_eq!(redis_cli(m, &["HGET", &key(i), "c"]), "1", "stored on its master");
     }
     // The third denies: the first two are refunded on their masters.
     let o = store
@@ -634,7 +643,7 @@ async fn cluster_checks_across_masters_all_or_nothing_and_moved() {
         .unwrap();
     assert!(o[0].allowed && o[1].allowed && !o[2].allowed);
     for (i, &m) in masters.iter().enumerate() {
-        assert_eq!(common::cli(m, &["HGET", &key(i), "c"]), "1", "refunded on master {m}");
+        assert_eq!(redis_cli(m, &["HGET", &key(i), "c"]), "1", "refunded on master {m}");
     }
 
     // Reshard the first key's slot to another master: the store follows MOVED and finds the
@@ -648,7 +657,7 @@ async fn cluster_checks_across_masters_all_or_nothing_and_moved() {
         .unwrap();
     assert!(o[0].allowed);
     assert_eq!(o[0].remaining, 3, "count 2 after the move: the migrated key was used");
-    assert_eq!(common::cli(masters[1], &["HGET", &key(0), "c"]), "2");
+    assert_eq!(redis_cli(masters[1], &["HGET", &key(0), "c"]), "2");
 
     // NOSCRIPT everywhere: EVAL fallback per node, and the probe reloads every master.
     cluster.script_flush_all();
@@ -661,7 +670,7 @@ async fn cluster_checks_across_masters_all_or_nothing_and_moved() {
     cluster.script_flush_all();
     store.probe().await.unwrap();
     for &m in &masters {
-        assert_eq!(common::cli(m, &["SCRIPT", "EXISTS", store.script_sha()]), "1");
+        assert_eq!(redis_cli(m, &["SCRIPT", "EXISTS", store.script_sha()]), "1");
     }
 }
 

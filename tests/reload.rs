@@ -1,13 +1,13 @@
 //! Hot reload end to end: atomic renames, Kubernetes `..data` symlink swaps, broken files,
 //! counters surviving reloads, and 30 rewrites under concurrent load.
 
-mod harness;
+mod support;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use harness::*;
+use support::*;
 
 fn rules(name: &str, limit: u64) -> String {
     format!("rules:\n  - {{ name: {name}, match: {{ path: \"/**\" }}, key: global, algorithm: fixed_window, limit: {limit}, window: 1h }}\n")
@@ -18,15 +18,26 @@ async fn version(c: &reqwest::Client, admin: &str) -> String {
     v["version"].as_str().unwrap().to_string()
 }
 
+/// Wait until the rule-set version differs from `old`; returns how long that took.
 async fn wait_for_change(c: &reqwest::Client, admin: &str, old: &str) -> Duration {
     let t0 = Instant::now();
-    loop {
-        if version(c, admin).await != old {
-            return t0.elapsed();
-        }
-        assert!(t0.elapsed() < Duration::from_secs(3), "reload not seen");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let changed = eventually(Duration::from_secs(3), || async { version(c, admin).await != old }).await;
+    assert!(changed, "reload not seen");
+    t0.elapsed()
+}
+
+/// Refused reloads so far (`tollgate_reloads_total{result="error"}`).
+async fn reload_errors(c: &reqwest::Client, admin: &str) -> f64 {
+    metric_value(c, admin, "tollgate_reloads_total{result=\"error\"}").await
+}
+
+/// Wait until the watcher has refused a reload beyond the `before` refused so far.
+async fn wait_for_refusal(c: &reqwest::Client, admin: &str, before: f64) {
+    let refused = eventually(Duration::from_secs(3), || async {
+        reload_errors(c, admin).await > before
+    })
+    .await;
+    assert!(refused, "the watcher did not try (and refuse) the change");
 }
 
 #[tokio::test]
@@ -52,7 +63,7 @@ async fn an_atomic_rename_is_live_within_a_second_and_counters_survive() {
         2,
         "{codes:?}: 3 + 2 = the limit of 5"
     );
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -61,8 +72,10 @@ async fn a_broken_file_is_refused_and_the_old_rules_stay() {
     let gw = gateway(&format!("http://{up}"), "", &rules("r", 2), None).await;
     let c = client();
     let v0 = version(&c, &gw.admin).await;
+    assert_eq!(reload_errors(&c, &gw.admin).await, 0.0);
     gw.write_rules("rules:\n  - { name: r, match: { path: \"/**\" }, key: global, limit: 0, window: 1h }\n");
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    // The watcher saw the file and refused it (instead of sleeping and hoping it looked).
+    wait_for_refusal(&c, &gw.admin, 0.0).await;
     assert_eq!(version(&c, &gw.admin).await, v0, "bad rules must not load");
     let r = c.post(format!("{}/reload", gw.admin)).send().await.unwrap();
     assert_eq!(r.status(), 422);
@@ -78,10 +91,11 @@ async fn a_broken_file_is_refused_and_the_old_rules_stay() {
     }
     assert_eq!(codes, vec![200, 200, 429]);
     // A missing file is refused too.
+    let before = reload_errors(&c, &gw.admin).await;
     std::fs::remove_file(gw.path("rules.yaml")).unwrap();
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    wait_for_refusal(&c, &gw.admin, before).await;
     assert_eq!(version(&c, &gw.admin).await, v0);
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 #[cfg(unix)]
@@ -98,9 +112,9 @@ async fn a_kubernetes_configmap_symlink_swap_is_seen() {
     symlink("..data/rules.yaml", d.join("rules.yaml")).unwrap();
     let cfg_path = d.join("gateway.yaml");
     std::fs::write(&cfg_path, format!("listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nupstream: {{ url: http://{up} }}\nrules_file: rules.yaml\n")).unwrap();
-    let cfg = tollgate::config::GatewayConfig::load(&cfg_path, &Default::default()).unwrap();
-    let running = tollgate::server::start(cfg).await.unwrap();
-    let admin = format!("http://{}", running.admin_addr);
+    let gw = gateway_from(&cfg_path, dir).await;
+    let admin = gw.admin.clone();
+    let d = gw.dir.path();
     let c = client();
     let v0 = version(&c, &admin).await;
     // kubelet: write a new timestamped dir, then atomically swap ..data.
@@ -114,7 +128,7 @@ async fn a_kubernetes_configmap_symlink_swap_is_seen() {
     assert!(took < Duration::from_secs(1), "{took:?}");
     let v: serde_json::Value = get_json(&c, format!("{admin}/rules")).await;
     assert_eq!(v["rules"][0]["name"], "new");
-    running.stop().await;
+    gw.stop().await;
 }
 
 #[tokio::test]
@@ -149,21 +163,29 @@ async fn thirty_rewrites_under_concurrent_load_lose_no_request_and_the_final_lim
         } else {
             std::fs::write(gw.path("rules.yaml"), text).unwrap();
         }
+        // Not synchronisation: pacing, so the watcher sees many separate rewrites under load.
         tokio::time::sleep(Duration::from_millis(60)).await;
     }
     gw.write_rules(&rules("final", 25));
     let c = client();
-    let t0 = Instant::now();
-    loop {
-        let v: serde_json::Value = get_json(&c, format!("{}/rules", gw.admin)).await;
-        if v["rules"][0]["name"] == "final" {
-            break;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(2), "final rules not loaded");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    // Keep the load going under the final rules for a moment, then stop and count.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let loaded = eventually(Duration::from_secs(2), || async {
+        get_json(&c, format!("{}/rules", gw.admin)).await["rules"][0]["name"] == "final"
+    })
+    .await;
+    assert!(loaded, "final rules not loaded");
+    // Keep the load going under the final rules until it has used up their limit (it denies),
+    // then stop and count.
+    let denied = eventually(Duration::from_secs(5), || async {
+        metric_value(
+            &c,
+            &gw.admin,
+            "tollgate_requests_total{rule=\"final\",decision=\"denied\"}",
+        )
+        .await
+            > 0.0
+    })
+    .await;
+    assert!(denied, "the load never reached the final limit");
     stop.store(true, Ordering::Relaxed);
     for l in load {
         l.await.unwrap();
@@ -187,7 +209,7 @@ async fn thirty_rewrites_under_concurrent_load_lose_no_request_and_the_final_lim
         .find(|l| l.starts_with("tollgate_requests_total{rule=\"final\",decision=\"allowed\"}"))
         .unwrap();
     assert!(line.ends_with(" 25"), "{line}");
-    gw.running.stop().await;
+    gw.stop().await;
 }
 
 /// SIGHUP reloads even when no file changed (the operator asked for it).
@@ -197,32 +219,17 @@ fn sighup_reloads_the_real_binary() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let up = rt.block_on(echo());
     let gw = binary(&format!("http://{up}"), "", &rules("r", 5));
-    let metric = || {
-        rt.block_on(async {
-            let m = client()
-                .get(format!("{}/metrics", gw.admin))
-                .send()
-                .await
-                .unwrap()
-                .text()
-                .await
-                .unwrap();
-            m.lines()
-                .find(|l| l.starts_with("tollgate_reloads_total{result=\"ok\"}"))
-                .map(|l| l.rsplit(' ').next().unwrap().to_string())
-                .unwrap_or_default()
-        })
+    let reloads_ok = || {
+        let m = rt.block_on(get_text(&client(), format!("{}/metrics", gw.admin)));
+        metric(&m, "tollgate_reloads_total{result=\"ok\"}").unwrap_or_default()
     };
-    assert_eq!(metric(), "0");
+    assert_eq!(reloads_ok(), "0");
     let pid = gw.child.id().to_string();
     assert!(std::process::Command::new("kill")
         .args(["-HUP", &pid])
         .status()
         .unwrap()
         .success());
-    let t0 = Instant::now();
-    while metric() != "1" {
-        assert!(t0.elapsed() < Duration::from_secs(2), "SIGHUP did not reload");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let reloaded = eventually_blocking(Duration::from_secs(2), || reloads_ok() == "1");
+    assert!(reloaded, "SIGHUP did not reload");
 }

@@ -1,34 +1,18 @@
-//! Shared integration-test harness: real `redis-server` processes (standalone and a 6-node
-//! cluster) on free loopback ports, each in its own temporary directory, killed on drop.
+//! Real `redis-server` processes (standalone and a 6-node cluster) on free loopback ports, each
+//! in its own temporary directory, killed on drop.
 //!
-//! Nothing here mocks Redis. If `redis-server` or `redis-cli` is not installed the harness
+//! Nothing here mocks Redis. If `redis-server` or `redis-cli` is not installed the support code
 //! panics (the test fails; it never skips).
-//!
-//! Every test binary includes this module with `mod common;` and uses a subset of it, hence
-//! the `dead_code` allowances.
-#![allow(dead_code)]
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
-use std::thread::sleep;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tempfile::TempDir;
 
-/// Total hash slots of a Redis Cluster.
-pub const SLOTS: u16 = 16384;
-
-fn loopback(port: u16) -> SocketAddr {
-    SocketAddr::from(([127, 0, 0, 1], port))
-}
-
-/// A free loopback port (the OS picks it; released before returning, so there is a small race
-/// with other processes, which `RedisServer::start` absorbs by retrying).
-pub fn free_port() -> u16 {
-    let l = TcpListener::bind(loopback(0)).expect("bind 127.0.0.1:0");
-    l.local_addr().expect("local_addr").port()
-}
+use super::poll::{eventually_blocking, eventually_some_blocking};
+use super::{free_port, loopback};
 
 /// A free port `p` whose cluster-bus port `p + 10000` is free too.
 fn free_cluster_port(taken: &[u16]) -> u16 {
@@ -47,7 +31,7 @@ fn free_cluster_port(taken: &[u16]) -> u16 {
 
 /// Send one inline command over a raw TCP connection and return the first reply line, or
 /// `None` if the server does not answer within `timeout`.
-pub fn raw_command(port: u16, cmd: &str, timeout: Duration) -> Option<String> {
+fn raw_command(port: u16, cmd: &str, timeout: Duration) -> Option<String> {
     let mut s = TcpStream::connect_timeout(&loopback(port), timeout).ok()?;
     s.set_read_timeout(Some(timeout)).ok()?;
     s.set_write_timeout(Some(timeout)).ok()?;
@@ -59,13 +43,13 @@ pub fn raw_command(port: u16, cmd: &str, timeout: Duration) -> Option<String> {
 }
 
 /// True when the server on `port` answers PING with PONG.
-pub fn pings(port: u16) -> bool {
+fn pings(port: u16) -> bool {
     raw_command(port, "PING", Duration::from_millis(200)).as_deref() == Some("+PONG")
 }
 
 /// Run `redis-cli -p <port> <args>` and return its stdout, trimmed. Panics if redis-cli is
 /// missing; a Redis error reply is returned as text (redis-cli prints it), not a panic.
-pub fn cli(port: u16, args: &[&str]) -> String {
+pub fn redis_cli(port: u16, args: &[&str]) -> String {
     let out = Command::new("redis-cli")
         .arg("-p")
         .arg(port.to_string())
@@ -104,33 +88,15 @@ fn spawn_server(port: u16, dir: &std::path::Path, extra: &[String]) -> Child {
         .expect("redis-server must be installed (the Redis tests never skip)")
 }
 
-/// Wait until `port` answers PING, or the child exits, or `timeout` passes.
+/// Wait until `port` answers PING (true), or the child exits or `timeout` passes (false).
 fn wait_ping(child: &mut Child, port: u16, timeout: Duration) -> bool {
-    let deadline = Instant::now() + timeout;
-    while Instant::now() < deadline {
+    let outcome = eventually_some_blocking(timeout, || {
         if let Ok(Some(_)) = child.try_wait() {
-            return false;
+            return Some(false);
         }
-        if pings(port) {
-            return true;
-        }
-        sleep(Duration::from_millis(5));
-    }
-    false
-}
-
-/// Poll `f` every `every` until it returns `Some` or `timeout` passes.
-pub fn wait_for<T>(timeout: Duration, every: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(v) = f() {
-            return Some(v);
-        }
-        if Instant::now() >= deadline {
-            return None;
-        }
-        sleep(every);
-    }
+        pings(port).then_some(true)
+    });
+    outcome == Some(true)
 }
 
 /// A standalone `redis-server` on a free loopback port, in its own temp dir. Killed on drop.
@@ -180,7 +146,7 @@ impl RedisServer {
 
     /// Run redis-cli against this server.
     pub fn cli(&self, args: &[&str]) -> String {
-        cli(self.port, args)
+        redis_cli(self.port, args)
     }
 
     /// SIGKILL the server (no shutdown, connections reset).
@@ -205,20 +171,21 @@ impl RedisServer {
         }
     }
 
-    /// Kill the server if it runs, and start a fresh one (empty, no scripts) on the same port.
+    /// Kill the server if it runs, and start a fresh one (empty, no scripts) on the same port
+    /// (retried until the killed server's port is free again).
     pub fn restart(&mut self) {
         self.kill();
-        for _ in 0..50 {
-            let mut child = spawn_server(self.port, self.dir.path(), &[]);
-            if wait_ping(&mut child, self.port, Duration::from_secs(5)) {
-                self.child = Some(child);
-                return;
+        let (port, dir) = (self.port, self.dir.path().to_owned());
+        let child = eventually_some_blocking(Duration::from_secs(10), || {
+            let mut child = spawn_server(port, &dir, &[]);
+            if wait_ping(&mut child, port, Duration::from_secs(5)) {
+                return Some(child);
             }
             let _ = child.kill();
             let _ = child.wait();
-            sleep(Duration::from_millis(50));
-        }
-        panic!("redis-server did not restart on port {}", self.port);
+            None
+        });
+        self.child = Some(child.unwrap_or_else(|| panic!("redis-server did not restart on port {port}")));
     }
 }
 
@@ -296,10 +263,7 @@ impl RedisCluster {
                 String::from_utf8_lossy(&out.stdout)
             ));
         }
-        let ready = wait_for(Duration::from_secs(20), Duration::from_millis(20), || {
-            cluster.is_healthy().then_some(())
-        });
-        if ready.is_none() {
+        if !eventually_blocking(Duration::from_secs(20), || cluster.is_healthy()) {
             return Err("cluster did not become healthy in 20 s".into());
         }
         Ok(cluster)
@@ -328,19 +292,19 @@ impl RedisCluster {
 
     /// Every live node says `cluster_state:ok` with 16384 slots ok, and every replica's
     /// master link is up.
-    pub fn is_healthy(&self) -> bool {
+    fn is_healthy(&self) -> bool {
         self.live_ports().iter().all(|&p| {
-            let info = cli(p, &["CLUSTER", "INFO"]);
+            let info = redis_cli(p, &["CLUSTER", "INFO"]);
             if !(info.contains("cluster_state:ok") && info.contains("cluster_slots_ok:16384")) {
                 return false;
             }
-            let repl = cli(p, &["INFO", "replication"]);
+            let repl = redis_cli(p, &["INFO", "replication"]);
             !repl.contains("role:slave") || repl.contains("master_link_status:up")
         })
     }
 
     /// Ports of the nodes that were not killed.
-    pub fn live_ports(&self) -> Vec<u16> {
+    fn live_ports(&self) -> Vec<u16> {
         self.nodes
             .iter()
             .filter(|n| n.child.is_some())
@@ -362,7 +326,7 @@ impl RedisCluster {
             if raw_command(p, "PING", Duration::from_millis(100)).as_deref() != Some("+PONG") {
                 continue; // stopped (SIGSTOP) nodes do not answer
             }
-            let text = cli(p, &["CLUSTER", "NODES"]);
+            let text = redis_cli(p, &["CLUSTER", "NODES"]);
             if text.is_empty() {
                 continue;
             }
@@ -386,13 +350,13 @@ impl RedisCluster {
     /// The slot of `key` (`CLUSTER KEYSLOT`).
     pub fn keyslot(&self, key: &str) -> u16 {
         let p = *self.live_ports().first().expect("a live node");
-        cli(p, &["CLUSTER", "KEYSLOT", key])
+        redis_cli(p, &["CLUSTER", "KEYSLOT", key])
             .parse()
             .expect("CLUSTER KEYSLOT reply")
     }
 
     /// The port of the master serving `slot`, per the first responsive node's view.
-    pub fn master_for_slot(&self, slot: u16) -> Option<u16> {
+    fn master_for_slot(&self, slot: u16) -> Option<u16> {
         self.topology()
             .into_iter()
             .find(|n| n.master && n.slots.iter().any(|&(a, b)| a <= slot && slot <= b))
@@ -441,8 +405,8 @@ impl RedisCluster {
     }
 
     /// The node id of `port` (`CLUSTER MYID`).
-    pub fn node_id(&self, port: u16) -> String {
-        cli(port, &["CLUSTER", "MYID"])
+    fn node_id(&self, port: u16) -> String {
+        redis_cli(port, &["CLUSTER", "MYID"])
     }
 
     /// Move `slot` (and its keys) from master `from` to master `to`, the way resharding does
@@ -451,32 +415,30 @@ impl RedisCluster {
     pub fn move_slot(&self, slot: u16, from: u16, to: u16) {
         let s = slot.to_string();
         let (from_id, to_id) = (self.node_id(from), self.node_id(to));
-        assert_eq!(cli(to, &["CLUSTER", "SETSLOT", &s, "IMPORTING", &from_id]), "OK");
-        assert_eq!(cli(from, &["CLUSTER", "SETSLOT", &s, "MIGRATING", &to_id]), "OK");
+        assert_eq!(redis_cli(to, &["CLUSTER", "SETSLOT", &s, "IMPORTING", &from_id]), "OK");
+        assert_eq!(redis_cli(from, &["CLUSTER", "SETSLOT", &s, "MIGRATING", &to_id]), "OK");
         loop {
-            let keys = cli(from, &["CLUSTER", "GETKEYSINSLOT", &s, "100"]);
+            let keys = redis_cli(from, &["CLUSTER", "GETKEYSINSLOT", &s, "100"]);
             if keys.is_empty() {
                 break;
             }
             let to_port = to.to_string();
             let mut args = vec!["MIGRATE", "127.0.0.1", &to_port, "", "0", "5000", "KEYS"];
             args.extend(keys.lines());
-            assert_eq!(cli(from, &args), "OK");
+            assert_eq!(redis_cli(from, &args), "OK");
         }
         for p in self.masters() {
-            cli(p, &["CLUSTER", "SETSLOT", &s, "NODE", &to_id]);
+            redis_cli(p, &["CLUSTER", "SETSLOT", &s, "NODE", &to_id]);
         }
         // Both sides agree before returning.
-        let ok = wait_for(Duration::from_secs(5), Duration::from_millis(10), || {
-            (self.master_for_slot(slot) == Some(to)).then_some(())
-        });
-        assert!(ok.is_some(), "slot {slot} did not move to {to}");
+        let moved = eventually_blocking(Duration::from_secs(5), || self.master_for_slot(slot) == Some(to));
+        assert!(moved, "slot {slot} did not move to {to}");
     }
 
     /// Run redis-cli on `SCRIPT FLUSH` for every live node.
     pub fn script_flush_all(&self) {
         for p in self.live_ports() {
-            cli(p, &["SCRIPT", "FLUSH"]);
+            redis_cli(p, &["SCRIPT", "FLUSH"]);
         }
     }
 
@@ -512,7 +474,7 @@ impl RedisCluster {
     /// Wait until `slot` is served by a master other than `old` (a replica took over) and the
     /// surviving nodes report `cluster_state:ok`. Returns the new master's port.
     pub fn wait_failover(&self, slot: u16, old: u16, timeout: Duration) -> Option<u16> {
-        wait_for(timeout, Duration::from_millis(50), || {
+        eventually_some_blocking(timeout, || {
             let m = self.master_for_slot(slot)?;
             if m == old {
                 return None;
@@ -521,7 +483,7 @@ impl RedisCluster {
                 .live_ports()
                 .into_iter()
                 .filter(|&p| p != old)
-                .all(|p| cli(p, &["CLUSTER", "INFO"]).contains("cluster_state:ok"));
+                .all(|p| redis_cli(p, &["CLUSTER", "INFO"]).contains("cluster_state:ok"));
             ok.then_some(m)
         })
     }

@@ -1,0 +1,43 @@
+//! The ONE test support module of the integration tests (DESIGN.md §8). Every test binary
+//! includes it with `mod support;` and uses a subset of it, hence the `dead_code` allowance.
+//!
+//! * [`redis`](self::redis): real `redis-server` processes, standalone and a 6-node cluster, on
+//!   free loopback ports, killed on drop;
+//! * [`gateway`](self::gateway): the gateway library on port 0 ([`TestGateway`], stopped on
+//!   drop), the real `tollgate` binary ([`BinaryGateway`], killed on drop), the echo upstream,
+//!   config directories;
+//! * [`http`](self::http): an HTTP client and small request/metrics helpers;
+//! * [`poll`](self::poll): [`eventually`] and friends, the only way tests wait for something.
+//!
+//! Nothing here mocks anything: if `redis-server` or `redis-cli` is missing the tests fail,
+//! they never skip.
+#![allow(dead_code, unused_imports)]
+
+mod gateway;
+mod http;
+mod poll;
+mod redis;
+
+pub use self::gateway::*;
+pub use self::http::*;
+pub use self::poll::*;
+pub use self::redis::{redis_cli, RedisCluster, RedisServer};
+
+use std::net::{SocketAddr, TcpListener};
+
+/// `127.0.0.1:port`.
+pub fn loopback(port: u16) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
+
+/// A free loopback port (the OS picks it; released before returning, so there is a small race
+/// with other processes, which the callers that spawn servers absorb by retrying).
+pub fn free_port() -> u16 {
+    let l = TcpListener::bind(loopback(0)).expect("bind 127.0.0.1:0");
+    l.local_addr().expect("local_addr").port()
+}
+
+/// The bytes of `tests/fixtures/jwt/<name>`.
+pub fn jwt_fixture(name: &str) -> Vec<u8> {
+    std::fs::read(format!("{}/tests/fixtures/jwt/{name}", env!("CARGO_MANIFEST_DIR"))).unwrap()
+}
