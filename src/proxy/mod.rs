@@ -38,14 +38,17 @@ fn binding_of<'a>(
     source: Source,
 ) -> Binding<'a> {
     let p = &plan.checks[i];
-    let check = match (source, p.policy) {
-        (Source::Local, FailurePolicy::Local { share }) => local_share(&p.check, share),
-        _ => p.check.clone(),
+    let (quota, cost) = match (source, p.policy) {
+        (Source::Local, FailurePolicy::Local { share }) => {
+            let local = local_share(&p.check, share);
+            (local.quota, local.cost)
+        }
+        _ => (p.check.quota, p.check.cost),
     };
     Binding {
         rule: &snap.rules.rules[p.rule as usize].name,
-        quota: check.quota,
-        cost: check.cost,
+        quota,
+        cost,
         outcome: o,
     }
 }
