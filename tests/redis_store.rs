@@ -727,3 +727,47 @@ async fn cluster_frozen_master_is_abandoned_after_failover() {
     assert!(store.rebuilds() >= 1, "recovered by a connection rebuild");
     cluster.cont_node(old);
 }
+
+/// Issue #24, defect 3, on Redis: a refund names the instant its check was decided
+/// (`Outcome::at_us`), so units spent in window [0, 2 s) are not taken off window [2 s, 4 s)
+/// (Redis used to refund at its current `TIME`, in whatever window that was).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refund_comes_off_the_window_it_was_spent_in() {
+    let server = RedisServer::start();
+    let store = single(&server).await;
+    let w = 2_000_000;
+    let t0 = NOW - NOW % w;
+    for algo in [Algorithm::FixedWindow, Algorithm::SlidingWindow] {
+        let c = lc(&format!("tl:{{refund-{}}}:r:0", algo.as_str()), algo, 2, w, 1);
+        let one = |now| {
+            let c = c.clone();
+            let store = &store;
+            async move { store.check_at(&[c], Some(now)).await.into_result().unwrap()[0] }
+        };
+        // R1 at 0.2 s, counted in [0, 2).
+        let first = one(t0 + 200_000).await;
+        assert!(first.allowed);
+        assert_eq!(
+            first.at_us,
+            t0 + 200_000,
+            "{algo:?}: the outcome names when it was decided"
+        );
+        // Just after the boundary the previous window still weighs (sliding window): one fits.
+        assert!(one(t0 + w + 1).await.allowed, "{algo:?}");
+        // R1's client leaves now; its unit comes off [0, 2), not the current window.
+        store.refund(&[(c.clone(), first.at_us)]).await.unwrap();
+        let mut admitted = 0;
+        for _ in 0..3 {
+            admitted += usize::from(one(t0 + w + 2).await.allowed);
+        }
+        assert_eq!(admitted, 1, "{algo:?}: one more fits in [2, 4)");
+        // Two units are counted in [2, 4): the next window starts with them (sliding window)
+        // or empty (fixed window), never with one of them minted back by the refund.
+        let next = one(t0 + 2 * w + 1).await;
+        if algo == Algorithm::SlidingWindow {
+            assert!(!next.allowed, "the refund was taken off the wrong window");
+        } else {
+            assert!(next.allowed);
+        }
+    }
+}
