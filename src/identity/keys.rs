@@ -71,8 +71,21 @@ impl KeyRegistry {
 
     /// Validate parsed keys: 64 hex digits each, ids and hashes unique.
     pub fn compile(path: &Path, raw: RawKeys) -> Result<Self, ConfigError> {
-        let mut by_hash = HashMap::new();
-        let mut ids = std::collections::HashSet::new();
+        let mut by_hash = HashMap::with_capacity(raw.keys.len());
+        let mut ids = std::collections::HashSet::with_capacity(raw.keys.len());
+        // Tiers and orgs repeat across keys: one shared string each, not one per key (a million
+        // keys in a handful of tiers and thousands of orgs).
+        let mut interned: std::collections::HashSet<Arc<str>> = std::collections::HashSet::new();
+        let mut intern = |s: &str| -> Arc<str> {
+            match interned.get(s) {
+                Some(a) => a.clone(),
+                None => {
+                    let a: Arc<str> = Arc::from(s);
+                    interned.insert(a.clone());
+                    a
+                }
+            }
+        };
         for k in raw.keys {
             let k = k.value;
             let mut h = [0u8; 32];
@@ -83,7 +96,8 @@ impl KeyRegistry {
                     "sha256 must be 64 hex digits (use `tollgate hash-key <KEY>`)",
                 ));
             }
-            if k.id.value.is_empty() || !ids.insert(k.id.value.clone()) {
+            let id: Arc<str> = Arc::from(k.id.value.as_str());
+            if k.id.value.is_empty() || !ids.insert(id.clone()) {
                 return Err(ConfigError::at(
                     path,
                     &k.id.referenced,
@@ -91,9 +105,9 @@ impl KeyRegistry {
                 ));
             }
             let entry = KeyEntry {
-                id: Arc::from(k.id.value.as_str()),
-                tier: Arc::from(k.tier.as_deref().unwrap_or(crate::identity::ANONYMOUS)),
-                org: k.org.as_deref().map(Arc::from),
+                id,
+                tier: intern(k.tier.as_deref().unwrap_or(crate::identity::ANONYMOUS)),
+                org: k.org.as_deref().map(&mut intern),
             };
             if by_hash.insert(h, entry).is_some() {
                 return Err(ConfigError::at(
