@@ -2,7 +2,7 @@
 //! store is down.
 //!
 //! Closed: every check goes to the store; `threshold` consecutive failures open it. Open: no
-//! check goes to the store; a background probe (see `crate::gateway`) runs the script path
+//! check goes to the store; a background probe (see `crate::server`) runs the script path
 //! every `probe_interval` and closes the breaker on the first success. Plain atomics: the state
 //! is read on every request and must never block.
 
@@ -30,11 +30,6 @@ impl Breaker {
             open: AtomicBool::new(false),
             opened_total: AtomicU64::new(0),
         }
-    }
-
-    /// May a check go to the store now?
-    pub fn allow(&self) -> bool {
-        !self.open.load(Ordering::Relaxed)
     }
 
     /// True while open.
@@ -76,15 +71,15 @@ mod tests {
     #[test]
     fn opens_after_threshold_and_closes_on_probe() {
         let b = Breaker::new(3);
-        assert!(b.allow());
+        assert!(!b.is_open());
         assert!(!b.failure());
         b.success();
         assert!(!b.failure());
         assert!(!b.failure());
         assert!(b.failure(), "third consecutive failure opens");
-        assert!(!b.allow());
+        assert!(b.is_open());
         assert!(b.close());
-        assert!(b.allow());
+        assert!(!b.is_open());
         assert_eq!(b.opened_total(), 1);
     }
 }
