@@ -300,95 +300,6 @@ pub fn spend(q: &Quota, state: &mut Option<State>, now: u64, cost: u64) {
     }
 }
 
-/// Give back `cost` units that a check decided at `at` spent, in the window and bucket state
-/// it spent them in: a window that has moved on since keeps what it has (the units no longer
-/// count there anyway); a sliding window that moved on by one window takes them off its
-/// previous count; a log loses its `cost` newest entries at or before `at`.
-/// Mirrors each algorithm's `*_refund` in `lua/`.
-pub fn refund(q: &Quota, state: &mut Option<State>, at: u64, cost: u64) {
-    let w = q.window_us.get();
-    match state {
-        Some(State::Bucket { tat }) => *tat = tat.saturating_sub(cost.saturating_mul(q.interval_us.get())),
-        Some(State::Window { index, count }) if *index == at / w => *count = count.saturating_sub(cost),
-        Some(State::Sliding { index, prev, curr }) => {
-            let spent_in = at / w;
-            if *index == spent_in {
-                *curr = curr.saturating_sub(cost);
-            } else if *index == spent_in + 1 {
-                *prev = prev.saturating_sub(cost);
-            }
-        }
-        Some(State::Log { entries }) => {
-            let end = entries.partition_point(|t| *t <= at);
-            let start = end.saturating_sub(usize::try_from(cost).unwrap_or(usize::MAX));
-            entries.drain(start..end);
-        }
-        Some(State::Window { .. }) | None => {}
-    }
-}
-
-/// Units that `state`, written under `old`, still holds at `now`, counted the way `new` would
-/// count them and rounded up (conservative), at most `new`'s limit. A reload that changes a
-/// limit's shape (see [`Quota::same_shape`]) carries this much consumption over, so it never
-/// hands out a fresh quota. A log counts its entries inside `new`'s span (its window, or a
-/// bucket's time to refill from empty). Mirrored by `tg_used` in `lua/common.lua`.
-pub fn used(old: &Quota, state: &State, new: &Quota, now: u64) -> u64 {
-    let w = old.window_us.get();
-    let units = match state {
-        State::Bucket { tat } => tat.saturating_sub(now).div_ceil(old.interval_us.get()),
-        State::Window { index, count } => {
-            if *index == now / w {
-                *count
-            } else {
-                0
-            }
-        }
-        State::Sliding { .. } => {
-            let mut st = Some(state.clone());
-            roll_sliding(old, &mut st, now);
-            let (prev, curr) = match st {
-                Some(State::Sliding { prev, curr, .. }) => (prev, curr),
-                _ => (0, 0),
-            };
-            let elapsed = now % w;
-            let (wf, pf, cf) = (w as f64, prev as f64, curr as f64);
-            let estimate = pf * (wf - elapsed as f64) / wf + cf;
-            estimate.ceil().max(0.0) as u64
-        }
-        State::Log { entries } => {
-            let floor = now.saturating_sub(new.window_us.get());
-            (entries.len() - entries.partition_point(|t| *t <= floor)) as u64
-        }
-    };
-    units.min(new.limit.get())
-}
-
-/// A state of `q` holding `used` units spent at `now` (none for 0). With [`used`], the
-/// conservative conversion of a limit's state across a reload.
-pub fn seeded(q: &Quota, used: u64, now: u64) -> Option<State> {
-    if used == 0 {
-        return None;
-    }
-    let w = q.window_us.get();
-    Some(match q.algorithm {
-        Algorithm::TokenBucket | Algorithm::LeakyBucket => State::Bucket {
-            tat: now + used * q.interval_us.get(),
-        },
-        Algorithm::FixedWindow => State::Window {
-            index: now / w,
-            count: used,
-        },
-        Algorithm::SlidingWindow => State::Sliding {
-            index: now / w,
-            prev: 0,
-            curr: used,
-        },
-        Algorithm::SlidingLog => State::Log {
-            entries: std::iter::repeat_n(now, usize::try_from(used).unwrap_or(0)).collect(),
-        },
-    })
-}
-
 /// When the memory store may forget this state: past this instant it is equivalent to none.
 pub fn expires_at(q: &Quota, state: &State) -> u64 {
     let w = q.window_us.get();
@@ -565,6 +476,9 @@ fn sliding_eval(q: &Quota, state: &mut Option<State>, now: u64, cost: u64) -> Ou
         }
     }
 }
+
+mod reshape;
+pub use reshape::{refund, seeded, used};
 
 #[cfg(test)]
 mod tests;

@@ -212,10 +212,10 @@ impl RedisStore {
             return Checked::default();
         }
         let start = Instant::now();
-        let owned = || checks.iter().map(|c| c.as_ref().clone());
         if one_tag(checks.iter().map(|c| &c.as_ref().key)) {
             // Fast path: one slot, one script call, no grouping.
-            return match self.check_group(now, owned().collect()).await {
+            let owned = checks.iter().map(|c| c.as_ref().clone()).collect();
+            return match self.check_group(now, owned).await {
                 Ok((_, outcomes)) => Checked {
                     outcomes,
                     failed: Vec::new(),
@@ -223,7 +223,9 @@ impl RedisStore {
                 Err(e) => Checked::all_failed(checks.len(), e),
             };
         }
-        let checks: Vec<LimitCheck> = owned().collect();
+        // One owned copy per check, made where its slot's call needs it (the batch task outlives
+        // this future).
+        let checks: Vec<&LimitCheck> = checks.iter().map(AsRef::as_ref).collect();
         let groups = group_by_tag(checks.iter().map(|c| &c.key));
         let calls = groups
             .iter()
