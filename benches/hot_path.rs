@@ -149,6 +149,8 @@ fn bench_memory_store(c: &mut Criterion) {
                 quota: q,
                 cost: 1,
                 shadow: false,
+                holder: 0,
+                penalty: None,
             })
             .collect();
         let mut i = 0usize;

@@ -5,13 +5,22 @@
 -- with EVALSHA (EVAL on NOSCRIPT). One call checks every limit of a request that lives on one
 -- Redis Cluster slot, whatever their algorithms; limits on other slots get their own call.
 --
--- KEYS  the limit keys, all sharing one {hash tag} (one slot). May be empty (probe).
+-- KEYS  the limit keys, all sharing one {hash tag} (one slot), each followed by its penalty key
+--       when its limit has a penalty box (flag 2). May be empty (probe).
 -- ARGV[1]  mode: "check" | "refund" | "peek"
 -- ARGV[2]  now in microseconds since the epoch, or "" to read Redis TIME (the normal case:
 --          every gateway then agrees on time; tests pass an explicit now)
 -- A limit is described by 5 ARGV: algorithm code (1 token_bucket, 2 leaky_bucket,
---   3 fixed_window, 4 sliding_log, 5 sliding_window), limit, interval_us (buckets:
---   microseconds per unit; windows: the window), cost, shadow (1 = never blocks the request).
+--   3 fixed_window, 4 sliding_log, 5 sliding_window, 6 concurrency), limit, interval_us
+--   (buckets: microseconds per unit; windows: the window; concurrency: the slot time to live),
+--   cost, flags (1 = shadow: never blocks the request; 2 = penalty box), then
+--   - for concurrency, 1 more: the holder of the slot (letters, digits, ':', at most 64 bytes);
+--   - with flag 2, 2 more: the penalty's base and max in microseconds.
+-- Penalty box (flag 2): a string at the penalty key, "<until_us>:<len_us>", expiring at until.
+--   While until > now the limit denies without being evaluated (allowed code 3) and, when
+--   max > base, each such request doubles the penalty from now (len = min(2 len, max)). A
+--   denial outside a penalty starts one of `base` (allowed code 4). Penalties are written even
+--   when the request is blocked (that is their point); nothing else is.
 --
 -- check: a BATCH of requests, evaluated one after the other exactly as if each had been its
 --   own call (the gateway batches the requests that are waiting for the same slot, so a busy
@@ -22,7 +31,7 @@
 --   When not blocked, every admitted key is spent (a denied shadow key spends nothing) and
 --   gets its expiry; when blocked, nothing is written at all (rejected requests are never
 --   counted). A later request in the batch sees what the earlier ones spent.
--- peek and refund: 5 ARGV per key, in KEYS order.
+-- peek, refund and renew: the limits one after the other, in KEYS order.
 --
 -- Reply, every mode: the numbers
 --   { now, allowed_1, remaining_1, reset_us_1, retry_after_us_1, delay_us_1, allowed_2, ... }
@@ -30,7 +39,9 @@
 --   PACKED: one binary string of little-endian IEEE doubles, 8 bytes per number (exact: every
 --   value is an integer in 0 .. 2^53). A client then parses one bulk string instead of 1 + 5 n
 --   integers, which for the gateway's Redis client was the costliest part of a batched request.
---   allowed is 1 or 0, and 2 in a peek where the key does not exist.
+--   allowed is 1 or 0; 2 in a peek where the key does not exist; 3 when the key is in its penalty
+--   box (retry_after_us = the time left); 4 when this denial started or escalated a penalty
+--   (retry_after_us at least the penalty). One 5-tuple per LIMIT (a penalty key adds none).
 -- peek: as a cost-0 check with cost forced to 0, writing nothing (state of another shape is
 --   converted in the reply only).
 -- Every limit argument is checked before anything runs: whole numbers, limit 1..10^12,
@@ -38,7 +49,9 @@
 --   limit and cost at most 10,000, shadow 0 or 1, now below 2^52. Anything else (negative,
 --   fractional, non-finite, huge) is an error reply and changes nothing.
 -- refund: ARGV[2] must be the `now` the check used (or "" for Redis time); gives back `cost`
---   on every key (see each algorithm's *_refund). Reply: { now }, packed.
+--   on every key (see each algorithm's *_refund; a concurrency slot is released). Reply:
+--   { now }, packed.
+-- renew: pushes each concurrency slot still held out to now + time to live. Reply: { now }.
 
 local ALGOS = {
   { eval = tb_eval, spend = tb_spend, refund = tb_refund },
@@ -46,6 +59,7 @@ local ALGOS = {
   { eval = fw_eval, spend = fw_spend, refund = fw_refund },
   { eval = sl_eval, spend = sl_spend, refund = sl_refund },
   { eval = sw_eval, spend = sw_spend, refund = sw_refund },
+  { eval = cc_eval, spend = cc_take, refund = cc_release, renew = cc_renew },
 }
 
 local mode = ARGV[1]
@@ -56,22 +70,27 @@ if ARGV[2] == nil or ARGV[2] == '' then
 else
   now = tonumber(ARGV[2])
 end
-local n = #KEYS
 if not tg_whole(now, 0, TG_MAX_NOW) then
   return redis.error_reply('ERR tollgate: bad arguments (now)')
 end
 
--- Parse the 5 arguments starting after ARGV[b]; nil unless every one is a whole number within
--- the bounds (common.lua) and the shadow flag is 0 or 1.
-local function args_at(b)
+-- The parsed limits: limit i has ALGO[i], LIMIT[i], ... (parsed once, used by evaluation and
+-- spending); its key is KEYS[KEY[i]] and its penalty key KEYS[PKEY[i]] (nil without one).
+local ALGO, LIMIT, INTERVAL, COST, SHADOW, MEMBER, KEY, PKEY, PBASE, PMAX = {}, {}, {}, {}, {}, {}, {}, {}, {}, {}
+local nlimits, nkeys = 0, 0
+
+-- Parse the limit whose arguments start after ARGV[b]; returns the index after its last
+-- argument, or nil unless every number is whole and within the bounds (common.lua), the flags
+-- are known and the holder well formed.
+local function parse_limit(b)
   local code = tg_num(ARGV[b + 1])
   local limit = tg_num(ARGV[b + 2])
   local interval = tg_num(ARGV[b + 3])
   local cost = tg_num(ARGV[b + 4])
-  local shadow = ARGV[b + 5]
-  if not tg_whole(code, 1, 5) or not tg_whole(limit, 1, TG_MAX_UNITS)
+  local flags = tg_num(ARGV[b + 5])
+  if not tg_whole(code, 1, 6) or not tg_whole(limit, 1, TG_MAX_UNITS)
     or not tg_whole(interval, 1, TG_MAX_SPAN) or not tg_whole(cost, 0, TG_MAX_UNITS)
-    or (shadow ~= '0' and shadow ~= '1') then
+    or not tg_whole(flags, 0, 3) then
     return nil
   end
   if (code == 1 or code == 2) and limit * interval > TG_MAX_SPAN then
@@ -80,12 +99,51 @@ local function args_at(b)
   if code == 4 and (limit > TG_MAX_LOG or cost > TG_MAX_LOG) then
     return nil
   end
-  return ALGOS[code], limit, interval, cost, shadow == '1'
+  if code == 6 and cost > 1 then
+    return nil
+  end
+  local i, k = nlimits + 1, nkeys + 1
+  ALGO[i], LIMIT[i], INTERVAL[i], COST[i], SHADOW[i], KEY[i] = ALGOS[code], limit, interval, cost, flags % 2 == 1, k
+  b = b + 5
+  if code == 6 then
+    local m = ARGV[b + 1]
+    if m == nil or #m > 64 or not string.match(m, '^[%w:]+$') then
+      return nil
+    end
+    MEMBER[i] = m
+    b = b + 1
+  end
+  if flags >= 2 then
+    local base, max = tg_num(ARGV[b + 1]), tg_num(ARGV[b + 2])
+    if not tg_whole(base, 1, TG_MAX_SPAN) or not tg_whole(max, base, TG_MAX_SPAN) then
+      return nil
+    end
+    k = k + 1
+    PKEY[i], PBASE[i], PMAX[i] = k, base, max
+    b = b + 2
+  end
+  nlimits, nkeys = i, k
+  return b
 end
 
--- Parse the 5 arguments of key j (peek and refund layout).
-local function args(j)
-  return args_at(2 + (j - 1) * 5)
+-- The penalty limit i is serving at `now`: time left and its length, or nil.
+local function penalty_of(i)
+  if not PKEY[i] then
+    return nil
+  end
+  local v = redis.call('GET', KEYS[PKEY[i]])
+  local untl, len = string.match(v or '', '^(%d+):(%d+)$')
+  untl, len = tonumber(untl), tonumber(len)
+  if untl and len and untl > now then
+    return untl - now, len
+  end
+  return nil
+end
+
+-- Put limit i in its penalty box for `len` from now.
+local function penalize(i, len)
+  local untl = now + len
+  redis.call('SET', KEYS[PKEY[i]], string.format('%d:%d', untl, len), 'PXAT', tg_at_ms(untl))
 end
 
 local reply = { now }
@@ -101,36 +159,55 @@ local function pack(values)
   return table.concat(parts)
 end
 
+-- Evaluate limit i (cost `cost`) with its penalty box: allowed code, remaining, reset, retry,
+-- delay. In a check (`write`), a denial starts a penalty and a request during one escalates it.
+local function decide(i, cost, write)
+  local left, len = penalty_of(i)
+  if left then
+    if write and PMAX[i] > PBASE[i] then
+      local longer = math.min(math.max(2 * len, PBASE[i]), PMAX[i])
+      penalize(i, longer)
+      return 4, 0, longer, longer, 0
+    end
+    return 3, 0, left, left, 0
+  end
+  local ok, remaining, reset, retry, delay = ALGO[i].eval(KEYS[KEY[i]], now, LIMIT[i], INTERVAL[i], cost)
+  if ok then
+    return 1, remaining, reset, retry, delay
+  end
+  if write and PKEY[i] then
+    penalize(i, PBASE[i])
+    return 4, remaining, math.max(reset, PBASE[i]), math.max(retry, PBASE[i]), delay
+  end
+  return 0, remaining, reset, retry, delay
+end
+
 if mode == 'check' then
   local argc = #ARGV
   local requests = tonumber(ARGV[3])
   if requests == nil then
     return redis.error_reply('ERR tollgate: bad arguments (want a request count)')
   end
-  -- Parse and validate the whole batch before anything is written. Key i's limit goes to
-  -- ALGO[i], LIMIT[i], ... (parsed once, used by evaluation and spending); request r owns
-  -- keys FIRST[r] + 1 .. FIRST[r] + COUNT[r].
-  local ALGO, LIMIT, INTERVAL, COST, SHADOW, FIRST, COUNT = {}, {}, {}, {}, {}, {}, {}
-  local b, k = 3, 0
+  -- Parse and validate the whole batch before anything is written; request r owns limits
+  -- FIRST[r] + 1 .. FIRST[r] + COUNT[r].
+  local FIRST, COUNT = {}, {}
+  local b = 3
   for r = 1, requests do
     local m = tg_num(ARGV[b + 1])
     if m == nil or m < 0 or b + 1 + 5 * m > argc then
       return redis.error_reply('ERR tollgate: bad arguments (request layout)')
     end
-    FIRST[r], COUNT[r] = k, m
+    FIRST[r], COUNT[r] = nlimits, m
     b = b + 1
     for _ = 1, m do
-      k = k + 1
-      local algo, limit, interval, cost, shadow = args_at(b)
-      if algo == nil then
-        return redis.error_reply('ERR tollgate: bad arguments for key ' .. k)
+      b = parse_limit(b)
+      if b == nil then
+        return redis.error_reply('ERR tollgate: bad arguments for limit ' .. (nlimits + 1))
       end
-      ALGO[k], LIMIT[k], INTERVAL[k], COST[k], SHADOW[k] = algo, limit, interval, cost, shadow
-      b = b + 5
     end
   end
-  if b ~= argc or k ~= n then
-    return redis.error_reply('ERR tollgate: bad arguments (want R, then n and 5 per key per request)')
+  if b ~= argc or nkeys ~= #KEYS then
+    return redis.error_reply('ERR tollgate: bad arguments (want R, then n and the limits per request)')
   end
   -- Each request in turn, exactly as if it were a call of its own.
   local admitted = {}
@@ -139,12 +216,12 @@ if mode == 'check' then
     local k0, m = FIRST[r], COUNT[r]
     local blocked = false
     for i = k0 + 1, k0 + m do
-      local ok, remaining, reset, retry, delay = ALGO[i].eval(KEYS[i], now, LIMIT[i], INTERVAL[i], COST[i])
-      admitted[i] = ok
-      if not ok and not SHADOW[i] then
+      local code, remaining, reset, retry, delay = decide(i, COST[i], true)
+      admitted[i] = code == 1
+      if code ~= 1 and not SHADOW[i] then
         blocked = true
       end
-      reply[o + 1] = ok and 1 or 0
+      reply[o + 1] = code
       reply[o + 2] = remaining
       reply[o + 3] = reset
       reply[o + 4] = retry
@@ -155,24 +232,32 @@ if mode == 'check' then
       -- Spending re-reads each key, so a key listed twice is spent twice, like the memory store.
       for i = k0 + 1, k0 + m do
         if admitted[i] then
-          ALGO[i].spend(KEYS[i], now, LIMIT[i], INTERVAL[i], COST[i])
+          ALGO[i].spend(KEYS[KEY[i]], now, LIMIT[i], INTERVAL[i], COST[i], MEMBER[i])
         end
       end
     end
   end
   return pack(reply)
-elseif mode ~= 'check' and #ARGV ~= 2 + 5 * n then
-  return redis.error_reply('ERR tollgate: bad arguments (want mode, now, 5 per key)')
-elseif mode == 'peek' then
-  for j = 1, n do
-    local algo, limit, interval = args(j)
-    if algo == nil then
-      return redis.error_reply('ERR tollgate: bad arguments for key ' .. j)
-    end
+end
+
+-- peek, refund, renew: the limits one after the other from ARGV[3].
+local b = 2
+while b < #ARGV do
+  b = parse_limit(b)
+  if b == nil then
+    return redis.error_reply('ERR tollgate: bad arguments for limit ' .. (nlimits + 1))
+  end
+end
+if nkeys ~= #KEYS then
+  return redis.error_reply('ERR tollgate: bad arguments (want mode, now, the limits)')
+end
+if mode == 'peek' then
+  for i = 1, nlimits do
     local o = #reply
-    if redis.call('EXISTS', KEYS[j]) == 1 then
-      local ok, remaining, reset, retry, delay = algo.eval(KEYS[j], now, limit, interval, 0)
-      reply[o + 1] = ok and 1 or 0
+    local exists = redis.call('EXISTS', KEYS[KEY[i]]) == 1 or (PKEY[i] and penalty_of(i))
+    if exists then
+      local code, remaining, reset, retry, delay = decide(i, 0, false)
+      reply[o + 1] = code
       reply[o + 2] = remaining
       reply[o + 3] = reset
       reply[o + 4] = retry
@@ -187,12 +272,15 @@ elseif mode == 'peek' then
   end
   return pack(reply)
 elseif mode == 'refund' then
-  for j = 1, n do
-    local algo, limit, interval, cost = args(j)
-    if algo == nil then
-      return redis.error_reply('ERR tollgate: bad arguments for key ' .. j)
+  for i = 1, nlimits do
+    ALGO[i].refund(KEYS[KEY[i]], now, LIMIT[i], INTERVAL[i], COST[i], MEMBER[i])
+  end
+  return pack(reply)
+elseif mode == 'renew' then
+  for i = 1, nlimits do
+    if ALGO[i].renew then
+      ALGO[i].renew(KEYS[KEY[i]], now, LIMIT[i], INTERVAL[i], COST[i], MEMBER[i])
     end
-    algo.refund(KEYS[j], now, limit, interval, cost)
   end
   return pack(reply)
 end

@@ -153,17 +153,49 @@ async fn route(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Resp
             let ip: IpAddr = query_param(&query, "ip")
                 .and_then(|s| s.parse().ok())
                 .unwrap_or(IpAddr::from([127, 0, 0, 1]));
-            let snap = gw.snapshot().load();
-            respond::json_ok(&explain(
-                gw.config(),
-                gw.keys(),
-                &snap,
-                &method,
-                &p,
-                req.headers(),
-                ip,
-                gw.clock().now_us() / 1_000_000,
-            ))
+            let snap = gw.snapshot().load_full();
+            let now_secs = gw.clock().now_us() / 1_000_000;
+            let mut v = explain(gw.config(), gw.keys(), &snap, &method, &p, req.headers(), ip, now_secs);
+            // The live state of each planned limit: remaining, requests in flight, penalty left.
+            let uri: http::Uri = p.parse().unwrap_or_else(|_| http::Uri::from_static("/"));
+            let parts = RequestParts {
+                method: &method,
+                uri: &uri,
+                headers: req.headers(),
+                peer: ip,
+            };
+            let plan = crate::proxy::plan::plan(&snap, gw.keys(), &gw.config().identity, parts, now_secs);
+            let checks: Vec<LimitCheck> = plan
+                .checks
+                .iter()
+                .map(|c| LimitCheck {
+                    cost: 0,
+                    ..c.check.clone()
+                })
+                .collect();
+            if let Ok(states) = gw.limiter().store.peek(&checks).await {
+                let live: Vec<Value> = plan
+                    .checks
+                    .iter()
+                    .zip(&checks)
+                    .zip(&states)
+                    .map(|((p, c), st)| {
+                        let q = &c.quota;
+                        let mut e = json!({
+                            "rule": &*snap.rules.rules[p.rule as usize].name,
+                            "store_key": c.key.as_str(),
+                            "limit": q.limit.get(),
+                            "remaining": st.as_ref().map_or(q.limit.get(), |o| o.remaining),
+                        });
+                        if let (Value::Object(o), Value::Object(w)) = (&mut e, live_json(c, st.as_ref())) {
+                            o.extend(w);
+                        }
+                        e
+                    })
+                    .collect();
+                v["live"] = Value::Array(live);
+            }
+            respond::json_ok(&v)
         }
         (m, p) if p.starts_with("/keys/") && (m == Method::GET || m == Method::DELETE) => {
             let raw = &p["/keys/".len()..];
@@ -198,15 +230,27 @@ async fn route(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Resp
                 let keys: Vec<StoreKey> = kept.iter().map(|(c, _)| c.check.key.clone()).collect();
                 return match gw.limiter().reset(&keys).await {
                     Ok(()) => {
+                        let mut lifted = 0;
+                        for (c, s) in &kept {
+                            if s.as_ref().is_some_and(|o| o.penalty_us > 0) {
+                                lifted += 1;
+                                if let Some(i) = snap.rules.rules.iter().position(|r| *r.name == *c.rule) {
+                                    snap.rule_metrics[i].penalty_lifted.inc();
+                                }
+                            }
+                        }
                         tracing::info!(
                             target: "tollgate::audit",
                             caller = %peer,
                             action = "reset",
                             identity_hash = %identity_hash(gw.keys(), &snap, &who),
                             counters = keys.len(),
+                            penalties_lifted = lifted,
                             "admin: DELETE /keys: counters reset"
                         );
-                        respond::json_ok(&json!({"result": "reset", "counters": keys.len()}))
+                        respond::json_ok(
+                            &json!({"result": "reset", "counters": keys.len(), "penalties_lifted": lifted}),
+                        )
                     }
                     Err(e) => respond::json(
                         StatusCode::SERVICE_UNAVAILABLE,
@@ -228,6 +272,9 @@ async fn route(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Resp
                         "tracked": s.is_some(),
                     });
                     if let (Value::Object(o), Value::Object(w)) = (&mut v, quota_json(q)) {
+                        o.extend(w);
+                    }
+                    if let (Value::Object(o), Value::Object(w)) = (&mut v, live_json(&c.check, s.as_ref())) {
                         o.extend(w);
                     }
                     v
@@ -334,13 +381,31 @@ fn identity_checks(keys: &KeyBuilder, snap: &Snapshot, who: &str) -> Candidates 
     }
 }
 
-/// A limit as it is written: `{rate, capacity}` for a bucket, `{limit, window}` for a window.
+/// What the store holds for a limit now, beyond remaining and reset: requests in flight for a
+/// concurrency limit, and the time left in the penalty box.
+fn live_json(c: &LimitCheck, state: Option<&crate::limiter::Outcome>) -> Value {
+    let mut v = json!({});
+    if c.is_slot() {
+        let limit = c.quota.limit.get();
+        let free = state.map_or(limit, |o| if o.penalty_us > 0 { limit } else { o.remaining });
+        v["in_flight"] = json!(limit.saturating_sub(free));
+    }
+    if c.penalty.is_some() {
+        let left = state.map_or(0, |o| o.penalty_us);
+        v["penalty_left_ms"] = json!(left.div_ceil(1000));
+    }
+    v
+}
+
+/// A limit as it is written: `{rate, capacity}` for a bucket, `{limit, window}` for a window,
+/// `{limit}` (in flight at once) for concurrency.
 fn quota_json(q: &crate::limiter::Quota) -> Value {
     use crate::limiter::Algorithm;
     match q.algorithm {
         Algorithm::TokenBucket | Algorithm::LeakyBucket => {
             json!({"rate": crate::describe::rate(q.interval_us.get()), "capacity": q.limit.get()})
         }
+        Algorithm::Concurrency => json!({"limit": q.limit.get(), "slot_ttl": window_text(q.window_us.get())}),
         _ => json!({"limit": q.limit.get(), "window": window_text(q.window_us.get())}),
     }
 }
@@ -373,6 +438,7 @@ fn rule_json(r: &Rule) -> Value {
         "cost": r.cost,
         "failure": crate::describe::failure(&r.failure),
         "shadow": r.shadow,
+        "penalty": r.penalty.map(|p| json!({"base": window_text(p.base_us.get()), "max": window_text(p.max_us.get())})),
         "overrides": r.overrides.keys().collect::<Vec<_>>(),
     })
 }

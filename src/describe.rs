@@ -13,6 +13,7 @@ pub fn quota(q: &Quota) -> String {
         Algorithm::TokenBucket | Algorithm::LeakyBucket => {
             format!("rate {}, capacity {}", rate(q.interval_us.get()), q.limit)
         }
+        Algorithm::Concurrency => format!("{} in flight", q.limit),
         _ => format!("{} per {}", q.limit, window_text(q.window_us.get())),
     }
 }
@@ -97,6 +98,17 @@ pub fn rule(r: &Rule) -> String {
     }
     if !r.overrides.is_empty() {
         s.push_str(&format!(" overrides={}", r.overrides.len()));
+    }
+    if let Some(p) = &r.penalty {
+        if p.escalates() {
+            s.push_str(&format!(
+                " penalty={}..{} (doubling)",
+                window_text(p.base_us.get()),
+                window_text(p.max_us.get())
+            ));
+        } else {
+            s.push_str(&format!(" penalty={}", window_text(p.base_us.get())));
+        }
     }
     s
 }

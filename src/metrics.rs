@@ -37,6 +37,17 @@ struct RuleLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RuleOnly {
+    rule: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PenaltyLabels {
+    rule: String,
+    event: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct KindLabels {
     kind: String,
 }
@@ -135,6 +146,13 @@ pub struct RuleMetrics {
     pub fail_closed: Counter,
     /// `decision="local"`.
     pub local: Counter,
+    /// `tollgate_concurrency_in_flight{rule}`: slots this node's requests hold now.
+    pub in_flight: Gauge,
+    /// `tollgate_penalties_total{rule,event="started"}`: penalties started or escalated by
+    /// this node's requests.
+    pub penalty_started: Counter,
+    /// `tollgate_penalties_total{rule,event="lifted"}`: penalties lifted through the admin API.
+    pub penalty_lifted: Counter,
 }
 
 /// Every metric of the process.
@@ -143,6 +161,10 @@ pub struct Metrics {
     registry: Registry,
     /// `tollgate_requests_total{rule,decision}`.
     requests: Family<RuleLabels, Counter>,
+    /// `tollgate_concurrency_in_flight{rule}`.
+    in_flight: Family<RuleOnly, Gauge>,
+    /// `tollgate_penalties_total{rule,event}`.
+    penalties: Family<PenaltyLabels, Counter>,
     /// Requests no rule matched.
     pub unmatched: Counter,
     /// `tollgate_limit_check_duration_seconds`.
@@ -207,6 +229,18 @@ impl Metrics {
         let mut registry = Registry::with_prefix("tollgate");
         let requests = Family::<RuleLabels, Counter>::default();
         registry.register("requests", "Requests by rule and decision", requests.clone());
+        let in_flight = Family::<RuleOnly, Gauge>::default();
+        registry.register(
+            "concurrency_in_flight",
+            "Concurrency slots held by this node's requests, by rule",
+            in_flight.clone(),
+        );
+        let penalties = Family::<PenaltyLabels, Counter>::default();
+        registry.register(
+            "penalties",
+            "Penalty boxes started (or escalated) by this node's requests and lifted by an admin, by rule",
+            penalties.clone(),
+        );
         let unmatched = Counter::default();
         registry.register(
             "unmatched_requests",
@@ -375,6 +409,8 @@ impl Metrics {
         Arc::new(Metrics {
             registry,
             requests,
+            in_flight,
+            penalties,
             unmatched,
             check_latency,
             store_error,
@@ -422,6 +458,24 @@ impl Metrics {
             fail_open: get(Decision::fail_open),
             fail_closed: get(Decision::fail_closed),
             local: get(Decision::local),
+            in_flight: self
+                .in_flight
+                .get_or_create(&RuleOnly { rule: name.to_string() })
+                .clone(),
+            penalty_started: self
+                .penalties
+                .get_or_create(&PenaltyLabels {
+                    rule: name.to_string(),
+                    event: "started",
+                })
+                .clone(),
+            penalty_lifted: self
+                .penalties
+                .get_or_create(&PenaltyLabels {
+                    rule: name.to_string(),
+                    event: "lifted",
+                })
+                .clone(),
         }
     }
 
@@ -501,6 +555,13 @@ impl Metrics {
             self.requests.remove(&RuleLabels {
                 rule: name.to_string(),
                 decision,
+            });
+        }
+        self.in_flight.remove(&RuleOnly { rule: name.to_string() });
+        for event in ["started", "lifted"] {
+            self.penalties.remove(&PenaltyLabels {
+                rule: name.to_string(),
+                event,
             });
         }
     }

@@ -65,6 +65,7 @@ pub async fn start_with(gw: Arc<State>) -> Result<Running, StartError> {
     })?;
     let (tx, rx) = watch::channel(false);
     spawn_probe(&gw, rx.clone());
+    spawn_slot_renewal(&gw, rx.clone());
     let mut files = vec![gw.config().rules_file.clone()];
     files.extend(gw.config().keys_file.clone());
     // The gateway file is watched too, not to apply it (that needs a restart) but to say that
@@ -282,6 +283,24 @@ async fn reject_over_capacity(stream: tokio::net::TcpStream) {
     })
     .await;
 }
+/// Renew the concurrency slots of running requests every third of `store.concurrency_ttl`, so
+/// a long request keeps its slot while a crashed gateway's slots expire. Cheap when no request
+/// holds a slot (one lock, an empty map).
+fn spawn_slot_renewal(gw: &Arc<State>, mut stop: watch::Receiver<bool>) {
+    let gw = gw.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(gw.config().store.concurrency_ttl / 3);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stop.changed() => return,
+            }
+            gw.limiter().renew_held().await;
+        }
+    });
+}
+
 /// While a shard's breaker is open, probe that shard and close its breaker when it answers.
 fn spawn_probe(gw: &Arc<State>, mut stop: watch::Receiver<bool>) {
     if gw.limiter().store.is_memory() {

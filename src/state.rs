@@ -147,7 +147,8 @@ fn file_digest(path: &std::path::Path) -> Option<[u8; 32]> {
 /// Load rules and keys into a snapshot, resolving metric handles.
 pub fn load_snapshot(config: &GatewayConfig, metrics: &Metrics) -> Result<Snapshot, ConfigError> {
     let rules = RuleSet::load(&config.rules_file, config.limits.max_rules)
-        .map_err(|e| e.named_in(&config.path, "rules_file", config.rules_file_at))?;
+        .map_err(|e| e.named_in(&config.path, "rules_file", config.rules_file_at))?
+        .with_slot_ttl(u64::try_from(config.store.concurrency_ttl.as_micros()).unwrap_or(u64::MAX));
     let keys = match &config.keys_file {
         Some(k) => KeyRegistry::load_max(k, config.limits.max_keys)
             .map_err(|e| e.named_in(&config.path, "keys_file", config.keys_file_at))?,
@@ -289,6 +290,8 @@ impl State {
                 .then(|| DenyCache::new(config.limits.deny_cache_max)),
             timeout: sc.timeout,
             clock: clock.clone(),
+            held: Default::default(),
+            next_holder: std::sync::atomic::AtomicU64::new(crate::limiter::random_holder_start()),
         };
         let upstream = crate::http::upstream::Upstream::new(
             config.upstream.authority.as_str().to_string(),

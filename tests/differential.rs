@@ -145,6 +145,8 @@ async fn run(store: &RedisStore, plan: &Plan, label: &str) -> Stats {
                         quota: *quota,
                         cost,
                         shadow: rng.gen_bool(0.2),
+                        holder: 0,
+                        penalty: None,
                     }
                 })
                 .collect();

@@ -1065,6 +1065,8 @@ fn rotation_child() {
                     quota,
                     cost: 1,
                     shadow: false,
+                    holder: 0,
+                    penalty: None,
                 };
                 let o = store.check_at(std::slice::from_ref(&check), now);
                 assert!(o[0].allowed, "a fresh /64 was denied at {i}");
@@ -1084,6 +1086,8 @@ fn rotation_child() {
                     quota,
                     cost: 1,
                     shadow: false,
+                    holder: 0,
+                    penalty: None,
                 };
                 deny.insert(&check, now + 3_600_000_000);
                 if i % 100_000 == 0 {

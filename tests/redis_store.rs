@@ -35,6 +35,8 @@ fn lc(key: &str, algorithm: Algorithm, limit: u64, period_us: u64, cost: u64) ->
         quota,
         cost,
         shadow: false,
+        holder: 0,
+        penalty: None,
     }
 }
 
@@ -313,6 +315,7 @@ async fn every_written_key_gets_an_expiry() {
             Algorithm::TokenBucket | Algorithm::LeakyBucket => 500, // one unit of 4 per 2 s
             Algorithm::FixedWindow | Algorithm::SlidingLog => 2_000,
             Algorithm::SlidingWindow => 4_000,
+            Algorithm::Concurrency => unreachable!("not in Algorithm::ALL"),
         };
         assert!(
             pttl > 0 && pttl <= max,
@@ -447,7 +450,7 @@ async fn bad_arguments_are_a_script_error_not_a_panic() {
     let out = eval("1 k check ''");
     assert!(out.contains("tollgate: bad arguments"), "{out}");
     let out = eval("1 k check '' 1 1 9 1 1 1 0");
-    assert!(out.contains("bad arguments for key 1"), "{out}");
+    assert!(out.contains("bad arguments for limit 1"), "{out}");
     // A batch whose layout does not add up is refused before anything is written.
     let out = eval("1 k check '' 2 1 3 5 1000000 1 0");
     assert!(out.contains("request layout"), "{out}");
@@ -485,11 +488,17 @@ async fn bad_arguments_are_a_script_error_not_a_panic() {
         ("sliding log over its bound", "4 3000000 1000000 1 0"),
         ("sliding log cost over its bound", "4 10000 1000000 3000000 0"),
         ("shadow flag", "3 5 1000000 1 yes"),
+        ("unknown flag", "3 5 1000000 1 4"),
+        ("concurrency cost over 1", "6 5 30000000 2 0 00ab"),
+        ("concurrency holder missing", "6 5 30000000 1 0"),
+        ("concurrency holder with bad bytes", "6 5 30000000 1 0 a-b"),
+        ("penalty max under base", "3 5 1000000 1 2 5000000 1000000"),
+        ("penalty of 0", "3 5 1000000 1 2 0 0"),
     ] {
         let out = eval(&format!("1 k check {now} 1 1 {limit_args}"));
-        assert!(out.contains("bad arguments for key 1"), "{what}: {out}");
+        assert!(out.contains("bad arguments for limit 1"), "{what}: {out}");
         let out = eval(&format!("1 k refund {now} {limit_args}"));
-        assert!(out.contains("bad arguments for key 1"), "{what} (refund): {out}");
+        assert!(out.contains("bad arguments for limit 1"), "{what} (refund): {out}");
     }
     for bad_now in ["-5", "1.5", "inf", "99999999999999999"] {
         let out = eval(&format!("1 k check {bad_now} 1 1 3 5 1000000 1 0"));

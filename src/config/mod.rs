@@ -153,6 +153,9 @@ pub struct StoreConfig {
     pub breaker_threshold: u32,
     /// Probe period while the breaker is open.
     pub probe_interval: Duration,
+    /// How long a concurrency slot lives without renewal (running requests renew theirs every
+    /// third of it; a crashed gateway's slots free themselves after it). At least 3 s.
+    pub concurrency_ttl: Duration,
 }
 
 /// `limits:`, validated.
@@ -442,6 +445,17 @@ impl GatewayConfig {
                 "store.probe_interval",
                 Duration::from_millis(250),
             )?,
+            concurrency_ttl: {
+                let ttl = positive_duration(f, &s.concurrency_ttl, "store.concurrency_ttl", Duration::from_secs(30))?;
+                if let (Some(at), true) = (&s.concurrency_ttl, ttl < Duration::from_secs(3)) {
+                    return Err(ConfigError::at(
+                        f,
+                        &at.referenced,
+                        "store.concurrency_ttl must be at least 3s (slots are renewed every third of it)",
+                    ));
+                }
+                ttl
+            },
         };
 
         let id = &raw.identity;

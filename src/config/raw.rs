@@ -72,6 +72,8 @@ pub struct RawStore {
     pub breaker_threshold: Option<Spanned<u32>>,
     /// How often an open breaker probes the store.
     pub probe_interval: Option<Spanned<String>>,
+    /// How long a concurrency slot lives without renewal.
+    pub concurrency_ttl: Option<Spanned<String>>,
 }
 
 /// `identity:`.
@@ -214,6 +216,23 @@ pub struct RawRule {
     /// Evaluate and report, never reject.
     #[serde(default)]
     pub shadow: bool,
+    /// Penalty box: `10m`, or `{base: 1m, max: 1h}` to double on every breach during one.
+    pub penalty: Option<Spanned<RawPenalty>>,
+}
+
+/// `penalty:` — one duration, or a base and a maximum for escalation.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum RawPenalty {
+    /// `penalty: 10m`.
+    Fixed(String),
+    /// `penalty: {base: 1m, max: 1h}`.
+    Escalating {
+        /// The first penalty.
+        base: String,
+        /// The longest.
+        max: String,
+    },
 }
 
 /// `match:`.

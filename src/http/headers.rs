@@ -112,8 +112,11 @@ pub fn write(h: &mut HeaderMap, b: &Binding<'_>, ietf: bool, legacy: bool, now_u
         buf.put_slice(b.rule.as_bytes());
         buf.put_slice(b"\";q=");
         buf.put_slice(n.format(quota).as_bytes());
-        buf.put_slice(b";w=");
-        buf.put_slice(n.format(b.window_secs()).as_bytes());
+        // A concurrency limit has no window: `q` requests in flight at once, `r` still free.
+        if b.quota.algorithm != crate::limiter::Algorithm::Concurrency {
+            buf.put_slice(b";w=");
+            buf.put_slice(n.format(b.window_secs()).as_bytes());
+        }
         if let Some(v) = take(&mut buf) {
             h.insert(RATELIMIT_POLICY.clone(), v);
         }

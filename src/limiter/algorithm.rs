@@ -43,10 +43,14 @@ pub enum Algorithm {
     SlidingLog,
     /// Weighted estimate over the previous and the current fixed window.
     SlidingWindow,
+    /// At most `limit` requests in flight at once (not a rate): a slot is taken before the
+    /// request is forwarded and released when its response ends (see [`concurrency`]).
+    Concurrency,
 }
 
 impl Algorithm {
-    /// Every algorithm, in code order.
+    /// Every rate algorithm, in code order ([`Algorithm::Concurrency`] counts requests in
+    /// flight, not a rate, and is tested on its own).
     pub const ALL: [Algorithm; 5] = [
         Algorithm::TokenBucket,
         Algorithm::LeakyBucket,
@@ -63,6 +67,7 @@ impl Algorithm {
             Algorithm::FixedWindow => "fixed_window",
             Algorithm::SlidingLog => "sliding_log",
             Algorithm::SlidingWindow => "sliding_window",
+            Algorithm::Concurrency => "concurrency",
         }
     }
 
@@ -74,6 +79,7 @@ impl Algorithm {
             "fixed_window" => Algorithm::FixedWindow,
             "sliding_log" => Algorithm::SlidingLog,
             "sliding_window" => Algorithm::SlidingWindow,
+            "concurrency" => Algorithm::Concurrency,
             _ => return None,
         })
     }
@@ -86,6 +92,7 @@ impl Algorithm {
             Algorithm::FixedWindow => 3,
             Algorithm::SlidingLog => 4,
             Algorithm::SlidingWindow => 5,
+            Algorithm::Concurrency => 6,
         }
     }
 
@@ -175,6 +182,7 @@ impl Quota {
         match (self.algorithm, other.algorithm) {
             (a, b) if a.is_bucket() && b.is_bucket() => self.interval_us == other.interval_us,
             (Algorithm::SlidingLog, Algorithm::SlidingLog) => true,
+            (Algorithm::Concurrency, Algorithm::Concurrency) => true,
             (a, b) => a == b && self.window_us == other.window_us,
         }
     }
@@ -196,6 +204,11 @@ pub struct Outcome {
     /// The store's clock when it decided (µs since the epoch): a refund of this spending
     /// names it, so the units come off the window they were counted in.
     pub at_us: u64,
+    /// Denied because the key is in its rule's penalty box: microseconds the penalty still
+    /// runs (then equal to `retry_after_us`). 0 otherwise.
+    pub penalty_us: u64,
+    /// This check's denial put the key in the penalty box (or, escalating, doubled its time).
+    pub penalty_started: bool,
 }
 
 /// The state one limit keeps in the memory store.
@@ -217,6 +230,12 @@ pub enum State {
     Log {
         /// Admission times, microseconds since the epoch.
         entries: VecDeque<u64>,
+    },
+    /// Concurrency: the holders of a slot, each with the instant its slot expires unless
+    /// renewed.
+    Slots {
+        /// (holder id, expiry in microseconds since the epoch), in the order taken.
+        held: Vec<(u64, u64)>,
     },
     /// Sliding window counter.
     Sliding {
@@ -247,6 +266,7 @@ pub fn evaluate(q: &Quota, state: &mut Option<State>, now: u64, cost: u64) -> Ou
             log_eval(q, state, now, cost)
         }
         Algorithm::SlidingWindow => sliding_eval(q, state, now, cost),
+        Algorithm::Concurrency => concurrency::evaluate(q, state, now, cost),
     }
 }
 
@@ -257,12 +277,16 @@ pub fn admits(q: &Quota, state: &Option<State>, now: u64, cost: u64) -> bool {
         Algorithm::FixedWindow => fixed_eval(q, state, now, cost).allowed,
         Algorithm::SlidingLog => log_eval(q, state, now, cost).allowed,
         Algorithm::SlidingWindow => sliding_eval(q, &mut state.clone(), now, cost).allowed,
+        Algorithm::Concurrency => concurrency::evaluate(q, &mut state.clone(), now, cost).allowed,
     }
 }
 
 /// Spend `cost` units. Call only after [`evaluate`] admitted the request at the same `now`.
+/// A concurrency slot names its holder and is taken with [`concurrency::take`] instead; here it
+/// is left alone.
 pub fn spend(q: &Quota, state: &mut Option<State>, now: u64, cost: u64) {
     match q.algorithm {
+        Algorithm::Concurrency => {}
         Algorithm::TokenBucket | Algorithm::LeakyBucket => {
             let tat = match state {
                 Some(State::Bucket { tat }) => *tat,
@@ -308,6 +332,7 @@ pub fn expires_at(q: &Quota, state: &State) -> u64 {
         State::Window { index, .. } => (index + 1) * w,
         State::Log { entries } => entries.back().map_or(0, |t| t + w),
         State::Sliding { index, .. } => (index + 2) * w,
+        State::Slots { held } => held.iter().map(|(_, e)| *e).max().unwrap_or(0),
     }
 }
 
@@ -332,6 +357,8 @@ fn bucket_eval(q: &Quota, state: &Option<State>, now: u64, cost: u64) -> Outcome
                 0
             },
             at_us: now,
+            penalty_us: 0,
+            penalty_started: false,
         }
     } else {
         Outcome {
@@ -341,6 +368,8 @@ fn bucket_eval(q: &Quota, state: &Option<State>, now: u64, cost: u64) -> Outcome
             retry_after_us: new_tat - cap - now,
             delay_us: 0,
             at_us: now,
+            penalty_us: 0,
+            penalty_started: false,
         }
     }
 }
@@ -362,6 +391,8 @@ fn fixed_eval(q: &Quota, state: &Option<State>, now: u64, cost: u64) -> Outcome 
             retry_after_us: 0,
             delay_us: 0,
             at_us: now,
+            penalty_us: 0,
+            penalty_started: false,
         }
     } else {
         Outcome {
@@ -371,6 +402,8 @@ fn fixed_eval(q: &Quota, state: &Option<State>, now: u64, cost: u64) -> Outcome 
             retry_after_us: reset,
             delay_us: 0,
             at_us: now,
+            penalty_us: 0,
+            penalty_started: false,
         }
     }
 }
@@ -401,6 +434,8 @@ fn log_eval(q: &Quota, state: &Option<State>, now: u64, cost: u64) -> Outcome {
             retry_after_us: 0,
             delay_us: 0,
             at_us: now,
+            penalty_us: 0,
+            penalty_started: false,
         }
     } else {
         // The (count + cost - limit)-th oldest entry must leave the window first.
@@ -413,6 +448,8 @@ fn log_eval(q: &Quota, state: &Option<State>, now: u64, cost: u64) -> Outcome {
             retry_after_us: tk + w - now,
             delay_us: 0,
             at_us: now,
+            penalty_us: 0,
+            penalty_started: false,
         }
     }
 }
@@ -454,6 +491,8 @@ fn sliding_eval(q: &Quota, state: &mut Option<State>, now: u64, cost: u64) -> Ou
             retry_after_us: 0,
             delay_us: 0,
             at_us: now,
+            penalty_us: 0,
+            penalty_started: false,
         }
     } else {
         let retry = if curr + cost <= limit {
@@ -473,10 +512,13 @@ fn sliding_eval(q: &Quota, state: &mut Option<State>, now: u64, cost: u64) -> Ou
             retry_after_us: retry as u64,
             delay_us: 0,
             at_us: now,
+            penalty_us: 0,
+            penalty_started: false,
         }
     }
 }
 
+pub mod concurrency;
 mod reshape;
 pub use reshape::{refund, seeded, used};
 

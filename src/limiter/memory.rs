@@ -20,7 +20,7 @@ use parking_lot::{Mutex, MutexGuard};
 
 use prometheus_client::metrics::counter::Counter;
 
-use super::algorithm::{self, Outcome, Quota, State};
+use super::algorithm::{self, concurrency, Outcome, Quota, State};
 use super::{Checked, LimitCheck, Store, StoreError, StoreKey};
 use crate::clock::SharedClock;
 
@@ -44,9 +44,37 @@ struct Entry {
     quota: Quota,
     /// Past this instant the state is equivalent to none and may be dropped.
     expires_at: u64,
+    /// The penalty box: (until, length of the penalty being served), microseconds.
+    penalty: Option<(u64, u64)>,
 }
 
 impl Entry {
+    /// A new entry for `q`, holding nothing.
+    fn empty(q: Quota) -> Self {
+        Entry {
+            state: None,
+            quota: q,
+            expires_at: 0,
+            penalty: None,
+        }
+    }
+
+    /// Recompute `expires_at` from the state under `q` and the penalty.
+    fn refresh_expiry(&mut self, q: &Quota) {
+        let state = self.state.as_ref().map_or(0, |s| algorithm::expires_at(q, s));
+        self.expires_at = state.max(self.penalty.map_or(0, |(until, _)| until));
+    }
+
+    /// Time left in the penalty box at `now`, if the key is in it.
+    fn penalized(&self, now: u64) -> Option<u64> {
+        self.penalty.and_then(|(until, _)| (until > now).then(|| until - now))
+    }
+
+    /// True when this entry would deny a request now (evicting it would let its caller in).
+    fn denying(&self, now: u64) -> bool {
+        self.penalized(now).is_some() || !algorithm::admits(&self.quota, &self.state, now, 1)
+    }
+
     /// Bring the state to `q`'s shape at `now` (see [`algorithm::used`]): the consumption it
     /// holds carries over, so a reload never mints quota.
     fn convert_to(&mut self, q: &Quota, now: u64) {
@@ -55,9 +83,7 @@ impl Entry {
                 .state
                 .take()
                 .and_then(|s| algorithm::seeded(q, algorithm::used(&self.quota, &s, q, now), now));
-            if let Some(s) = &self.state {
-                self.expires_at = algorithm::expires_at(q, s);
-            }
+            self.refresh_expiry(q);
         }
         self.quota = *q;
     }
@@ -134,19 +160,45 @@ impl MemoryStore {
         let shard_of: Vec<usize> = checks.iter().map(|c| self.shard_of(c.as_ref().key.as_str())).collect();
         let mut guards = self.lock_all(&shard_of);
         let mut outcomes = Vec::with_capacity(checks.len());
-        let mut blocked = false;
         for (c, &shard) in checks.iter().map(AsRef::as_ref).zip(&shard_of) {
             let map = guard_for(&mut guards, shard);
             let o = match map.get_mut(c.key.as_str()) {
                 Some(e) => {
                     e.convert_to(&c.quota, now);
-                    algorithm::evaluate(&c.quota, &mut e.state, now, c.cost)
+                    match e.penalized(now).filter(|_| c.penalty.is_some()) {
+                        Some(left) => penalized(now, left),
+                        None => algorithm::evaluate(&c.quota, &mut e.state, now, c.cost),
+                    }
                 }
                 None => algorithm::evaluate(&c.quota, &mut None, now, c.cost),
             };
-            blocked |= !o.allowed && !c.shadow;
             outcomes.push(o);
         }
+        // Penalties are written whatever the request's fate: a denial starts one, a request
+        // that reaches the store during one escalates it (doubling, up to `max`).
+        for ((c, o), &shard) in checks.iter().map(AsRef::as_ref).zip(outcomes.iter_mut()).zip(&shard_of) {
+            if let (Some(p), false) = (c.penalty, o.allowed) {
+                let map = guard_for(&mut guards, shard);
+                let e = map
+                    .entry(Box::from(c.key.as_str()))
+                    .or_insert_with(|| Entry::empty(c.quota));
+                let len = match e.penalty {
+                    Some((_, len)) if o.penalty_us > 0 && p.escalates() => p.escalated(len),
+                    Some(_) if o.penalty_us > 0 => continue,
+                    _ => p.base_us.get(),
+                };
+                e.penalty = Some((now.saturating_add(len), len));
+                e.refresh_expiry(&c.quota);
+                o.retry_after_us = o.retry_after_us.max(len);
+                o.reset_us = o.reset_us.max(len);
+                o.penalty_us = o.retry_after_us;
+                o.penalty_started = true;
+            }
+        }
+        let blocked = checks
+            .iter()
+            .zip(&outcomes)
+            .any(|(c, o)| !o.allowed && !c.as_ref().shadow);
         if blocked {
             return outcomes;
         }
@@ -161,15 +213,17 @@ impl MemoryStore {
                 self.evicted.inc_by(forced);
                 self.evicted_denying.inc_by(denying);
             }
-            let e = map.entry(Box::from(c.key.as_str())).or_insert(Entry {
-                state: None,
-                quota: c.quota,
-                expires_at: 0,
-            });
-            algorithm::spend(&c.quota, &mut e.state, now, c.cost);
-            if let Some(s) = &e.state {
-                e.expires_at = algorithm::expires_at(&c.quota, s);
+            let e = map
+                .entry(Box::from(c.key.as_str()))
+                .or_insert_with(|| Entry::empty(c.quota));
+            if c.is_slot() {
+                if c.cost > 0 {
+                    concurrency::take(&c.quota, &mut e.state, c.holder, now);
+                }
+            } else {
+                algorithm::spend(&c.quota, &mut e.state, now, c.cost);
             }
+            e.refresh_expiry(&c.quota);
         }
         outcomes
     }
@@ -183,11 +237,45 @@ impl MemoryStore {
         for ((c, at), &shard) in spent.iter().zip(&shard_of) {
             let map = guard_for(&mut guards, shard);
             if let Some(e) = map.get_mut(c.key.as_str()) {
-                if e.quota.same_shape(&c.quota) {
+                if c.is_slot() {
+                    concurrency::release(&mut e.state, c.holder);
+                } else if e.quota.same_shape(&c.quota) {
                     algorithm::refund(&c.quota, &mut e.state, *at, c.cost);
                 }
             }
         }
+    }
+
+    /// Push the slots of `held` (concurrency checks of requests still running) out to a full
+    /// time to live from now; how many were no longer held (they had expired).
+    pub fn renew_slots(&self, held: &[LimitCheck]) -> usize {
+        let now = self.clock.now_us();
+        let mut lost = 0;
+        for c in held.iter().filter(|c| c.is_slot()) {
+            let mut shard = self.shards[self.shard_of(c.key.as_str())].lock();
+            let renewed = match shard.get_mut(c.key.as_str()) {
+                Some(e) => {
+                    let ok = concurrency::renew(&c.quota, &mut e.state, c.holder, now);
+                    e.refresh_expiry(&c.quota);
+                    ok
+                }
+                None => false,
+            };
+            lost += usize::from(!renewed);
+        }
+        lost
+    }
+}
+
+/// The outcome of a check whose key is in its penalty box for `left` more microseconds.
+fn penalized(now: u64, left: u64) -> Outcome {
+    Outcome {
+        allowed: false,
+        reset_us: left,
+        retry_after_us: left,
+        penalty_us: left,
+        at_us: now,
+        ..Outcome::default()
     }
 }
 
@@ -218,7 +306,7 @@ fn make_room(map: &mut Shard, now: u64, cap: usize) -> (u64, u64) {
         }
         let mut expiries: Vec<u64> = map
             .values()
-            .filter(|e| algorithm::admits(&e.quota, &e.state, now, 1) != evict_denying)
+            .filter(|e| e.denying(now) == evict_denying)
             .map(|e| e.expires_at)
             .collect();
         if expiries.is_empty() {
@@ -229,7 +317,7 @@ fn make_room(map: &mut Shard, now: u64, cap: usize) -> (u64, u64) {
         let cutoff = *cutoff;
         let mut evicted = 0;
         map.retain(|_, e| {
-            if evicted < n && e.expires_at <= cutoff && algorithm::admits(&e.quota, &e.state, now, 1) != evict_denying {
+            if evicted < n && e.expires_at <= cutoff && e.denying(now) == evict_denying {
                 evicted += 1;
                 false
             } else {
@@ -265,6 +353,9 @@ impl Store for MemoryStore {
             .map(|c| {
                 let shard = self.shards[self.shard_of(c.key.as_str())].lock();
                 shard.get(c.key.as_str()).map(|e| {
+                    if let Some(left) = e.penalized(now).filter(|_| c.penalty.is_some()) {
+                        return penalized(now, left);
+                    }
                     let mut state = if e.quota.same_shape(&c.quota) {
                         e.state.clone()
                     } else {
@@ -276,6 +367,11 @@ impl Store for MemoryStore {
                 })
             })
             .collect())
+    }
+
+    async fn renew(&self, held: &[LimitCheck]) -> Result<(), StoreError> {
+        self.renew_slots(held);
+        Ok(())
     }
 
     async fn reset(&self, keys: &[StoreKey]) -> Result<(), StoreError> {

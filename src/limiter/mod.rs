@@ -57,6 +57,62 @@ pub struct LimitCheck {
     pub cost: u64,
     /// A shadow limit never blocks the request (and its own denial spends nothing).
     pub shadow: bool,
+    /// Concurrency limits: the request holding the slot (unique per request and node, see
+    /// [`Limiter::holder`]); 0 for rate limits.
+    pub holder: u64,
+    /// The rule's penalty box, if it has one.
+    pub penalty: Option<Penalty>,
+}
+
+impl LimitCheck {
+    /// A check of `quota` at `key` for `cost` units: no shadow, no holder, no penalty.
+    pub fn new(key: StoreKey, quota: Quota, cost: u64) -> Self {
+        LimitCheck {
+            key,
+            quota,
+            cost,
+            shadow: false,
+            holder: 0,
+            penalty: None,
+        }
+    }
+
+    /// True for a concurrency slot (released when the request ends, not refunded).
+    pub fn is_slot(&self) -> bool {
+        self.quota.algorithm == Algorithm::Concurrency
+    }
+
+    /// Where this limit's penalty state lives: the limit's key with `:p` appended (same hash
+    /// tag, so the same Redis Cluster slot).
+    pub fn penalty_key(key: &StoreKey) -> String {
+        let mut k = String::with_capacity(key.0.len() + 2);
+        k.push_str(&key.0);
+        k.push_str(":p");
+        k
+    }
+}
+
+/// A rule's penalty box: after the rule denies a key, the key is denied everywhere for `base`;
+/// each request that reaches the store during the penalty doubles the time left, up to `max`
+/// (no escalation when `max == base`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Penalty {
+    /// The first penalty, microseconds.
+    pub base_us: std::num::NonZeroU64,
+    /// The longest penalty, microseconds (≥ `base_us`).
+    pub max_us: std::num::NonZeroU64,
+}
+
+impl Penalty {
+    /// The penalty after one served for `len_us`: doubled, at most `max`.
+    pub fn escalated(&self, len_us: u64) -> u64 {
+        len_us.saturating_mul(2).clamp(self.base_us.get(), self.max_us.get())
+    }
+
+    /// True when breaches during a penalty lengthen it.
+    pub fn escalates(&self) -> bool {
+        self.max_us > self.base_us
+    }
 }
 
 impl AsRef<LimitCheck> for LimitCheck {
@@ -153,7 +209,11 @@ pub trait Store: Send + Sync + 'static {
     /// store holds nothing for that key.
     fn peek(&self, checks: &[LimitCheck]) -> impl Future<Output = Result<Vec<Option<Outcome>>, StoreError>> + Send;
 
-    /// Forget the counters at `keys`.
+    /// Push the concurrency slots of `held` (requests still running) out to a full time to
+    /// live, so a long request keeps its slot; checks that are not slots are ignored.
+    fn renew(&self, held: &[LimitCheck]) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Forget the counters at `keys`, and lift their penalties.
     fn reset(&self, keys: &[StoreKey]) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Run the real script path once (readiness): `Ok` means a limit check would work now.
@@ -194,6 +254,12 @@ impl Store for Backend {
         match self {
             Backend::Memory(m) => m.peek(checks).await,
             Backend::Redis(r) => r.peek(checks).await,
+        }
+    }
+    async fn renew(&self, held: &[LimitCheck]) -> Result<(), StoreError> {
+        match self {
+            Backend::Memory(m) => m.renew(held).await,
+            Backend::Redis(r) => r.renew(held).await,
         }
     }
     async fn reset(&self, keys: &[StoreKey]) -> Result<(), StoreError> {
@@ -291,9 +357,85 @@ pub struct Limiter {
     pub timeout: Duration,
     /// Time source for the deny cache.
     pub clock: SharedClock,
+    /// Concurrency slots taken by requests still running, by holder, renewed by
+    /// [`Limiter::renew_held`]. A `parking_lot` mutex held only to insert, remove or copy out
+    /// (never across an `.await`); only requests of concurrency rules touch it.
+    pub held: parking_lot::Mutex<std::collections::HashMap<u64, Vec<(LimitCheck, Source)>>>,
+    /// The next holder id. Starts at a random point per process, so the holders of several
+    /// gateways sharing one Redis never meet (64 bits: two nodes' ranges would have to overlap
+    /// within the requests in flight).
+    pub next_holder: std::sync::atomic::AtomicU64,
+}
+
+/// A random 64-bit start for [`Limiter::next_holder`].
+pub fn random_holder_start() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    // RandomState is seeded from the OS; two of them hashed with the time and pid give 64 bits
+    // that differ per process without another dependency.
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.write_u32(std::process::id());
+    h.finish() | 1
 }
 
 impl Limiter {
+    /// A fresh holder id for one request's concurrency slots (never 0).
+    pub fn holder(&self) -> u64 {
+        match self.next_holder.fetch_add(1, std::sync::atomic::Ordering::Relaxed) {
+            0 => self.next_holder.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            h => h,
+        }
+    }
+
+    /// Remember the slots a request took (the concurrency checks it spent), so
+    /// [`Limiter::renew_held`] keeps them alive until [`Limiter::release`].
+    pub fn hold(&self, holder: u64, slots: Vec<(LimitCheck, Source)>) {
+        self.held.lock().insert(holder, slots);
+    }
+
+    /// The request `holder` ended: forget its slots and free them in the stores that hold them.
+    pub async fn release(&self, holder: u64) {
+        let slots = self.held.lock().remove(&holder);
+        if let Some(slots) = slots {
+            let spent: Vec<(LimitCheck, u64, Source)> = slots.into_iter().map(|(c, s)| (c, 0, s)).collect();
+            self.refund(&spent).await;
+        }
+    }
+
+    /// Renew every slot held by a running request (call every third of the slot time to
+    /// live): in the primary store and, for slots taken during an outage, this node's.
+    pub async fn renew_held(&self) {
+        let (store, local): (Vec<LimitCheck>, Vec<LimitCheck>) = {
+            let held = self.held.lock();
+            let all = held.values().flatten();
+            (
+                all.clone()
+                    .filter(|(_, s)| *s == Source::Store)
+                    .map(|(c, _)| c.clone())
+                    .collect(),
+                all.filter(|(_, s)| *s == Source::Local)
+                    .map(|(c, _)| c.clone())
+                    .collect(),
+            )
+        };
+        if !store.is_empty() {
+            match tokio::time::timeout(self.timeout.saturating_mul(2), self.store.renew(&store)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, slots = store.len(), "renewing concurrency slots failed; they expire after store.concurrency_ttl unless a later renewal succeeds")
+                }
+                Err(_) => tracing::warn!(slots = store.len(), "renewing concurrency slots timed out"),
+            }
+        }
+        if !local.is_empty() {
+            self.local.renew_slots(&local);
+        }
+    }
+
     /// Check `checks`, each with its rule's failure policy.
     pub async fn check<P: PolicedCheck>(&self, checks: &[P]) -> Verdict {
         let now = self.clock.now_us();
@@ -307,11 +449,10 @@ impl Limiter {
                         checks.iter().map(|_| (full(), Source::DenyCache)).collect();
                     outcomes[i].0 = Outcome {
                         allowed: false,
-                        remaining: 0,
                         reset_us: until - now,
                         retry_after_us: until - now,
-                        delay_us: 0,
                         at_us: now,
+                        ..Outcome::default()
                     };
                     return Verdict {
                         outcomes,
@@ -335,7 +476,13 @@ impl Limiter {
                 .zip(checks.iter().map(AsRef::as_ref))
                 .enumerate()
             {
-                if !o.allowed && !c.shadow && o.retry_after_us > 0 && !checked.failed.iter().any(|(f, _)| *f == i) {
+                // A concurrency denial is not cached: a slot frees the moment a request ends.
+                if !o.allowed
+                    && !c.shadow
+                    && !c.is_slot()
+                    && o.retry_after_us > 0
+                    && !checked.failed.iter().any(|(f, _)| *f == i)
+                {
                     deny.insert(c, now + o.retry_after_us.min(DENY_CACHE_MAX_US));
                 }
             }

@@ -24,6 +24,7 @@ use crate::rules::caller;
 use crate::state::State;
 
 pub mod plan;
+mod slots;
 
 pub use plan::host_for_matching;
 use plan::{RequestParts, RequestPlan};
@@ -131,12 +132,21 @@ impl State {
             headers: req.headers(),
             peer: peer.ip(),
         };
-        let plan = plan::plan(&snap, self.keys(), &self.config().identity, parts, now_us / 1_000_000);
+        let mut plan = plan::plan(&snap, self.keys(), &self.config().identity, parts, now_us / 1_000_000);
+        // Concurrency slots name the request that holds them.
+        let mut holder = 0;
+        for c in plan.checks.iter_mut().filter(|c| c.check.is_slot()) {
+            if holder == 0 {
+                holder = self.limiter().holder();
+            }
+            c.check.holder = holder;
+        }
         let ident = &plan.identity;
 
         let mut binding: Option<(usize, crate::limiter::Outcome, Source)> = None;
         let mut delay_us = 0u64;
         let mut refund_guard = None;
+        let mut slot_guard = None;
         if plan.checks.is_empty() {
             self.metrics().unmatched.inc();
         } else {
@@ -175,6 +185,9 @@ impl State {
                 }
                 binding = Some((i, o, src));
             }
+            if holder != 0 {
+                slot_guard = self.hold_slots(&snap, &plan, &verdict, holder);
+            }
             delay_us = verdict
                 .outcomes
                 .iter()
@@ -199,13 +212,42 @@ impl State {
             g.spent = None;
         }
 
-        let mut resp = self.forward(req, peer).await?;
+        let mut resp = self.forward(req, peer, slot_guard).await?;
         if let Some((i, o, src)) = binding {
             let b = binding_of(&plan, &snap, i, &o, src);
             let lim = &self.config().limits;
             headers::write(resp.headers_mut(), &b, lim.ietf_headers, lim.legacy_headers, now_us);
         }
         Ok(resp)
+    }
+
+    /// Register the concurrency slots an admitted request took (with the limiter, for renewal,
+    /// and in the per-rule gauges) and return the guard that releases them; `None` when it took
+    /// none (the rules failed open, or a shadow limit denied).
+    fn hold_slots(
+        self: &Arc<Self>,
+        snap: &crate::state::Snapshot,
+        plan: &RequestPlan,
+        verdict: &Verdict,
+        holder: u64,
+    ) -> Option<slots::SlotGuard> {
+        let mut held = Vec::new();
+        let mut gauges = Vec::new();
+        for (p, (o, src)) in plan.checks.iter().zip(&verdict.outcomes) {
+            if p.check.is_slot() && o.allowed && matches!(src, Source::Store | Source::Local) {
+                let c = match (src, p.policy) {
+                    (Source::Local, FailurePolicy::Local { share }) => local_share(&p.check, share),
+                    _ => p.check.clone(),
+                };
+                held.push((c, *src));
+                gauges.push(snap.rule_metrics[p.rule as usize].in_flight.clone());
+            }
+        }
+        if held.is_empty() {
+            return None;
+        }
+        self.limiter().hold(holder, held);
+        Some(slots::SlotGuard::new(self.clone(), holder, gauges))
     }
 
     /// Metrics and logs for one verdict.
@@ -227,6 +269,10 @@ impl State {
             let rule = &snap.rules.rules[*ri as usize];
             if *src == Source::DenyCache && !o.allowed {
                 self.metrics().deny_cache_hits.inc();
+            }
+            if o.penalty_started {
+                m.penalty_started.inc();
+                tracing::info!(rule = %rule.name, identity_kind = ident.kind.as_str(), identity = %caller(ident).tag(self.keys(), ""), penalty_ms = o.penalty_us / 1000, "penalty box: key blocked");
             }
             if !first_of_rule && o.allowed {
                 continue;
@@ -257,7 +303,12 @@ impl State {
     }
 
     /// Send the request upstream and return its streamed response.
-    async fn forward(&self, mut req: Request<Incoming>, peer: SocketAddr) -> Result<Response<ProxyBody>, GatewayError> {
+    async fn forward(
+        &self,
+        mut req: Request<Incoming>,
+        peer: SocketAddr,
+        slots: Option<slots::SlotGuard>,
+    ) -> Result<Response<ProxyBody>, GatewayError> {
         let upgrade = forward::upgrade_of(req.headers());
         let client_upgrade = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut req));
         let (parts, body) = req.into_parts();
@@ -320,6 +371,8 @@ impl State {
             if let Some(client_up) = client_upgrade {
                 let upstream_up = hyper::upgrade::on(&mut resp);
                 tokio::spawn(async move {
+                    // The request's slots stay held while the upgraded connection is open.
+                    let _slots = slots;
                     match tokio::try_join!(client_up, upstream_up) {
                         Ok((c, u)) => {
                             let mut c = TokioIo::new(c);
@@ -332,10 +385,14 @@ impl State {
             }
             let keep = resp.headers().get(header::UPGRADE).cloned();
             forward::strip_hop_by_hop(resp.headers_mut(), keep);
-        } else {
-            forward::strip_hop_by_hop(resp.headers_mut(), None);
+            return Ok(resp.map(|b| b.map_err(|e| -> BoxError { Box::new(e) }).boxed_unsync()));
         }
-        Ok(resp.map(|b| b.map_err(|e| -> BoxError { Box::new(e) }).boxed_unsync()))
+        forward::strip_hop_by_hop(resp.headers_mut(), None);
+        let resp = resp.map(|b| b.map_err(|e| -> BoxError { Box::new(e) }).boxed_unsync());
+        Ok(match slots {
+            Some(g) => resp.map(|b| slots::GuardedBody::new(b, g).boxed_unsync()),
+            None => resp,
+        })
     }
 }
 

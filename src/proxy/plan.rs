@@ -129,6 +129,8 @@ pub fn rule_checks<'v>(
                     quota: *q,
                     cost: rule.cost,
                     shadow: rule.shadow,
+                    holder: 0,
+                    penalty: rule.penalty,
                 })
             }));
             return;
@@ -148,6 +150,8 @@ pub fn rule_checks<'v>(
             quota: *q,
             cost: rule.cost,
             shadow: rule.shadow,
+            holder: 0,
+            penalty: rule.penalty,
         })
     }));
 }

@@ -12,12 +12,17 @@ use sha2::Digest;
 
 use super::{KeyKind, Pattern, Rule, RuleSet, Specificity};
 use crate::config::error::{parse_str_sized, Sized};
-use crate::config::raw::{RawOverride, RawRule, RawRules, RawWindow};
+use crate::config::raw::{RawOverride, RawPenalty, RawRule, RawRules, RawWindow};
 use crate::config::{duration, ConfigError};
 
 /// Rules a rules file may hold unless `limits.max_rules` says otherwise.
 pub const DEFAULT_MAX_RULES: usize = 50_000;
-use crate::limiter::{Algorithm, FailurePolicy, Quota};
+use crate::limiter::{Algorithm, FailurePolicy, Penalty, Quota};
+
+/// How long a concurrency slot lives without renewal unless `store.concurrency_ttl` says
+/// otherwise: a running request renews its slots every third of it, and the slots of a gateway
+/// that died free themselves after it.
+pub const DEFAULT_SLOT_TTL_US: u64 = 30_000_000;
 
 fn name_ok(s: &str) -> bool {
     !s.is_empty() && s.len() <= 64 && s.chars().all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c))
@@ -98,6 +103,20 @@ impl Ctx<'_> {
         rate: &Option<Spanned<String>>,
         capacity: &Option<Spanned<i64>>,
     ) -> Result<Vec<Quota>, ConfigError> {
+        if alg == Algorithm::Concurrency {
+            if window.is_some() || limits.is_some() || rate.is_some() || capacity.is_some() {
+                return Err(self.err(
+                    loc,
+                    format!("rule {rule:?}: concurrency takes only limit (requests in flight at once), no window, limits, rate or capacity"),
+                ));
+            }
+            let l = limit
+                .as_ref()
+                .ok_or_else(|| self.err(loc, format!("rule {rule:?}: concurrency needs limit")))?;
+            let ttl = NonZeroU64::new(DEFAULT_SLOT_TTL_US).unwrap_or(NonZeroU64::MIN);
+            let q = Quota::window(Algorithm::Concurrency, self.positive(rule, "limit", l)?, ttl);
+            return self.bounded(rule, &l.referenced, q).map(|q| vec![q]);
+        }
         if alg.is_bucket() {
             if limit.is_some() || window.is_some() || limits.is_some() {
                 return Err(self.err(
@@ -173,13 +192,48 @@ impl Ctx<'_> {
                 self.err(
                     &a.referenced,
                     format!(
-                        "rule {rule:?}: unknown algorithm {:?} (token_bucket | leaky_bucket | fixed_window | sliding_log | sliding_window)",
+                        "rule {rule:?}: unknown algorithm {:?} (token_bucket | leaky_bucket | fixed_window | sliding_log | sliding_window | concurrency)",
                         a.value
                     ),
                 )
             }),
         }
     }
+}
+
+/// Longest penalty a rule may set (a penalty key expires with it; a day is long enough to mean
+/// "blocked" and short enough that a mistake lifts itself).
+pub const MAX_PENALTY_US: u64 = 86_400_000_000;
+
+/// `penalty: 10m` or `penalty: {base: 1m, max: 1h}`, validated: at least 1 s, at most a day,
+/// and `max` not below `base`.
+fn penalty(file: &Path, rule: &str, p: &Spanned<RawPenalty>) -> Result<Penalty, ConfigError> {
+    let at = |m: String| ConfigError::at(file, &p.referenced, format!("rule {rule:?}: penalty: {m}"));
+    let parse = |s: &str| -> Result<u64, ConfigError> {
+        let d = humantime::parse_duration(s.trim()).map_err(|e| at(format!("invalid duration {s:?}: {e}")))?;
+        let us = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+        if us < 1_000_000 {
+            return Err(at(format!("{s:?} is under 1s")));
+        }
+        if us > MAX_PENALTY_US {
+            return Err(at(format!("{s:?} is over the longest penalty, 24h")));
+        }
+        Ok(us)
+    };
+    let (base, max) = match &p.value {
+        RawPenalty::Fixed(d) => {
+            let b = parse(d)?;
+            (b, b)
+        }
+        RawPenalty::Escalating { base, max } => (parse(base)?, parse(max)?),
+    };
+    if max < base {
+        return Err(at("max is shorter than base".to_owned()));
+    }
+    Ok(Penalty {
+        base_us: NonZeroU64::new(base).unwrap_or(NonZeroU64::MIN),
+        max_us: NonZeroU64::new(max).unwrap_or(NonZeroU64::MIN),
+    })
 }
 
 fn failure_policy(
@@ -298,8 +352,18 @@ impl RuleSet {
             let alg = ctx.algorithm(name, &r.algorithm)?;
             let limits = ctx.quotas(name, loc, alg, &r.limit, &r.window, &r.limits, &r.rate, &r.capacity)?;
             let cost = match &r.cost {
+                Some(c) if alg == Algorithm::Concurrency => {
+                    return Err(ctx.err(
+                        &c.referenced,
+                        format!("rule {name:?}: concurrency counts requests in flight; cost does not apply"),
+                    ))
+                }
                 Some(c) => ctx.positive(name, "cost", c)?.get(),
                 None => 1,
+            };
+            let penalty = match &r.penalty {
+                None => None,
+                Some(p) => Some(penalty(file, name, p)?),
             };
             let check_cost = |qs: &[Quota], at: &Location| -> Result<(), ConfigError> {
                 for q in qs {
@@ -407,6 +471,7 @@ impl RuleSet {
                 cost,
                 failure,
                 shadow: r.shadow,
+                penalty,
                 specificity,
                 line: loc.line(),
             });

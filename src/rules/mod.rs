@@ -22,8 +22,8 @@ use http::{HeaderMap, HeaderName, Method};
 pub use crate::http::headers::{window_text, WindowText};
 use crate::identity::{Identity, IdentityKind};
 use crate::limiter::keys::{KeyBuilder, Namespace};
-use crate::limiter::{FailurePolicy, Quota};
-pub use compile::{parse_rate, DEFAULT_MAX_RULES};
+use crate::limiter::{FailurePolicy, Penalty, Quota};
+pub use compile::{parse_rate, DEFAULT_MAX_RULES, DEFAULT_SLOT_TTL_US, MAX_PENALTY_US};
 pub use path::{normalize, Pattern, PatternClass};
 use trie::Node;
 
@@ -113,6 +113,8 @@ pub struct Rule {
     pub failure: FailurePolicy,
     /// Evaluate and report, never reject.
     pub shadow: bool,
+    /// Penalty box: after this rule denies a key, the key stays denied for this long.
+    pub penalty: Option<Penalty>,
     /// Specificity.
     pub specificity: Specificity,
     /// Line of the rule in its file.
@@ -197,6 +199,23 @@ pub struct RuleSet {
     kind_slot: Vec<u32>,
     /// SHA-256 (hex, 16 chars) of the file content.
     pub version: String,
+}
+
+impl RuleSet {
+    /// Give every concurrency limit (overrides included) the slot time to live `ttl_us`
+    /// (`store.concurrency_ttl`), which the stores use as the limit's window.
+    pub fn with_slot_ttl(mut self, ttl_us: u64) -> Self {
+        let ttl = std::num::NonZeroU64::new(ttl_us).unwrap_or(std::num::NonZeroU64::MIN);
+        for r in &mut self.rules {
+            for q in r.limits.iter_mut().chain(r.overrides.values_mut().flatten()) {
+                if q.algorithm == crate::limiter::Algorithm::Concurrency {
+                    q.window_us = ttl;
+                    q.interval_us = ttl;
+                }
+            }
+        }
+        self
+    }
 }
 
 /// The winning rule of each key kind for one request, by rule index.

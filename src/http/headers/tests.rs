@@ -13,6 +13,7 @@ fn o(allowed: bool, remaining: u64, reset_us: u64, retry_after_us: u64) -> Outco
         retry_after_us,
         delay_us: 0,
         at_us: 1_800_000_000_400_000,
+        ..Outcome::default()
     }
 }
 

@@ -27,7 +27,8 @@ pub fn refund(q: &Quota, state: &mut Option<State>, at: u64, cost: u64) {
             let start = end.saturating_sub(usize::try_from(cost).unwrap_or(usize::MAX));
             entries.drain(start..end);
         }
-        Some(State::Window { .. }) | None => {}
+        // A slot names its holder: released with `concurrency::release`, not refunded.
+        Some(State::Window { .. }) | Some(State::Slots { .. }) | None => {}
     }
 }
 
@@ -63,14 +64,20 @@ pub fn used(old: &Quota, state: &State, new: &Quota, now: u64) -> u64 {
             let floor = now.saturating_sub(new.window_us.get());
             (entries.len() - entries.partition_point(|t| *t <= floor)) as u64
         }
+        // Requests in flight are not spent quota of a rate, nor the other way round: a reload
+        // between a concurrency limit and a rate starts the new limit empty.
+        State::Slots { .. } => 0,
     };
+    if (old.algorithm == Algorithm::Concurrency) != (new.algorithm == Algorithm::Concurrency) {
+        return 0;
+    }
     units.min(new.limit.get())
 }
 
 /// A state of `q` holding `used` units spent at `now` (none for 0). With [`used`], the
 /// conservative conversion of a limit's state across a reload.
 pub fn seeded(q: &Quota, used: u64, now: u64) -> Option<State> {
-    if used == 0 {
+    if used == 0 || q.algorithm == Algorithm::Concurrency {
         return None;
     }
     let w = q.window_us.get();
@@ -90,5 +97,6 @@ pub fn seeded(q: &Quota, used: u64, now: u64) -> Option<State> {
         Algorithm::SlidingLog => State::Log {
             entries: std::iter::repeat_n(now, usize::try_from(used).unwrap_or(0)).collect(),
         },
+        Algorithm::Concurrency => return None,
     })
 }

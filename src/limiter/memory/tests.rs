@@ -17,6 +17,8 @@ fn check(key: &str, limit: u64, shadow: bool) -> LimitCheck {
         ),
         cost: 1,
         shadow,
+        holder: 0,
+        penalty: None,
     }
 }
 
@@ -114,6 +116,8 @@ fn on(key: &str, q: Quota, cost: u64) -> LimitCheck {
         quota: q,
         cost,
         shadow: false,
+        holder: 0,
+        penalty: None,
     }
 }
 

@@ -328,7 +328,15 @@ impl Inner {
     {
         let n = checks.len();
         let value = self.script(|sha| script_cmd(sha, mode, now, checks.clone())).await?;
-        parse_packed(value, if mode == Mode::Refund { 0 } else { n }, map)
+        parse_packed(
+            value,
+            if matches!(mode, Mode::Refund | Mode::Renew) {
+                0
+            } else {
+                n
+            },
+            map,
+        )
     }
 
     /// A `check` call on a batch of requests (all on one slot): Redis' `now` and one outcome

@@ -295,18 +295,38 @@ impl Store for RedisStore {
         self.peek_groups(checks).await
     }
 
+    async fn renew(&self, held: &[LimitCheck]) -> Result<(), StoreError> {
+        let slots: Vec<&LimitCheck> = held.iter().filter(|c| c.is_slot()).collect();
+        if slots.is_empty() {
+            return Ok(());
+        }
+        let groups = group_by_tag(slots.iter().map(|c| &c.key));
+        let inner = &self.inner;
+        let calls = groups
+            .iter()
+            .map(|g| inner.call(Mode::Renew, None, g.iter().map(|&i| slots[i]), peeked));
+        let mut first = Ok(());
+        for r in futures_util::future::join_all(calls).await {
+            if let (Err(e), Ok(())) = (r, &first) {
+                first = Err(e);
+            }
+        }
+        first
+    }
+
     async fn reset(&self, keys: &[StoreKey]) -> Result<(), StoreError> {
         if keys.is_empty() {
             return Ok(());
         }
-        // One DEL per slot (a multi-key DEL must stay within one slot in a cluster).
+        // One DEL per slot (a multi-key DEL must stay within one slot in a cluster); a limit's
+        // penalty key shares its hash tag, so it goes in the same DEL.
         let groups = group_by_tag(keys.iter());
         let cmds: Vec<Cmd> = groups
             .iter()
             .map(|g| {
                 let mut cmd = redis::cmd("DEL");
                 for &i in g {
-                    cmd.arg(keys[i].as_str());
+                    cmd.arg(keys[i].as_str()).arg(LimitCheck::penalty_key(&keys[i]));
                 }
                 cmd
             })
@@ -322,16 +342,15 @@ impl Store for RedisStore {
     /// script, writes); in a cluster also a keyless run of the script on every master (loading
     /// it where it is missing), so a frozen or scriptless master fails the probe.
     async fn probe(&self) -> Result<(), StoreError> {
-        let probe = LimitCheck {
-            key: StoreKey(PROBE_KEY.to_owned()),
-            quota: Quota::bucket(
+        let probe = LimitCheck::new(
+            StoreKey(PROBE_KEY.to_owned()),
+            Quota::bucket(
                 Algorithm::TokenBucket,
                 std::num::NonZeroU64::MIN,
                 std::num::NonZeroU64::MIN,
             ),
-            cost: 0,
-            shadow: false,
-        };
+            0,
+        );
         if let Some((_, e)) = self
             .check_at(std::slice::from_ref(&probe), None)
             .await

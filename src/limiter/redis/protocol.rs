@@ -14,6 +14,7 @@ pub const SCRIPT_SOURCE: &str = concat!(
     include_str!("../../../lua/fixed_window.lua"),
     include_str!("../../../lua/sliding_log.lua"),
     include_str!("../../../lua/sliding_window.lua"),
+    include_str!("../../../lua/concurrency.lua"),
     include_str!("../../../lua/check.lua"),
 );
 
@@ -26,6 +27,8 @@ pub(super) enum Mode {
     Refund,
     /// Evaluate with cost 0, write nothing.
     Peek,
+    /// Push the concurrency slots still held out to a full time to live.
+    Renew,
 }
 
 impl Mode {
@@ -34,6 +37,7 @@ impl Mode {
             Mode::Check => "check",
             Mode::Refund => "refund",
             Mode::Peek => "peek",
+            Mode::Renew => "renew",
         }
     }
 }
@@ -54,13 +58,40 @@ fn script_head(sha: Option<&str>) -> Cmd {
     }
 }
 
-/// Append the 5 script arguments of one limit.
+/// Append the script arguments of one limit: code, limit, interval, cost, flags (1 shadow,
+/// 2 penalty box), then the holder for a concurrency slot and the penalty's base and max.
 fn limit_args(cmd: &mut Cmd, c: &LimitCheck) {
+    let flags = u8::from(c.shadow) | if c.penalty.is_some() { 2 } else { 0 };
     cmd.arg(c.quota.algorithm.code())
         .arg(c.quota.limit.get())
         .arg(c.quota.interval_us.get())
         .arg(c.cost)
-        .arg(if c.shadow { "1" } else { "0" });
+        .arg(flags);
+    if c.is_slot() {
+        cmd.arg(holder_member(c.holder));
+    }
+    if let Some(p) = c.penalty {
+        cmd.arg(p.base_us.get()).arg(p.max_us.get());
+    }
+}
+
+/// The ZSET member of a concurrency slot: its holder in hex (16 bytes, no allocation beyond
+/// the argument itself).
+fn holder_member(holder: u64) -> String {
+    format!("{holder:016x}")
+}
+
+/// Append the keys of one limit: its own, then its penalty key when it has one.
+fn limit_keys(cmd: &mut Cmd, c: &LimitCheck) {
+    cmd.arg(c.key.as_str());
+    if c.penalty.is_some() {
+        cmd.arg(LimitCheck::penalty_key(&c.key));
+    }
+}
+
+/// Keys one limit sends.
+fn key_count(c: &LimitCheck) -> usize {
+    1 + usize::from(c.penalty.is_some())
 }
 
 /// The script's `now` argument: explicit, or "" for Redis `TIME`.
@@ -79,10 +110,10 @@ where
     R: Iterator<Item = &'c [LimitCheck]> + Clone,
 {
     let mut cmd = script_head(sha);
-    cmd.arg(requests.clone().map(<[LimitCheck]>::len).sum::<usize>());
+    cmd.arg(requests.clone().flatten().map(key_count).sum::<usize>());
     for r in requests.clone() {
         for c in r {
-            cmd.arg(c.key.as_str());
+            limit_keys(&mut cmd, c);
         }
     }
     cmd.arg(Mode::Check.as_str());
@@ -97,7 +128,7 @@ where
     cmd
 }
 
-/// Build a `peek` or `refund` call for `checks` (all on one slot): 5 arguments per key.
+/// Build a `peek`, `refund` or `renew` call for `checks` (all on one slot).
 pub(super) fn script_cmd<'c>(
     sha: Option<&str>,
     mode: Mode,
@@ -105,9 +136,9 @@ pub(super) fn script_cmd<'c>(
     checks: impl Iterator<Item = &'c LimitCheck> + Clone,
 ) -> Cmd {
     let mut cmd = script_head(sha);
-    cmd.arg(checks.clone().count());
+    cmd.arg(checks.clone().map(key_count).sum::<usize>());
     for c in checks.clone() {
-        cmd.arg(c.key.as_str());
+        limit_keys(&mut cmd, c);
     }
     cmd.arg(mode.as_str());
     now_arg(&mut cmd, now);
@@ -156,15 +187,20 @@ pub(super) fn parse_packed<T>(value: Value, n: usize, map: fn(u64, Outcome) -> T
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
         let allowed = next();
+        let (remaining, reset_us, retry_after_us, delay_us) = (next(), next(), next(), next());
+        // 3: in the penalty box; 4: this denial started (or lengthened) a penalty.
+        let penalty = allowed == 3 || allowed == 4;
         out.push(map(
             allowed,
             Outcome {
                 allowed: allowed == 1,
-                remaining: next(),
-                reset_us: next(),
-                retry_after_us: next(),
-                delay_us: next(),
+                remaining,
+                reset_us,
+                retry_after_us,
+                delay_us,
                 at_us: now,
+                penalty_us: if penalty { retry_after_us } else { 0 },
+                penalty_started: allowed == 4,
             },
         ));
     }

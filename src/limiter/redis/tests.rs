@@ -19,6 +19,8 @@ fn check(key: &str, algorithm: Algorithm, shadow: bool) -> LimitCheck {
         },
         cost: 2,
         shadow,
+        holder: 0,
+        penalty: None,
     }
 }
 
@@ -138,7 +140,8 @@ fn parse_packed_reads_doubles_and_rejects_bad_shapes() {
                 reset_us: 1_000_000,
                 retry_after_us: 0,
                 delay_us: 0,
-                at_us: 1_796_025_623_586_863
+                at_us: 1_796_025_623_586_863,
+                ..Outcome::default()
             },
             Outcome {
                 allowed: false,
@@ -146,7 +149,8 @@ fn parse_packed_reads_doubles_and_rejects_bad_shapes() {
                 reset_us: 500_000,
                 retry_after_us: 500_000,
                 delay_us: 0,
-                at_us: 1_796_025_623_586_863
+                at_us: 1_796_025_623_586_863,
+                ..Outcome::default()
             }
         ]
     );
