@@ -451,6 +451,19 @@ impl Metrics {
                 })
                 .clone()
         };
+        // One `get_or_create` per statement: its read guard lives to the end of the statement,
+        // and a second one in the same expression would wait for it forever (write lock).
+        let in_flight = self.in_flight.get_or_create(&RuleOnly { rule: name.to_string() }).clone();
+        let penalty = |event| {
+            self.penalties
+                .get_or_create(&PenaltyLabels {
+                    rule: name.to_string(),
+                    event,
+                })
+                .clone()
+        };
+        let penalty_started = penalty("started");
+        let penalty_lifted = penalty("lifted");
         RuleMetrics {
             allowed: get(Decision::allowed),
             denied: get(Decision::denied),
@@ -458,24 +471,9 @@ impl Metrics {
             fail_open: get(Decision::fail_open),
             fail_closed: get(Decision::fail_closed),
             local: get(Decision::local),
-            in_flight: self
-                .in_flight
-                .get_or_create(&RuleOnly { rule: name.to_string() })
-                .clone(),
-            penalty_started: self
-                .penalties
-                .get_or_create(&PenaltyLabels {
-                    rule: name.to_string(),
-                    event: "started",
-                })
-                .clone(),
-            penalty_lifted: self
-                .penalties
-                .get_or_create(&PenaltyLabels {
-                    rule: name.to_string(),
-                    event: "lifted",
-                })
-                .clone(),
+            in_flight,
+            penalty_started,
+            penalty_lifted,
         }
     }
 

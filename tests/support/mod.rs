@@ -7,6 +7,7 @@
 //!   drop), the real `tollgate` binary ([`BinaryGateway`], killed on drop), the echo upstream,
 //!   config directories;
 //! * [`http`](self::http): an HTTP client and small request/metrics helpers;
+//! * [`upstream`](self::upstream): a real upstream that counts the requests it serves at once;
 //! * [`poll`](self::poll): [`eventually`] and friends, the only way tests wait for something.
 //!
 //! Nothing here mocks anything: if `redis-server` or `redis-cli` is missing the tests fail,
@@ -17,11 +18,13 @@ mod gateway;
 mod http;
 mod poll;
 mod redis;
+mod upstream;
 
 pub use self::gateway::*;
 pub use self::http::*;
 pub use self::poll::*;
 pub use self::redis::{redis_cli, RedisCluster, RedisServer};
+pub use self::upstream::{counting_upstream, CountingUpstream};
 
 use std::net::{SocketAddr, TcpListener};
 

@@ -1,0 +1,133 @@
+//! A real HTTP upstream that counts the requests it is serving at once (from the head's arrival
+//! until its response body ends or is dropped) and the most it ever served at once: the witness
+//! of a concurrency limit, counted on the far side of the gateway.
+//!
+//! Paths: `/slow/<ms>` answers after `<ms>`; `/stream` answers at once and then sends a chunk
+//! every 100 ms for 30 s; `/reset` sends one chunk and then fails the body (the connection is
+//! cut mid-response); `/hang` answers after 30 s; anything else answers at once.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper::{Request, Response};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+
+type Body = http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error>;
+
+/// Counts held by the upstream.
+#[derive(Debug, Default)]
+pub struct Counts {
+    /// Requests being served now.
+    pub current: AtomicUsize,
+    /// The most ever served at once.
+    pub max: AtomicUsize,
+    /// Requests that arrived.
+    pub total: AtomicUsize,
+}
+
+/// One request being served: counted until dropped (with its response body).
+struct Serving(Arc<Counts>);
+
+impl Serving {
+    fn start(c: &Arc<Counts>) -> Self {
+        let now = c.current.fetch_add(1, Ordering::SeqCst) + 1;
+        c.max.fetch_max(now, Ordering::SeqCst);
+        c.total.fetch_add(1, Ordering::SeqCst);
+        Serving(c.clone())
+    }
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        self.0.current.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// The counting upstream: its address and its counts. The server task runs until the test ends.
+pub struct CountingUpstream {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    /// What it counted.
+    pub counts: Arc<Counts>,
+}
+
+impl CountingUpstream {
+    /// Requests being served now.
+    pub fn current(&self) -> usize {
+        self.counts.current.load(Ordering::SeqCst)
+    }
+
+    /// The most served at once so far.
+    pub fn max(&self) -> usize {
+        self.counts.max.load(Ordering::SeqCst)
+    }
+
+    /// `http://addr`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+/// A body that yields `frames` (one every `every`), then ends or fails, holding `serving`.
+fn body(serving: Serving, frames: usize, every: Duration, fail: bool) -> Body {
+    let stream = futures_util::stream::unfold((0usize, serving), move |(i, s)| async move {
+        if i > 0 {
+            tokio::time::sleep(every).await;
+        }
+        if i < frames {
+            Some((Ok(Frame::data(Bytes::from_static(b"chunk\n"))), (i + 1, s)))
+        } else if fail && i == frames {
+            Some((Err(std::io::Error::other("cut mid-body")), (i + 1, s)))
+        } else {
+            drop(s);
+            None
+        }
+    });
+    StreamBody::new(stream).boxed_unsync()
+}
+
+async fn serve(counts: Arc<Counts>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
+    let serving = Serving::start(&counts);
+    let path = req.uri().path().to_owned();
+    let b = if let Some(ms) = path.strip_prefix("/slow/") {
+        tokio::time::sleep(Duration::from_millis(ms.parse().unwrap_or(300))).await;
+        body(serving, 1, Duration::ZERO, false)
+    } else if path == "/stream" {
+        body(serving, 300, Duration::from_millis(100), false)
+    } else if path == "/reset" {
+        body(serving, 1, Duration::from_millis(50), true)
+    } else if path == "/hang" {
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        body(serving, 1, Duration::ZERO, false)
+    } else {
+        body(serving, 1, Duration::ZERO, false)
+    };
+    Ok(Response::new(b))
+}
+
+/// Start the counting upstream on a free loopback port.
+pub async fn counting_upstream() -> CountingUpstream {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let counts = Arc::new(Counts::default());
+    let c = counts.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = l.accept().await else { continue };
+            let c = c.clone();
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |req| serve(c.clone(), req));
+                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    CountingUpstream { addr, counts }
+}
