@@ -453,7 +453,10 @@ impl Metrics {
         };
         // One `get_or_create` per statement: its read guard lives to the end of the statement,
         // and a second one in the same expression would wait for it forever (write lock).
-        let in_flight = self.in_flight.get_or_create(&RuleOnly { rule: name.to_string() }).clone();
+        let in_flight = self
+            .in_flight
+            .get_or_create(&RuleOnly { rule: name.to_string() })
+            .clone();
         let penalty = |event| {
             self.penalties
                 .get_or_create(&PenaltyLabels {

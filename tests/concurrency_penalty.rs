@@ -56,7 +56,10 @@ async fn never_more_than_the_limit_in_flight(kind: &str, urls: &[String]) {
         }
     }
     assert!(up.max() <= 5, "the upstream served {} at once (limit 5)", up.max());
-    assert!(ok >= 5, "only {ok} of 40 were admitted: the 5 slots were never all used");
+    assert!(
+        ok >= 5,
+        "only {ok} of 40 were admitted: the 5 slots were never all used"
+    );
     // Every slot is released once the responses ended: a fresh burst of 5 is admitted at once.
     let freed = eventually(Duration::from_secs(3), || async {
         let v = get_json(&c, format!("{}/keys/10.7.0.1", gws[0].admin)).await;
@@ -130,21 +133,30 @@ async fn slots_are_released_however_the_request_ends() {
     // ... and the client leaving mid-response releases it.
     drop(stream);
     assert!(
-        eventually(Duration::from_secs(3), || async { in_flight(c.clone(), gw.admin.clone()).await == 0 }).await,
+        eventually(Duration::from_secs(3), || async {
+            in_flight(c.clone(), gw.admin.clone()).await == 0
+        })
+        .await,
         "a client that left kept its slot"
     );
     // An upstream that cuts the body.
     let r = c.get(format!("{}/reset", gw.url)).send().await.unwrap();
     let _ = r.bytes().await;
     assert!(
-        eventually(Duration::from_secs(3), || async { in_flight(c.clone(), gw.admin.clone()).await == 0 }).await,
+        eventually(Duration::from_secs(3), || async {
+            in_flight(c.clone(), gw.admin.clone()).await == 0
+        })
+        .await,
         "an upstream error kept the slot"
     );
     // An upstream that never answers: 504 after request_timeout (2 s in the test config).
     let r = c.get(format!("{}/hang", gw.url)).send().await.unwrap();
     assert_eq!(r.status(), 504);
     assert!(
-        eventually(Duration::from_secs(3), || async { in_flight(c.clone(), gw.admin.clone()).await == 0 }).await,
+        eventually(Duration::from_secs(3), || async {
+            in_flight(c.clone(), gw.admin.clone()).await == 0
+        })
+        .await,
         "a timed-out request kept its slot"
     );
     let n = metric_value(&c, &gw.admin, "tollgate_concurrency_in_flight{rule=\"inflight\"}").await;
@@ -243,7 +255,10 @@ async fn penalty_holds_on_every_gateway(kind: &str, urls: &[String]) {
     assert_eq!(s, 429);
     assert!(retry >= 3, "the breach's Retry-After is the penalty: {retry}");
     // Past the 1 s window, every gateway still denies.
-    let later = eventually(Duration::from_secs(3), || async { started.elapsed() > Duration::from_millis(1300) }).await;
+    let later = eventually(Duration::from_secs(3), || async {
+        started.elapsed() > Duration::from_millis(1300)
+    })
+    .await;
     assert!(later);
     for g in &gws {
         let (s, retry) = status_via(&c, g, ip).await;
@@ -254,9 +269,15 @@ async fn penalty_holds_on_every_gateway(kind: &str, urls: &[String]) {
     let left = v["counters"][0]["penalty_left_ms"].as_u64().unwrap();
     assert!(left > 0 && left <= 3000, "/keys shows the penalty left: {v}");
     let e = get_json(&c, format!("{}/explain?path=/login&ip={ip}", gws[1].admin)).await;
-    assert!(e["live"][0]["penalty_left_ms"].as_u64().unwrap() > 0, "/explain shows it: {e}");
+    assert!(
+        e["live"][0]["penalty_left_ms"].as_u64().unwrap() > 0,
+        "/explain shows it: {e}"
+    );
     // Right after the penalty, it passes (the 1 s window reset long ago).
-    let passed = eventually(Duration::from_secs(4), || async { status_via(&c, &gws[1], ip).await.0 == 200 }).await;
+    let passed = eventually(Duration::from_secs(4), || async {
+        status_via(&c, &gws[1], ip).await.0 == 200
+    })
+    .await;
     let at = started.elapsed();
     assert!(passed, "still denied after the penalty");
     assert!(
@@ -266,7 +287,12 @@ async fn penalty_holds_on_every_gateway(kind: &str, urls: &[String]) {
     let started_n: f64 = {
         let mut n = 0.0;
         for g in &gws {
-            n += metric_value(&c, &g.admin, "tollgate_penalties_total{rule=\"login\",event=\"started\"}").await;
+            n += metric_value(
+                &c,
+                &g.admin,
+                "tollgate_penalties_total{rule=\"login\",event=\"started\"}",
+            )
+            .await;
         }
         n
     };
@@ -309,16 +335,17 @@ async fn penalties_escalate_and_an_admin_lifts_them() {
     let (s, third) = status_via(&c, &gws[2], ip).await;
     assert_eq!((s, third), (429, 8));
     // Lift it through the admin API of one gateway: that gateway admits at once.
-    let r = c
-        .delete(format!("{}/keys/{ip}", gws[2].admin))
-        .send()
-        .await
-        .unwrap();
+    let r = c.delete(format!("{}/keys/{ip}", gws[2].admin)).send().await.unwrap();
     assert_eq!(r.status(), 200);
     let body: serde_json::Value = r.json().await.unwrap();
     assert_eq!(body["penalties_lifted"], 1, "{body}");
     assert_eq!(status_via(&c, &gws[2], ip).await.0, 200);
-    let lifted = metric_value(&c, &gws[2].admin, "tollgate_penalties_total{rule=\"login\",event=\"lifted\"}").await;
+    let lifted = metric_value(
+        &c,
+        &gws[2].admin,
+        "tollgate_penalties_total{rule=\"login\",event=\"lifted\"}",
+    )
+    .await;
     assert_eq!(lifted, 1.0);
     for g in gws {
         g.stop().await;

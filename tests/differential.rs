@@ -21,7 +21,7 @@ use support::*;
 use tollgate::clock::FakeClock;
 use tollgate::limiter::memory::MemoryStore;
 use tollgate::limiter::redis::{RedisMode, RedisStore};
-use tollgate::limiter::{Algorithm, LimitCheck, Outcome, Quota, StoreKey};
+use tollgate::limiter::{Algorithm, LimitCheck, Outcome, Penalty, Quota, Store, StoreKey};
 
 /// Deadline per Redis call (debug build; the tests run in parallel on a small machine).
 const TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
@@ -33,6 +33,11 @@ fn nz(v: u64) -> NonZeroU64 {
 /// A random quota for `algorithm`.
 fn random_quota(rng: &mut StdRng, algorithm: Algorithm) -> Quota {
     let limit = nz(*[1u64, 2, 3, 5, 7, 10, 20].choose(rng).unwrap());
+    if algorithm == Algorithm::Concurrency {
+        // The window of a concurrency limit is its slots' time to live.
+        let ttl = *[3_000u64, 1_000_000, 30_000_000].choose(rng).unwrap();
+        return Quota::window(algorithm, limit, nz(ttl));
+    }
     if algorithm.is_bucket() {
         let interval = *[1_000u64, 3_333, 50_000, 333_333, 1_000_000].choose(rng).unwrap();
         Quota::bucket(algorithm, limit, nz(interval))
@@ -70,6 +75,9 @@ struct Plan {
     /// Reloads: now and then a limit gets another algorithm, window or rate under the same key,
     /// and both stores must convert its state the same way.
     reshape: bool,
+    /// Issue #17: some limits have a penalty box, and admitted requests' concurrency slots are
+    /// released now and then (on both stores) as their responses end.
+    extras: bool,
 }
 
 /// Largest |a - b| seen per field, and the number of non-identical outcomes.
@@ -80,6 +88,10 @@ struct Stats {
     allowed: usize,
     not_identical: usize,
     max_time_diff: u64,
+    /// Checks denied by a penalty box (started, escalated or served).
+    penalized: usize,
+    /// Concurrency checks denied for want of a free slot.
+    slots_full: usize,
 }
 
 fn close(a: u64, b: u64, tol: u64) -> bool {
@@ -98,6 +110,20 @@ async fn run(store: &RedisStore, plan: &Plan, label: &str) -> Stats {
             Tags::One => 1,
             Tags::Spread => rng.gen_range(2..=3),
         };
+        let penalties: Vec<Option<Penalty>> = (0..n)
+            .map(|_| {
+                (plan.extras && rng.gen_bool(0.4)).then(|| {
+                    let base = *[1_000u64, 100_000, 2_000_000].choose(&mut rng).unwrap();
+                    let max = if rng.gen_bool(0.5) { base } else { base * 4 };
+                    Penalty {
+                        base_us: nz(base),
+                        max_us: nz(max),
+                    }
+                })
+            })
+            .collect();
+        // Admitted requests still holding concurrency slots: (their slot checks, decided at).
+        let mut holding: Vec<Vec<(LimitCheck, u64)>> = Vec::new();
         let mut limits: Vec<(StoreKey, Quota)> = (0..n)
             .map(|j| {
                 let algorithm = *plan.algorithms.choose(&mut rng).unwrap();
@@ -138,18 +164,32 @@ async fn run(store: &RedisStore, plan: &Plan, label: &str) -> Stats {
                 .iter()
                 .map(|&j| {
                     let (key, quota) = &limits[j];
-                    let max = quota.limit.get().min(4);
+                    let max = if quota.algorithm == Algorithm::Concurrency {
+                        1
+                    } else {
+                        quota.limit.get().min(4)
+                    };
                     let cost = if rng.gen_bool(0.05) { 0 } else { rng.gen_range(1..=max) };
                     LimitCheck {
                         key: key.clone(),
                         quota: *quota,
                         cost,
                         shadow: rng.gen_bool(0.2),
-                        holder: 0,
-                        penalty: None,
+                        holder: step as u64 + 1,
+                        penalty: penalties[j],
                     }
                 })
                 .collect();
+            // Some earlier request's response ends: its slots are released on both stores.
+            if !holding.is_empty() && rng.gen_bool(0.4) {
+                let i = rng.gen_range(0..holding.len());
+                let done = holding.swap_remove(i);
+                memory.refund_spent(&done);
+                tokio::time::timeout(TIMEOUT, store.refund(&done))
+                    .await
+                    .unwrap_or_else(|_| panic!("seed {seed} step {step}: release timed out"))
+                    .unwrap_or_else(|e| panic!("seed {seed} step {step}: release failed: {e}"));
+            }
             let expected = memory.check_at(&checks, now);
             let got = tokio::time::timeout(TIMEOUT, store.check_at(&checks, Some(now)))
                 .await
@@ -157,6 +197,18 @@ async fn run(store: &RedisStore, plan: &Plan, label: &str) -> Stats {
                 .into_result()
                 .unwrap_or_else(|e| panic!("seed {seed} step {step}: redis failed: {e}"));
             compare(seed, step, now, &checks, &expected, &got, &mut stats);
+            let admitted = checks.iter().zip(&expected).all(|(c, o)| c.shadow || o.allowed);
+            if admitted {
+                let slots: Vec<(LimitCheck, u64)> = checks
+                    .iter()
+                    .zip(&expected)
+                    .filter(|(c, o)| c.is_slot() && o.allowed && c.cost > 0)
+                    .map(|(c, o)| (c.clone(), o.at_us))
+                    .collect();
+                if !slots.is_empty() {
+                    holding.push(slots);
+                }
+            }
         }
     }
     eprintln!("{label}: {stats:?}");
@@ -183,6 +235,8 @@ fn compare(
     for ((c, e), g) in checks.iter().zip(expected).zip(got) {
         stats.checks += 1;
         stats.allowed += usize::from(e.allowed);
+        stats.penalized += usize::from(e.penalty_us > 0);
+        stats.slots_full += usize::from(c.is_slot() && !e.allowed && e.penalty_us == 0);
         let tol = if c.quota.algorithm == Algorithm::SlidingWindow {
             2
         } else {
@@ -203,6 +257,8 @@ fn compare(
         );
         assert!(close(e.reset_us, g.reset_us, tol), "reset differs: {}", ctx());
         assert!(close(e.delay_us, g.delay_us, tol), "delay differs: {}", ctx());
+        assert_eq!(e.penalty_started, g.penalty_started, "penalty start differs: {}", ctx());
+        assert!(close(e.penalty_us, g.penalty_us, tol), "penalty differs: {}", ctx());
         if e != g {
             stats.not_identical += 1;
         }
@@ -235,6 +291,7 @@ async fn one_algorithm(algorithm: &'static [Algorithm], seed: u64) {
         tags: Tags::One,
         seed,
         reshape: false,
+        extras: false,
     };
     let stats = run(&store, &plan, algorithm[0].as_str()).await;
     assert_eq!(stats.steps, 300 * 30);
@@ -282,6 +339,7 @@ async fn mixed_algorithms_one_slot_match_memory() {
         tags: Tags::One,
         seed: 6_000_000,
         reshape: false,
+        extras: false,
     };
     run(&store, &plan, "mixed").await;
 }
@@ -299,6 +357,7 @@ async fn mixed_algorithms_across_slots_match_memory() {
         tags: Tags::Spread,
         seed: 7_000_000,
         reshape: false,
+        extras: false,
     };
     run(&store, &plan, "spread").await;
 }
@@ -318,6 +377,7 @@ async fn cluster_matches_memory() {
         tags: Tags::Spread,
         seed: 8_000_000,
         reshape: false,
+        extras: false,
     };
     run(&store, &plan, "cluster").await;
 }
@@ -336,7 +396,39 @@ async fn reloads_that_reshape_limits_match_memory() {
             tags,
             seed,
             reshape: true,
+            extras: false,
         };
         run(&store, &plan, "reshape").await;
+    }
+}
+
+/// Issue #17: concurrency slots (taken, released as responses end, expiring) and penalty boxes
+/// (started, escalated, served) decide alike on both stores, on one slot and across slots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrency_and_penalties_match_memory() {
+    let (_server, store) = standalone().await;
+    const WITH_SLOTS: [Algorithm; 4] = [
+        Algorithm::Concurrency,
+        Algorithm::FixedWindow,
+        Algorithm::TokenBucket,
+        Algorithm::SlidingLog,
+    ];
+    for (tags, seed) in [(Tags::One, 10_000_000), (Tags::Spread, 10_500_000)] {
+        let plan = Plan {
+            algorithms: &WITH_SLOTS,
+            limits: 1..=3,
+            sequences: 200,
+            steps: 30,
+            tags,
+            seed,
+            reshape: false,
+            extras: true,
+        };
+        let stats = run(&store, &plan, "extras").await;
+        assert!(stats.allowed > stats.checks / 10, "{stats:?}");
+        assert!(
+            stats.penalized > 100 && stats.slots_full > 100,
+            "the plan must exercise both: {stats:?}"
+        );
     }
 }

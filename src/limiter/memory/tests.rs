@@ -266,3 +266,121 @@ fn eviction_keeps_denying_keys_and_counts_evictions() {
     assert!(forced > 0, "evictions were not counted");
     assert_eq!(denying, 0);
 }
+
+/// A concurrency limit of `limit` slots living `ttl` µs.
+fn slots(limit: u64, ttl: u64) -> Quota {
+    Quota::window(
+        Algorithm::Concurrency,
+        NonZeroU64::new(limit).unwrap(),
+        NonZeroU64::new(ttl).unwrap(),
+    )
+}
+
+/// Issue #17: under random interleavings of take, release, renew and time passing, the slots
+/// held never exceed the limit, and the store agrees exactly with a model of the live holders
+/// (admitted, not released, renewed or taken less than a time to live ago).
+#[test]
+fn slots_in_flight_never_exceed_the_limit() {
+    use proptest::prelude::*;
+    const TTL: u64 = 30_000_000;
+    let mut runner = proptest::test_runner::TestRunner::new(proptest::test_runner::Config::with_cases(256));
+    // op: 0 take, 1 release, 2 renew, 3 time passes (by `dt`).
+    let ops = proptest::collection::vec((0u8..4, any::<prop::sample::Index>(), 0u64..TTL), 1..120);
+    runner
+        .run(&(1u64..8, ops), |(limit, ops)| {
+            let clock = Arc::new(FakeClock::new(T0));
+            let store = MemoryStore::new(clock.clone(), 1000);
+            let q = slots(limit, TTL);
+            let mut now = T0;
+            let mut next = 1u64;
+            // holder -> expiry, as the model sees it
+            let mut live: Vec<(u64, u64)> = Vec::new();
+            for (op, pick, dt) in ops {
+                live.retain(|(_, exp)| *exp > now);
+                match op {
+                    0 => {
+                        let mut c = on("tl:{c}:c:0", q, 1);
+                        c.holder = next;
+                        next += 1;
+                        let o = store.check_at(std::slice::from_ref(&c), now);
+                        prop_assert_eq!(
+                            o[0].allowed,
+                            (live.len() as u64) < limit,
+                            "take with {} live",
+                            live.len()
+                        );
+                        if o[0].allowed {
+                            live.push((c.holder, now + TTL));
+                        }
+                    }
+                    1 | 2 if !live.is_empty() => {
+                        let i = pick.index(live.len());
+                        let mut c = on("tl:{c}:c:0", q, 1);
+                        c.holder = live[i].0;
+                        if op == 1 {
+                            store.refund_spent(&[(c, now)]);
+                            live.swap_remove(i);
+                        } else {
+                            clock.set_us(now);
+                            prop_assert_eq!(store.renew_slots(&[c]), 0);
+                            live[i].1 = now + TTL;
+                        }
+                    }
+                    _ => {
+                        now += dt;
+                        clock.set_us(now);
+                    }
+                }
+                live.retain(|(_, exp)| *exp > now);
+                clock.set_us(now);
+                let peek = futures_util::FutureExt::now_or_never(store.peek(&[on("tl:{c}:c:0", q, 0)]))
+                    .unwrap()
+                    .unwrap();
+                let free = peek[0].map_or(limit, |o| o.remaining);
+                prop_assert_eq!(limit - free, live.len() as u64, "in flight");
+                prop_assert!(live.len() as u64 <= limit);
+            }
+            Ok(())
+        })
+        .unwrap();
+}
+
+/// Issue #17: a denial puts the key in the penalty box (denied though its window resets), a
+/// request during an escalating penalty doubles it up to `max`, the key passes right after the
+/// penalty, and a reset lifts it.
+#[test]
+fn the_penalty_box_holds_escalates_and_lifts() {
+    let clock = Arc::new(FakeClock::new(T0));
+    let store = MemoryStore::new(clock.clone(), 1000);
+    let q = Quota::window(
+        Algorithm::FixedWindow,
+        NonZeroU64::new(1).unwrap(),
+        NonZeroU64::new(1_000_000).unwrap(),
+    );
+    let mut c = on("tl:{p}:login:0", q, 1);
+    c.penalty = Some(crate::limiter::Penalty {
+        base_us: NonZeroU64::new(2_000_000).unwrap(),
+        max_us: NonZeroU64::new(5_000_000).unwrap(),
+    });
+    let at = |t: u64| store.check_at(std::slice::from_ref(&c), T0 + t)[0];
+    assert!(at(0).allowed);
+    let breach = at(1);
+    assert!(!breach.allowed && breach.penalty_started);
+    assert_eq!(breach.retry_after_us, 2_000_000, "the base penalty");
+    // The window reset at 1 s, but the penalty holds; asking doubles it from now.
+    let during = at(1_500_000);
+    assert!(!during.allowed && during.penalty_started);
+    assert_eq!(during.retry_after_us, 4_000_000);
+    let again = at(2_000_000);
+    assert_eq!(again.retry_after_us, 5_000_000, "capped at max");
+    // Passes right after it.
+    assert!(at(7_000_001).allowed);
+    // A new breach starts over from base (the last one served its time).
+    let b2 = at(7_000_002);
+    assert!(b2.penalty_started);
+    // A reset lifts it.
+    futures_util::FutureExt::now_or_never(store.reset(std::slice::from_ref(&c.key)))
+        .unwrap()
+        .unwrap();
+    assert!(at(7_000_003).allowed);
+}
