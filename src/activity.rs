@@ -295,15 +295,13 @@ impl Activity {
             let buckets = self.limited.lock();
             for b in buckets.iter().filter(|b| b.minute >= oldest && b.minute <= now / 60) {
                 for e in &b.entries {
-                    let v = merged
-                        .entry((e.tag, e.rule.clone()))
-                        .or_insert_with(|| LimitedView {
-                            hash: String::from_utf8_lossy(&e.tag).into_owned(),
-                            rule: e.rule.to_string(),
-                            key: e.kind,
-                            denials: 0,
-                            last_seen: 0,
-                        });
+                    let v = merged.entry((e.tag, e.rule.clone())).or_insert_with(|| LimitedView {
+                        hash: String::from_utf8_lossy(&e.tag).into_owned(),
+                        rule: e.rule.to_string(),
+                        key: e.kind,
+                        denials: 0,
+                        last_seen: 0,
+                    });
                     v.denials += e.count;
                     v.last_seen = v.last_seen.max(e.last_seen);
                 }
@@ -544,7 +542,10 @@ mod tests {
         let tail = &s.per_second[SERIES_SECONDS - 5..];
         assert_eq!(tail, &[[5, 1, 0], [3, 0, 2], [0, 0, 0], [0, 0, 0], [1, 3, 0]]);
         assert_eq!(s.sums, [9, 4, 2]);
-        assert!(a.series("idle").per_second.is_empty(), "no ring for a rule without traffic");
+        assert!(
+            a.series("idle").per_second.is_empty(),
+            "no ring for a rule without traffic"
+        );
         // A removed rule's series goes.
         a.sample(tick(1005, vec![(&idle, [0, 0, 0])]));
         assert!(a.series("busy").per_second.is_empty());

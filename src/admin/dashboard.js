@@ -80,12 +80,15 @@
   }
 
   function upstreams(d) {
-    fill($("upstreams").tBodies[0], d.upstreams.map(function (u) {
-      return el("tr", {}, el("td", { cls: "hash", text: u.url }), el("td", {}, pill(u.state)),
-        el("td", { cls: "n", text: num(u.responses_last_minute) }),
-        el("td", { cls: "n", text: num(u.failures_last_minute) }),
-        el("td", { text: ago(u.last_failure_at, d.now) }));
-    }), "no upstream", 5);
+    var ul = $("upstreams");
+    ul.replaceChildren();
+    if (d.upstreams.length === 0) ul.appendChild(el("li", { cls: "muted", text: "no upstream" }));
+    d.upstreams.forEach(function (u) {
+      ul.appendChild(el("li", { "data-upstream": u.url },
+        el("div", {}, el("code", { text: u.url }), " ", pill(u.state)),
+        el("div", { cls: "muted small", text: num(u.responses_last_minute) + " responses · " +
+          num(u.failures_last_minute) + " failures in the last minute · last failure " + ago(u.last_failure_at, d.now) })));
+    });
   }
 
   function showDetail(hash) {

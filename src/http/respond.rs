@@ -240,7 +240,10 @@ pub fn json_ok(v: &serde_json::Value) -> Response<ProxyBody> {
 pub fn page(html: &'static str) -> Response<ProxyBody> {
     let mut resp = Response::new(full(html));
     let h = resp.headers_mut();
-    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/html; charset=utf-8"));
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/html; charset=utf-8"),
+    );
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     h.insert(
         header::CONTENT_SECURITY_POLICY,
