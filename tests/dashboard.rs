@@ -343,3 +343,67 @@ fn dashboard_in_headless_chromium_matches_metrics_and_shows_no_identity() {
         phone.display()
     );
 }
+
+/// On Redis, the dashboard's store panel follows the breaker: a killed server opens it (state
+/// `down`, an event in the history), a restarted one closes it again, each with a timestamp.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_history_records_the_breaker_opening_and_closing() {
+    let mut redis = RedisServer::start();
+    let up = echo().await;
+    let store = format!(
+        "store:\n  kind: redis\n  urls: [\"{}\"]\n  timeout: 20ms\n  probe_interval: 100ms\n",
+        redis.url()
+    );
+    let rules = "rules:\n  - { name: open, match: { path: \"/**\" }, key: user, algorithm: fixed_window, limit: 1000000, window: 1h, failure: open }\n";
+    let gw = gateway(&format!("http://{up}"), &store, rules, None).await;
+    let c = client();
+    let dash = format!("{}/dashboard.json", gw.admin);
+    let state = |d: &serde_json::Value| d["store"]["state"].as_str().unwrap_or("").to_string();
+    let events = |d: &serde_json::Value| -> Vec<String> {
+        d["store"]["history"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["what"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let d = get_json(&c, &dash).await;
+    assert_eq!(d["store"]["kind"], "redis");
+    assert_eq!(d["upstreams"].as_array().unwrap().len(), 1);
+
+    redis.kill();
+    // Requests fail open and open the breaker; the sampler notices within a second or two.
+    let opened = eventually_some(Duration::from_secs(10), || {
+        let (c, dash) = (c.clone(), dash.clone());
+        let url = gw.url.clone();
+        async move {
+            let _ = c.get(format!("{url}/x")).send().await;
+            let d = get_json(&c, &dash).await;
+            (state(&d) == "down").then_some(d)
+        }
+    })
+    .await
+    .expect("the dashboard never showed the store down");
+    assert!(
+        events(&opened)[0].ends_with(": breaker opened"),
+        "{:?}",
+        events(&opened)
+    );
+    assert_eq!(opened["store"]["shards"][0]["breaker_open"], true);
+
+    redis.restart();
+    let closed = eventually_some(Duration::from_secs(15), || {
+        let (c, dash) = (c.clone(), dash.clone());
+        async move {
+            let d = get_json(&c, &dash).await;
+            (state(&d) == "ok").then_some(d)
+        }
+    })
+    .await
+    .expect("the dashboard never showed the store back");
+    let ev = events(&closed);
+    assert!(ev[0].ends_with("breaker closed, store answers again"), "{ev:?}");
+    assert!(ev.iter().any(|e| e.ends_with(": breaker opened")), "{ev:?}");
+    assert!(ev.last().unwrap().starts_with("started: "), "{ev:?}");
+    gw.stop().await;
+}
