@@ -1,11 +1,13 @@
 //! The admin listener (`admin_listen`, loopback by default): `/healthz`, `/readyz`, `/metrics`,
-//! `/status`, `/rules`, `/reload`, `/explain`, `/keys/{identity}`.
+//! `/status`, `/rules`, `/reload`, `/explain`, `/keys/{identity}`, and the dashboard (`/`,
+//! `/dashboard.json`, `/dashboard/limited/{hash}`: [`dashboard`]).
 //!
 //! `/healthz`, `/readyz` and `/metrics` are open; every other endpoint needs the admin token when
 //! one is configured ([`auth`]). Mutations (reload, counter reset) are written to the audit log
 //! (tracing target `tollgate::audit`) with the caller's address, never with the token.
 
 pub mod auth;
+pub mod dashboard;
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -34,6 +36,7 @@ const ADMIN_HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs
 
 /// Serve the admin API until `stop`.
 pub async fn serve(gw: Arc<State>, listener: TcpListener, mut stop: watch::Receiver<bool>) {
+    tokio::spawn(dashboard::sample_every_second(gw.clone(), stop.clone()));
     loop {
         let (stream, peer) = tokio::select! {
             x = crate::http::accept(&listener) => x,
@@ -113,6 +116,11 @@ async fn route(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Resp
                 "config_file_changed": gw.metrics().config_file_changed.get() == 1,
                 "version": env!("CARGO_PKG_VERSION"),
             }))
+        }
+        (Method::GET, "/") => dashboard::page(),
+        (Method::GET, "/dashboard.json") => respond::json(StatusCode::OK, &dashboard::json(&gw)),
+        (Method::GET, p) if p.starts_with("/dashboard/limited/") => {
+            dashboard::limited(&gw, &p["/dashboard/limited/".len()..]).await
         }
         (Method::GET, "/rules") => respond::json_ok(&rules_json(&gw.snapshot().load())),
         (Method::POST, "/reload") => {

@@ -173,6 +173,10 @@ async fn run_with(
         "tollgate demo: echo upstream on {echo}, gateway on http://{a} (memory store), admin on http://{}",
         running.admin_addr
     );
+    println!(
+        "Dashboard: http://{}/  (live: store, rules and reloads, traffic per rule, most limited hashes)",
+        running.admin_addr
+    );
     println!();
     println!("Try:");
     println!("  for i in $(seq 1 15); do curl -s -o /dev/null -w '%{{http_code}}\\n' localhost:{port}/; done   # anonymous: 10/min per IP, then 429");

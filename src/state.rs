@@ -68,6 +68,8 @@ pub struct State {
     upstream_log: crate::log_throttle::LogThrottle,
     /// SHA-256 of the gateway config file as it was read at start (`None`: not readable then).
     config_digest: Option<[u8; 32]>,
+    /// What the admin dashboard shows over time (rates, limited hashes, store and reload history).
+    activity: crate::activity::Activity,
 }
 
 /// What one successful reload changed.
@@ -136,6 +138,11 @@ fn rule_signatures(rules: &RuleSet) -> BTreeMap<String, String> {
 /// Each key hash → its entry.
 fn key_entries(keys: &KeyRegistry) -> BTreeMap<[u8; 32], crate::identity::keys::KeyEntry> {
     keys.entries().map(|(h, e)| (*h, e.clone())).collect()
+}
+
+/// Seconds since the Unix epoch (0 before it).
+fn unix_secs(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
 /// SHA-256 of a file's bytes, `None` if it cannot be read.
@@ -244,6 +251,12 @@ impl State {
         &self.shadow_seen
     }
 
+    /// What the admin dashboard shows over time: sampled rates, the most limited identity
+    /// hashes, store and reload history.
+    pub fn activity(&self) -> &crate::activity::Activity {
+        &self.activity
+    }
+
     /// Throttles the log lines of upstream failures.
     pub fn upstream_log(&self) -> &crate::log_throttle::LogThrottle {
         &self.upstream_log
@@ -299,6 +312,17 @@ impl State {
             config.upstream.pool_max_idle_per_host,
         );
         let keys = key_builder(&config);
+        let activity = crate::activity::Activity::new(clock.now_us() / 1_000_000);
+        activity.reloaded(crate::activity::ReloadEvent {
+            at: unix_secs(snap.loaded_at),
+            trigger: "start",
+            ok: true,
+            version: snap.rules.version.clone(),
+            changed: true,
+            rules: None,
+            keys: None,
+            error: None,
+        });
         let gw = Arc::new(State {
             snapshot: ArcSwap::from_pointee(snap),
             limiter,
@@ -311,6 +335,7 @@ impl State {
             upstream_log: crate::log_throttle::LogThrottle::new(UPSTREAM_LOG_EVERY),
             config_digest,
             config,
+            activity,
         });
         Ok(gw)
     }
@@ -368,6 +393,16 @@ impl State {
                     d.clear();
                 }
                 self.metrics.reload_ok.inc();
+                self.activity.reloaded(crate::activity::ReloadEvent {
+                    at: unix_secs(SystemTime::now()),
+                    trigger: why,
+                    ok: true,
+                    version: version.clone(),
+                    changed,
+                    rules: Some(rules),
+                    keys: Some(keys),
+                    error: None,
+                });
                 tracing::info!(
                     trigger = why,
                     version = %version,
@@ -390,6 +425,16 @@ impl State {
             Err(e) => {
                 self.metrics.reload_error.inc();
                 self.metrics.last_reload_success.set(0);
+                self.activity.reloaded(crate::activity::ReloadEvent {
+                    at: unix_secs(SystemTime::now()),
+                    trigger: why,
+                    ok: false,
+                    version: self.snapshot.load().rules.version.clone(),
+                    changed: false,
+                    rules: None,
+                    keys: None,
+                    error: Some(e.to_string()),
+                });
                 tracing::error!(trigger = why, error = %e, "reload refused; previous rules stay in force");
                 Err(e)
             }

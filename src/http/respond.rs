@@ -234,6 +234,28 @@ pub fn json_ok(v: &serde_json::Value) -> Response<ProxyBody> {
     resp
 }
 
+/// The admin dashboard page: HTML whose CSS and JS are inline, allowed by its Content Security
+/// Policy, which forbids every other source (no CDN, no frames) except requests to the admin
+/// port itself.
+pub fn page(html: &'static str) -> Response<ProxyBody> {
+    let mut resp = Response::new(full(html));
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/html; charset=utf-8"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    h.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(
+            "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+        ),
+    );
+    h.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
+    h.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
+    resp
+}
+
 /// A plain-text response (admin API).
 pub fn text(status: StatusCode, body: impl Into<bytes::Bytes>, content_type: &'static str) -> Response<ProxyBody> {
     let mut resp = Response::new(full(body));

@@ -296,6 +296,10 @@ impl State {
                     if matches!(src, Source::Local) {
                         m.local.inc();
                     }
+                    // The dashboard's "most limited": the hash already in the counter's key.
+                    if let Some(kind) = crate::activity::limited_kind(&rule.key) {
+                        self.activity().denied(c.key.hash_tag(), &rule.name, kind);
+                    }
                     m.denied.inc()
                 }
             };

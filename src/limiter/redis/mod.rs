@@ -266,6 +266,18 @@ impl RedisStore {
     pub fn open_breakers(&self) -> usize {
         self.inner.topo.load().open_shards().count()
     }
+
+    /// Every shard now: its address (no password), whether its breaker is open, and how many
+    /// times that breaker has opened. For the admin dashboard.
+    pub fn shard_states(&self) -> Vec<(String, bool, u64)> {
+        self.inner
+            .topo
+            .load()
+            .shards
+            .iter()
+            .map(|s| (s.addr.clone(), s.breaker.is_open(), s.breaker.opened_total()))
+            .collect()
+    }
 }
 
 impl Store for RedisStore {
