@@ -205,6 +205,8 @@ pub async fn limited(gw: &State, hash: &str) -> Response<ProxyBody> {
                 quota: *q,
                 cost: 0,
                 shadow: r.shadow,
+                holder: 0,
+                penalty: r.penalty,
             });
             owners.push((l.rule.clone(), crate::describe::quota(q)));
         }
