@@ -351,3 +351,37 @@ async fn penalties_escalate_and_an_admin_lifts_them() {
         g.stop().await;
     }
 }
+
+/// A request that runs longer than `store.concurrency_ttl` keeps its slot: the gateway renews
+/// it every third of the TTL, so the limit still holds after several TTLs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_request_keeps_its_slot_past_the_ttl() {
+    let server = RedisServer::start();
+    let up = counting_upstream().await;
+    let rules = r#"rules:
+  - { name: inflight, match: { path: "/**" }, key: ip, algorithm: concurrency, limit: 1 }
+"#;
+    let gw = gateway(
+        &up.url(),
+        &store_yaml("redis", &[server.url()], "  concurrency_ttl: 3s\n"),
+        rules,
+        None,
+    )
+    .await;
+    let c = client();
+    let mut long = c.get(format!("{}/stream", gw.url)).send().await.unwrap();
+    assert_eq!(long.status(), 200);
+    // The stream sends a chunk every 100 ms: 75 chunks is 7.5 s, two and a half TTLs.
+    for _ in 0..75 {
+        assert!(long.chunk().await.unwrap().is_some(), "the stream ended early");
+    }
+    let r = c.get(format!("{}/x", gw.url)).send().await.unwrap();
+    assert_eq!(r.status(), 429, "the long request's slot expired while it ran");
+    drop(long);
+    let freed = eventually(Duration::from_secs(3), || async {
+        c.get(format!("{}/x", gw.url)).send().await.unwrap().status() == 200
+    })
+    .await;
+    assert!(freed, "the slot was not released when the long request ended");
+    gw.stop().await;
+}
