@@ -52,13 +52,18 @@
 --   on every key (see each algorithm's *_refund; a concurrency slot is released). Reply:
 --   { now }, packed.
 -- renew: pushes each concurrency slot still held out to now + time to live. Reply: { now }.
+-- debit: ARGV[2] = the `now` the check used; spends `cost` more on every key without checking
+--   (a bucket's tat moves on, a window's count grows if its window is still stored), so a
+--   request's real cost, known after its response, may take a key below zero. Reply: { now }.
 
+-- debit: the extra units of a request whose real cost came after its response (`cost_from`);
+-- sliding log and leaky bucket take no debits (validation refuses cost_from on them).
 local ALGOS = {
-  { eval = tb_eval, spend = tb_spend, refund = tb_refund },
+  { eval = tb_eval, spend = tb_spend, refund = tb_refund, debit = tb_spend },
   { eval = lb_eval, spend = lb_spend, refund = lb_refund },
-  { eval = fw_eval, spend = fw_spend, refund = fw_refund },
+  { eval = fw_eval, spend = fw_spend, refund = fw_refund, debit = fw_debit },
   { eval = sl_eval, spend = sl_spend, refund = sl_refund },
-  { eval = sw_eval, spend = sw_spend, refund = sw_refund },
+  { eval = sw_eval, spend = sw_spend, refund = sw_refund, debit = sw_debit },
   { eval = cc_eval, spend = cc_take, refund = cc_release, renew = cc_renew },
 }
 
@@ -274,6 +279,13 @@ if mode == 'peek' then
 elseif mode == 'refund' then
   for i = 1, nlimits do
     ALGO[i].refund(KEYS[KEY[i]], now, LIMIT[i], INTERVAL[i], COST[i], MEMBER[i])
+  end
+  return pack(reply)
+elseif mode == 'debit' then
+  for i = 1, nlimits do
+    if ALGO[i].debit then
+      ALGO[i].debit(KEYS[KEY[i]], now, LIMIT[i], INTERVAL[i], COST[i], MEMBER[i])
+    end
   end
   return pack(reply)
 elseif mode == 'renew' then

@@ -81,3 +81,15 @@ local function fw_refund(key, now, limit, w, cost)
     tg_forget(key)
   end
 end
+
+-- Debit `cost` more units in the window of `now` (the instant the request was admitted), when
+-- that window is still the stored one: the real cost of a request reported after its response
+-- (`cost_from`). The count may go over the limit; the key is then denied until the window ends.
+local function fw_debit(key, now, limit, w, cost)
+  local index = math.floor(now / w)
+  local r = tg_read('HMGET', key, 'i', 'c', 'q')
+  if r and tonumber(r[1]) == index and r[3] == tg_shape('f', w) then
+    redis.call('HSET', key, 'c', (tonumber(r[2]) or 0) + cost)
+    tg_forget(key)
+  end
+end

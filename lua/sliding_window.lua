@@ -113,3 +113,22 @@ local function sw_refund(key, now, limit, w, cost)
     tg_forget(key)
   end
 end
+
+-- Debit `cost` more units in the window of `now` (the instant the request was admitted), or in
+-- the previous count when the window has moved on by one (mirrors sw_refund with the sign
+-- reversed): the real cost of a request reported after its response (`cost_from`).
+local function sw_debit(key, now, limit, w, cost)
+  local index = math.floor(now / w)
+  local r = tg_read('HMGET', key, 'i', 'p', 'c', 'q')
+  if not r or not r[1] or r[4] ~= tg_shape('s', w) then
+    return
+  end
+  local i = tonumber(r[1])
+  if i == index then
+    redis.call('HSET', key, 'c', (tonumber(r[3]) or 0) + cost)
+    tg_forget(key)
+  elseif i == index + 1 then
+    redis.call('HSET', key, 'p', (tonumber(r[2]) or 0) + cost)
+    tg_forget(key)
+  end
+end

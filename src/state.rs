@@ -42,6 +42,9 @@ pub struct Snapshot {
     /// Per rule: the store keys of a `global` rule's limits (empty for other kinds), built
     /// once here instead of hashing the rule name on every request.
     pub global_keys: Vec<Vec<crate::limiter::StoreKey>>,
+    /// Some rule spends by response (`count_when` or `cost_from`): only then does the request
+    /// path look at what each rule reserved after the response.
+    pub settles: bool,
 }
 
 /// The gateway's shared state.
@@ -174,7 +177,12 @@ pub fn load_snapshot(config: &GatewayConfig, metrics: &Metrics) -> Result<Snapsh
             (0..r.limits.len()).map(|n| kb.key(&tag, &r.name, n)).collect()
         })
         .collect();
+    let settles = rules
+        .rules
+        .iter()
+        .any(|r| r.count_when.is_some() || r.cost_from.is_some());
     Ok(Snapshot {
+        settles,
         rules,
         keys,
         rule_metrics,

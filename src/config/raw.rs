@@ -218,6 +218,38 @@ pub struct RawRule {
     pub shadow: bool,
     /// Penalty box: `10m`, or `{base: 1m, max: 1h}` to double on every breach during one.
     pub penalty: Option<Spanned<RawPenalty>>,
+    /// Only responses with these statuses spend quota.
+    pub count_when: Option<Spanned<RawCountWhen>>,
+    /// The real cost comes from a response header (or trailer).
+    pub cost_from: Option<Spanned<RawCostFrom>>,
+}
+
+/// `count_when: {status: [401, 403, 5xx]}`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawCountWhen {
+    /// Status codes (`401`) or classes (`"4xx"`).
+    pub status: Vec<RawStatus>,
+}
+
+/// One entry of `count_when.status`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum RawStatus {
+    /// An exact status code.
+    Code(i64),
+    /// A class: `1xx` … `5xx`.
+    Class(String),
+}
+
+/// `cost_from: {header: X-Tokens-Used, max: 100000}`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawCostFrom {
+    /// Response header (or trailer) carrying the real cost.
+    pub header: String,
+    /// Largest cost the header may report (larger values count as this).
+    pub max: i64,
 }
 
 /// `penalty:` — one duration, or a base and a maximum for escalation.

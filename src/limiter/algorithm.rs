@@ -520,7 +520,7 @@ fn sliding_eval(q: &Quota, state: &mut Option<State>, now: u64, cost: u64) -> Ou
 
 pub mod concurrency;
 mod reshape;
-pub use reshape::{refund, seeded, used};
+pub use reshape::{debit, refund, seeded, used};
 
 #[cfg(test)]
 mod tests;

@@ -246,6 +246,21 @@ impl MemoryStore {
         }
     }
 
+    /// Spend `c.cost` more on each `(c, at)` of `spent` without checking: the real cost of a
+    /// request admitted at `at` was above its estimate (see [`algorithm::debit`]).
+    pub fn debit_spent(&self, spent: &[(LimitCheck, u64)]) {
+        for (c, at) in spent {
+            let mut shard = self.shards[self.shard_of(c.key.as_str())].lock();
+            let e = shard
+                .entry(Box::from(c.key.as_str()))
+                .or_insert_with(|| Entry::empty(c.quota));
+            if e.quota.same_shape(&c.quota) {
+                algorithm::debit(&c.quota, &mut e.state, *at, c.cost);
+                e.refresh_expiry(&c.quota);
+            }
+        }
+    }
+
     /// Push the slots of `held` (concurrency checks of requests still running) out to a full
     /// time to live from now; how many were no longer held (they had expired).
     pub fn renew_slots(&self, held: &[LimitCheck]) -> usize {
@@ -371,6 +386,11 @@ impl Store for MemoryStore {
 
     async fn renew(&self, held: &[LimitCheck]) -> Result<(), StoreError> {
         self.renew_slots(held);
+        Ok(())
+    }
+
+    async fn debit(&self, spent: &[(LimitCheck, u64)]) -> Result<(), StoreError> {
+        self.debit_spent(spent);
         Ok(())
     }
 

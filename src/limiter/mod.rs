@@ -209,6 +209,11 @@ pub trait Store: Send + Sync + 'static {
     /// store holds nothing for that key.
     fn peek(&self, checks: &[LimitCheck]) -> impl Future<Output = Result<Vec<Option<Outcome>>, StoreError>> + Send;
 
+    /// Spend each check's `cost` more, without checking, in the window its check was decided in
+    /// (`(check, at_us)` as for [`Store::refund`]): the real cost of a request, reported after
+    /// its response, was above what it reserved (`cost_from`). May take a key below zero.
+    fn debit(&self, spent: &[(LimitCheck, u64)]) -> impl Future<Output = Result<(), StoreError>> + Send;
+
     /// Push the concurrency slots of `held` (requests still running) out to a full time to
     /// live, so a long request keeps its slot; checks that are not slots are ignored.
     fn renew(&self, held: &[LimitCheck]) -> impl Future<Output = Result<(), StoreError>> + Send;
@@ -254,6 +259,12 @@ impl Store for Backend {
         match self {
             Backend::Memory(m) => m.peek(checks).await,
             Backend::Redis(r) => r.peek(checks).await,
+        }
+    }
+    async fn debit(&self, spent: &[(LimitCheck, u64)]) -> Result<(), StoreError> {
+        match self {
+            Backend::Memory(m) => m.debit(spent).await,
+            Backend::Redis(r) => r.debit(spent).await,
         }
     }
     async fn renew(&self, held: &[LimitCheck]) -> Result<(), StoreError> {
@@ -568,6 +579,44 @@ impl Limiter {
         let local = pick(Source::Local);
         if !local.is_empty() {
             self.local.refund_spent(&local);
+        }
+    }
+
+    /// Settle what admitted checks reserved against the real cost `actual` (units per check):
+    /// refund the difference when it is smaller, debit it when it is larger, each in the store
+    /// and window that spent it.
+    pub async fn settle(&self, spent: &[(LimitCheck, u64, Source)], actual: u64) {
+        let mut refunds = Vec::new();
+        let mut debits: Vec<(LimitCheck, u64, Source)> = Vec::new();
+        for (c, at, src) in spent {
+            let mut d = c.clone();
+            if actual < c.cost {
+                d.cost = c.cost - actual;
+                refunds.push((d, *at, *src));
+            } else if actual > c.cost {
+                d.cost = actual - c.cost;
+                debits.push((d, *at, *src));
+            }
+        }
+        if !refunds.is_empty() {
+            self.refund(&refunds).await;
+        }
+        let pick = |src: Source| -> Vec<(LimitCheck, u64)> {
+            debits
+                .iter()
+                .filter(|(_, _, s)| *s == src)
+                .map(|(c, at, _)| (c.clone(), *at))
+                .collect()
+        };
+        let store = pick(Source::Store);
+        if !store.is_empty() {
+            if let Ok(Err(e)) = tokio::time::timeout(self.timeout, self.store.debit(&store)).await {
+                tracing::warn!(error = %e, "debit of a reported cost failed; the request spent only its estimate");
+            }
+        }
+        let local = pick(Source::Local);
+        if !local.is_empty() {
+            self.local.debit_spent(&local);
         }
     }
 

@@ -24,6 +24,7 @@ use crate::rules::caller;
 use crate::state::State;
 
 pub mod plan;
+mod settle;
 mod slots;
 
 pub use plan::host_for_matching;
@@ -147,6 +148,9 @@ impl State {
         let mut delay_us = 0u64;
         let mut refund_guard = None;
         let mut slot_guard = None;
+        // Rules whose spending depends on the response (count_when, cost_from): what they
+        // reserved, settled once the response is known.
+        let mut after: Vec<(u32, settle::Reserved)> = Vec::new();
         if plan.checks.is_empty() {
             self.metrics().unmatched.inc();
         } else {
@@ -188,6 +192,9 @@ impl State {
             if holder != 0 {
                 slot_guard = self.hold_slots(&snap, &plan, &verdict, holder);
             }
+            if snap.settles {
+                after = reserved_by_response_rules(&snap, &plan, &verdict);
+            }
             delay_us = verdict
                 .outcomes
                 .iter()
@@ -212,13 +219,58 @@ impl State {
             g.spent = None;
         }
 
-        let mut resp = self.forward(req, peer, slot_guard).await?;
+        let result = self.forward(req, peer, slot_guard).await;
+        let mut resp = if after.is_empty() {
+            result?
+        } else {
+            self.settle_after(&snap, after, result)?
+        };
         if let Some((i, o, src)) = binding {
             let b = binding_of(&plan, &snap, i, &o, src);
             let lim = &self.config().limits;
             headers::write(resp.headers_mut(), &b, lim.ietf_headers, lim.legacy_headers, now_us);
         }
         Ok(resp)
+    }
+
+    /// Settle what response-dependent rules reserved, now that the response (or the error that
+    /// replaced it) is known: refund a `count_when` rule whose status does not match; settle a
+    /// `cost_from` rule from the response header, or from the trailers as the body streams.
+    fn settle_after(
+        self: &Arc<Self>,
+        snap: &crate::state::Snapshot,
+        after: Vec<(u32, settle::Reserved)>,
+        result: Result<Response<ProxyBody>, GatewayError>,
+    ) -> Result<Response<ProxyBody>, GatewayError> {
+        let status = match &result {
+            Ok(r) => r.status().as_u16(),
+            Err(e) => e.status().as_u16(),
+        };
+        let mut waiting = Vec::new();
+        for (ri, spent) in after {
+            let rule = &snap.rules.rules[ri as usize];
+            if rule.count_when.as_ref().is_some_and(|m| !m.matches(status)) {
+                settle::spawn_refund(self, spent);
+                continue;
+            }
+            let (Some(cf), Ok(resp)) = (&rule.cost_from, &result) else {
+                continue;
+            };
+            match resp.headers().get(&cf.header) {
+                Some(v) => match cf.parse(v) {
+                    Some(actual) => settle::spawn_settle(self, spent, actual),
+                    None => tracing::debug!(rule = %rule.name, header = %cf.header, "unusable cost header; the estimate stays spent"),
+                },
+                None => waiting.push((cf.clone(), spent)),
+            }
+        }
+        let resp = result?;
+        Ok(if waiting.is_empty() {
+            resp
+        } else {
+            let gw = self.clone();
+            resp.map(|b| settle::SettleBody::new(b, gw, waiting).boxed_unsync())
+        })
     }
 
     /// Register the concurrency slots an admitted request took (with the limiter, for renewal,
@@ -398,6 +450,34 @@ impl State {
             None => resp,
         })
     }
+}
+
+/// What each `count_when` / `cost_from` rule of an admitted request reserved, by rule.
+fn reserved_by_response_rules(
+    snap: &crate::state::Snapshot,
+    plan: &RequestPlan,
+    verdict: &Verdict,
+) -> Vec<(u32, settle::Reserved)> {
+    let mut out: Vec<(u32, settle::Reserved)> = Vec::new();
+    for (p, (o, src)) in plan.checks.iter().zip(&verdict.outcomes) {
+        let rule = &snap.rules.rules[p.rule as usize];
+        if (rule.count_when.is_none() && rule.cost_from.is_none())
+            || !o.allowed
+            || p.check.cost == 0
+            || !matches!(src, Source::Store | Source::Local)
+        {
+            continue;
+        }
+        let c = match (src, p.policy) {
+            (Source::Local, FailurePolicy::Local { share }) => local_share(&p.check, share),
+            _ => p.check.clone(),
+        };
+        match out.last_mut() {
+            Some((ri, v)) if *ri == p.rule => v.push((c, o.at_us, *src)),
+            _ => out.push((p.rule, vec![(c, o.at_us, *src)])),
+        }
+    }
+    out
 }
 
 /// Did the upstream request fail because the client's body went over `max_body_bytes`?

@@ -10,9 +10,9 @@ use http::{HeaderName, Method};
 use serde_saphyr::{Location, Spanned};
 use sha2::Digest;
 
-use super::{KeyKind, Pattern, Rule, RuleSet, Specificity};
+use super::{CostFrom, KeyKind, Pattern, Rule, RuleSet, Specificity, StatusMatch};
 use crate::config::error::{parse_str_sized, Sized};
-use crate::config::raw::{RawOverride, RawPenalty, RawRule, RawRules, RawWindow};
+use crate::config::raw::{RawCostFrom, RawCountWhen, RawOverride, RawPenalty, RawRule, RawRules, RawStatus, RawWindow};
 use crate::config::{duration, ConfigError};
 
 /// Rules a rules file may hold unless `limits.max_rules` says otherwise.
@@ -236,6 +236,45 @@ fn penalty(file: &Path, rule: &str, p: &Spanned<RawPenalty>) -> Result<Penalty, 
     })
 }
 
+/// `count_when: {status: [...]}`: codes 100-599 and classes `1xx`-`5xx`, at least one.
+fn count_when(file: &Path, rule: &str, cw: &Spanned<RawCountWhen>) -> Result<StatusMatch, ConfigError> {
+    let at = |m: String| ConfigError::at(file, &cw.referenced, format!("rule {rule:?}: count_when: {m}"));
+    let mut out = StatusMatch::default();
+    for s in &cw.value.status {
+        match s {
+            RawStatus::Code(c) if (100..=599).contains(c) => out.codes.push(*c as u16),
+            RawStatus::Code(c) => return Err(at(format!("{c} is not an HTTP status (100-599)"))),
+            RawStatus::Class(t) => {
+                let b = t.trim().as_bytes();
+                match b {
+                    [d @ b'1'..=b'5', b'x' | b'X', b'x' | b'X'] => out.classes |= 1 << (d - b'0'),
+                    _ => return Err(at(format!("{t:?} is neither a status nor a class like 4xx"))),
+                }
+            }
+        }
+    }
+    if out.classes == 0 && out.codes.is_empty() {
+        return Err(at("status lists nothing".to_owned()));
+    }
+    Ok(out)
+}
+
+/// `cost_from: {header, max}`: a valid header name, and `max` from the rule's `cost` (the
+/// estimate) up to the largest supported cost.
+fn cost_from(file: &Path, rule: &str, cf: &Spanned<RawCostFrom>, estimate: u64) -> Result<CostFrom, ConfigError> {
+    let at = |m: String| ConfigError::at(file, &cf.referenced, format!("rule {rule:?}: cost_from: {m}"));
+    let header = HeaderName::from_bytes(cf.value.header.trim().as_bytes())
+        .map_err(|_| at(format!("invalid header name {:?}", cf.value.header)))?;
+    let max = u64::try_from(cf.value.max).unwrap_or(0);
+    if max < estimate || max > crate::limiter::algorithm::MAX_UNITS {
+        return Err(at(format!(
+            "max must be at least the rule's cost ({estimate}) and at most {}",
+            crate::limiter::algorithm::MAX_UNITS
+        )));
+    }
+    Ok(CostFrom { header, max })
+}
+
 fn failure_policy(
     file: &Path,
     f: &Option<Spanned<String>>,
@@ -365,6 +404,27 @@ impl RuleSet {
                 None => None,
                 Some(p) => Some(penalty(file, name, p)?),
             };
+            let count_when = match &r.count_when {
+                None => None,
+                Some(_) if alg == Algorithm::Concurrency => {
+                    return Err(ctx.err(loc, format!("rule {name:?}: count_when does not apply to concurrency")))
+                }
+                Some(cw) => Some(count_when(file, name, cw)?),
+            };
+            let cost_from = match &r.cost_from {
+                None => None,
+                Some(cf) if matches!(alg, Algorithm::Concurrency | Algorithm::SlidingLog | Algorithm::LeakyBucket) => {
+                    return Err(ConfigError::at(
+                        file,
+                        &cf.referenced,
+                        format!(
+                            "rule {name:?}: cost_from does not work with {} (use token_bucket, fixed_window or sliding_window)",
+                            alg.as_str()
+                        ),
+                    ))
+                }
+                Some(cf) => Some(cost_from(file, name, cf, cost)?),
+            };
             let check_cost = |qs: &[Quota], at: &Location| -> Result<(), ConfigError> {
                 for q in qs {
                     if let Some(m) = q.bounds_error(cost) {
@@ -472,6 +532,8 @@ impl RuleSet {
                 failure,
                 shadow: r.shadow,
                 penalty,
+                count_when,
+                cost_from,
                 specificity,
                 line: loc.line(),
             });

@@ -69,6 +69,47 @@ impl KeyKind {
     }
 }
 
+/// `count_when.status`: exact codes and whole classes.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct StatusMatch {
+    /// Bit `n` set: every `n`xx status matches (n in 1..=5).
+    pub classes: u8,
+    /// Exact codes.
+    pub codes: Vec<u16>,
+}
+
+impl StatusMatch {
+    /// Does `status` match?
+    pub fn matches(&self, status: u16) -> bool {
+        let class = status / 100;
+        (class < 8 && self.classes & (1 << class) != 0) || self.codes.contains(&status)
+    }
+
+    /// As written: `401, 5xx`.
+    pub fn to_text(&self) -> String {
+        let mut v: Vec<String> = self.codes.iter().map(u16::to_string).collect();
+        v.extend((1..=5).filter(|c| self.classes & (1 << c) != 0).map(|c| format!("{c}xx")));
+        v.join(", ")
+    }
+}
+
+/// `cost_from`: the response header (or trailer) that reports a request's real cost.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CostFrom {
+    /// The header name.
+    pub header: HeaderName,
+    /// Largest cost it may report; larger values count as this.
+    pub max: u64,
+}
+
+impl CostFrom {
+    /// The cost a header value reports, capped at `max`; `None` when it is not a whole number.
+    pub fn parse(&self, v: &http::HeaderValue) -> Option<u64> {
+        let n: u64 = v.to_str().ok()?.trim().parse().ok()?;
+        Some(n.min(self.max))
+    }
+}
+
 /// Specificity of a rule; larger is more specific.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Specificity {
@@ -115,6 +156,10 @@ pub struct Rule {
     pub shadow: bool,
     /// Penalty box: after this rule denies a key, the key stays denied for this long.
     pub penalty: Option<Penalty>,
+    /// Only responses whose status matches spend quota (the reservation is refunded otherwise).
+    pub count_when: Option<StatusMatch>,
+    /// The real cost comes from the response: reserve `cost`, then settle the difference.
+    pub cost_from: Option<CostFrom>,
     /// Specificity.
     pub specificity: Specificity,
     /// Line of the rule in its file.

@@ -32,6 +32,35 @@ pub fn refund(q: &Quota, state: &mut Option<State>, at: u64, cost: u64) {
     }
 }
 
+/// Spend `cost` more units for a request admitted at `at`, without checking (its real cost,
+/// known after its response, was above its estimate): a bucket's `tat` moves on from
+/// `max(tat, at)`, a window's count grows while the window of `at` is still the stored one (the
+/// previous count of a sliding window that moved on by one). The state may go below zero: the
+/// key is then denied until it earns its way back. Mirrors `*_debit` in `lua/`.
+pub fn debit(q: &Quota, state: &mut Option<State>, at: u64, cost: u64) {
+    let w = q.window_us.get();
+    match (q.algorithm, state.as_mut()) {
+        (Algorithm::TokenBucket, s) => {
+            let tat = match s {
+                Some(State::Bucket { tat }) => *tat,
+                _ => at,
+            };
+            *state = Some(State::Bucket {
+                tat: tat.max(at).saturating_add(cost.saturating_mul(q.interval_us.get())),
+            });
+        }
+        (Algorithm::FixedWindow, Some(State::Window { index, count })) if *index == at / w => *count += cost,
+        (Algorithm::SlidingWindow, Some(State::Sliding { index, prev, curr })) => {
+            if *index == at / w {
+                *curr += cost;
+            } else if *index == at / w + 1 {
+                *prev += cost;
+            }
+        }
+        _ => {}
+    }
+}
+
 /// Units that `state`, written under `old`, still holds at `now`, counted the way `new` would
 /// count them and rounded up (conservative), at most `new`'s limit. A reload that changes a
 /// limit's shape (see [`Quota::same_shape`]) carries this much consumption over, so it never

@@ -330,7 +330,7 @@ impl Inner {
         let value = self.script(|sha| script_cmd(sha, mode, now, checks.clone())).await?;
         parse_packed(
             value,
-            if matches!(mode, Mode::Refund | Mode::Renew) {
+            if matches!(mode, Mode::Refund | Mode::Renew | Mode::Debit) {
                 0
             } else {
                 n

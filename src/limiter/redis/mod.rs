@@ -307,6 +307,24 @@ impl Store for RedisStore {
         self.peek_groups(checks).await
     }
 
+    /// Debit each slot's checks at the `now` its check used, like a refund with the sign
+    /// reversed.
+    async fn debit(&self, spent: &[(LimitCheck, u64)]) -> Result<(), StoreError> {
+        if spent.is_empty() {
+            return Ok(());
+        }
+        let groups = group_by_tag(spent.iter().map(|(c, _)| &c.key));
+        let inner = &self.inner;
+        let calls = groups.iter().map(|g| {
+            let at = g.first().map(|&i| spent[i].1);
+            inner.call(Mode::Debit, at, g.iter().map(|&i| &spent[i].0), peeked)
+        });
+        for r in futures_util::future::join_all(calls).await {
+            r?;
+        }
+        Ok(())
+    }
+
     async fn renew(&self, held: &[LimitCheck]) -> Result<(), StoreError> {
         let slots: Vec<&LimitCheck> = held.iter().filter(|c| c.is_slot()).collect();
         if slots.is_empty() {

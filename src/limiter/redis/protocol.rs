@@ -29,6 +29,8 @@ pub(super) enum Mode {
     Peek,
     /// Push the concurrency slots still held out to a full time to live.
     Renew,
+    /// Spend `cost` more on every key without checking (a reported cost above the estimate).
+    Debit,
 }
 
 impl Mode {
@@ -38,6 +40,7 @@ impl Mode {
             Mode::Refund => "refund",
             Mode::Peek => "peek",
             Mode::Renew => "renew",
+            Mode::Debit => "debit",
         }
     }
 }
