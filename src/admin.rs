@@ -8,6 +8,7 @@
 
 pub mod auth;
 pub mod dashboard;
+mod overrides;
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -26,7 +27,8 @@ use crate::http::respond::{self, GatewayError};
 use crate::http::ProxyBody;
 use crate::limiter::keys::{KeyBuilder, Namespace};
 use crate::limiter::{LimitCheck, Store, StoreKey};
-use crate::proxy::plan::{request_host, RequestParts};
+use crate::proxy::plan::{request_host, LimitsFrom, RequestParts};
+use crate::rules::runtime::RuntimeOverrides;
 use crate::rules::{caller, normalize, window_text, KeyKind, RequestInfo, Rule};
 use crate::state::{Snapshot, State};
 
@@ -123,6 +125,7 @@ async fn route(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Resp
             dashboard::limited(&gw, &p["/dashboard/limited/".len()..]).await
         }
         (Method::GET, "/rules") => respond::json_ok(&rules_json(&gw.snapshot().load())),
+        (_, p) if p == "/overrides" || p.starts_with("/overrides/") => overrides::handle(&gw, req, peer).await,
         (Method::POST, "/reload") => {
             let _ = req.into_body().collect().await;
             let result = gw.reload(crate::config::reload::Trigger::Admin).await;
@@ -163,7 +166,18 @@ async fn route(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Resp
                 .unwrap_or(IpAddr::from([127, 0, 0, 1]));
             let snap = gw.snapshot().load_full();
             let now_secs = gw.clock().now_us() / 1_000_000;
-            let mut v = explain(gw.config(), gw.keys(), &snap, &method, &p, req.headers(), ip, now_secs);
+            let runtime = gw.runtime().load_full();
+            let mut v = explain(
+                gw.config(),
+                gw.keys(),
+                &snap,
+                &runtime,
+                &method,
+                &p,
+                req.headers(),
+                ip,
+                now_secs,
+            );
             // The live state of each planned limit: remaining, requests in flight, penalty left.
             let uri: http::Uri = p.parse().unwrap_or_else(|_| http::Uri::from_static("/"));
             let parts = RequestParts {
@@ -172,7 +186,7 @@ async fn route(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Resp
                 headers: req.headers(),
                 peer: ip,
             };
-            let plan = crate::proxy::plan::plan(&snap, gw.keys(), &gw.config().identity, parts, now_secs);
+            let plan = crate::proxy::plan::plan(&snap, &runtime, gw.keys(), &gw.config().identity, parts, now_secs);
             let checks: Vec<LimitCheck> = plan
                 .checks
                 .iter()
@@ -214,7 +228,8 @@ async fn route(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Resp
                 return GatewayError::NotFound.into_response();
             }
             let snap = gw.snapshot().load();
-            let candidates = identity_checks(gw.keys(), &snap, &who);
+            let runtime = gw.runtime().load_full();
+            let candidates = identity_checks(gw.keys(), &snap, &runtime, &who, gw.clock().now_us() / 1_000_000);
             let all: Vec<LimitCheck> = candidates.checks.iter().map(|c| c.check.clone()).collect();
             // Peek first: which counters exist decides which rules apply to values tollgate cannot
             // enumerate (JWT users, orgs from tokens, header values), and whether it exists at all.
@@ -324,7 +339,13 @@ struct Candidates {
 /// Every counter an identity value (user id, key id, IP, org, header value) can have, with
 /// the namespace each rule's key kind gives that value (see `limiter::keys`): a registered key
 /// id is an API key, an address is an IP, anything else a JWT user.
-fn identity_checks(keys: &KeyBuilder, snap: &Snapshot, who: &str) -> Candidates {
+fn identity_checks(
+    keys: &KeyBuilder,
+    snap: &Snapshot,
+    runtime: &RuntimeOverrides,
+    who: &str,
+    now_secs: u64,
+) -> Candidates {
     let is_ip = who.parse::<IpAddr>().is_ok();
     let is_key = snap.keys.has_id(who);
     let is_org = snap.keys.entries().any(|(_, e)| e.org.as_deref() == Some(who));
@@ -363,7 +384,7 @@ fn identity_checks(keys: &KeyBuilder, snap: &Snapshot, who: &str) -> Candidates 
         let mut planned = Vec::new();
         let value = crate::rules::KeyValue::Value(ns, who.as_bytes());
         let ri = u32::try_from(ri).unwrap_or(u32::MAX);
-        crate::proxy::plan::rule_checks(snap, keys, ri, value, who, &mut None, &mut planned);
+        crate::proxy::plan::rule_checks(snap, runtime, now_secs, keys, ri, value, who, &mut None, &mut planned);
         for p in planned {
             checks.push(Candidate {
                 check: LimitCheck { cost: 0, ..p.check },
@@ -468,6 +489,7 @@ pub fn explain(
     config: &GatewayConfig,
     keys: &KeyBuilder,
     snap: &Snapshot,
+    runtime: &RuntimeOverrides,
     method: &Method,
     path: &str,
     headers: &HeaderMap,
@@ -482,7 +504,7 @@ pub fn explain(
         headers,
         peer: ip,
     };
-    let plan = crate::proxy::plan::plan(snap, keys, &config.identity, parts, now_secs);
+    let plan = crate::proxy::plan::plan(snap, runtime, keys, &config.identity, parts, now_secs);
     let ident = &plan.identity;
     let norm = normalize(uri.path());
     let info = RequestInfo {
@@ -526,7 +548,20 @@ pub fn explain(
                     v["skipped"] = Value::String("the request has no value for this key kind (no org / no header)".into());
                 } else {
                     v["limits"] = Value::Array(planned);
-                    v["override"] = Value::Bool(r.overrides.contains_key(&*ident.id));
+                    let from = plan.checks.iter().find(|p| p.rule == c.rule).map(|p| p.from);
+                    v["override"] = match from {
+                        Some(LimitsFrom::Runtime { expires_at_us }) => json!({
+                            "source": "runtime",
+                            "expires_at": expires_at_us / 1_000_000,
+                            "why": if r.overrides.contains_key(&*ident.id) {
+                                "set through the admin API (PUT /overrides); it beats this identity's override in the rules file"
+                            } else {
+                                "set through the admin API (PUT /overrides)"
+                            },
+                        }),
+                        Some(LimitsFrom::FileOverride) => json!({"source": "rules_file", "why": "this identity's override in the rules file"}),
+                        _ => Value::Null,
+                    };
                 }
             }
             v

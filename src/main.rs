@@ -267,7 +267,9 @@ fn explain(config: &std::path::Path, method: &str, path: &str, headers: &[String
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0);
-    let v = tollgate::admin::explain(&cfg, &keys, &snap, &m, path, &h, ip, now);
+    // The CLI reads no store: runtime overrides are not shown (the admin API's /explain is).
+    let runtime = tollgate::rules::runtime::RuntimeOverrides::default();
+    let v = tollgate::admin::explain(&cfg, &keys, &snap, &runtime, &m, path, &h, ip, now);
     println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
     ExitCode::SUCCESS
 }

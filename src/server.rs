@@ -66,6 +66,7 @@ pub async fn start_with(gw: Arc<State>) -> Result<Running, StartError> {
     let (tx, rx) = watch::channel(false);
     spawn_probe(&gw, rx.clone());
     spawn_slot_renewal(&gw, rx.clone());
+    spawn_override_refresh(&gw, rx.clone());
     let mut files = vec![gw.config().rules_file.clone()];
     files.extend(gw.config().keys_file.clone());
     // The gateway file is watched too, not to apply it (that needs a restart) but to say that
@@ -297,6 +298,28 @@ fn spawn_slot_renewal(gw: &Arc<State>, mut stop: watch::Receiver<bool>) {
                 _ = stop.changed() => return,
             }
             gw.limiter().renew_held().await;
+        }
+    });
+}
+
+/// How often each node re-reads the runtime override table: a change made on one node is in
+/// force on every node within this (the admin API promises a second).
+const OVERRIDE_REFRESH: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// Re-read the runtime overrides from the store every [`OVERRIDE_REFRESH`].
+fn spawn_override_refresh(gw: &Arc<State>, mut stop: watch::Receiver<bool>) {
+    let gw = gw.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(OVERRIDE_REFRESH);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stop.changed() => return,
+            }
+            if let Err(e) = gw.refresh_overrides().await {
+                tracing::debug!(error = %e, "runtime overrides not refreshed; the last ones stay in force");
+            }
         }
     });
 }

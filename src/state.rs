@@ -20,6 +20,7 @@ use crate::limiter::memory::MemoryStore;
 use crate::limiter::redis::{RedisMode, RedisStore};
 use crate::limiter::{Backend, Limiter, Store, StoreError};
 use crate::metrics::{Metrics, RuleMetrics};
+use crate::rules::runtime::{RuntimeOverrides, StoredOverride};
 use crate::rules::RuleSet;
 
 /// Upstream failures are logged at most once per this, with a count of those suppressed.
@@ -53,6 +54,11 @@ pub struct State {
     config: GatewayConfig,
     /// Rules + keys; requests `load()` it once.
     snapshot: ArcSwap<Snapshot>,
+    /// Runtime overrides (admin API, kept in the store), compiled against the loaded rules;
+    /// refreshed from the store twice a second and after every reload.
+    runtime: ArcSwap<RuntimeOverrides>,
+    /// The store key of the runtime override table: `{<prefix>:overrides}`.
+    overrides_key: String,
     /// The limiter (store, local fallback, deny cache, breaker).
     limiter: Limiter,
     /// Metrics.
@@ -331,8 +337,11 @@ impl State {
             keys: None,
             error: None,
         });
+        let overrides_key = format!("{{{}:overrides}}", config.store.key_prefix);
         let gw = Arc::new(State {
             snapshot: ArcSwap::from_pointee(snap),
+            runtime: ArcSwap::from_pointee(RuntimeOverrides::default()),
+            overrides_key,
             limiter,
             metrics,
             keys,
@@ -346,6 +355,54 @@ impl State {
             activity,
         });
         Ok(gw)
+    }
+
+    /// The runtime overrides in force.
+    pub fn runtime(&self) -> &ArcSwap<RuntimeOverrides> {
+        &self.runtime
+    }
+
+    /// Read the runtime override table from the store and install it (compiled against the
+    /// loaded rules) when it changed. Expired entries are dropped from the store on the way.
+    pub async fn refresh_overrides(&self) -> Result<(), crate::limiter::StoreError> {
+        let rows = self.limiter.store.table_load(&self.overrides_key).await?;
+        let now = unix_secs(SystemTime::now());
+        let mut stored = Vec::with_capacity(rows.len());
+        for (field, json) in rows {
+            match serde_json::from_str::<StoredOverride>(&json) {
+                Ok(o) if o.expires_at > now => stored.push(o),
+                Ok(_) => {
+                    let _ = self.limiter.store.table_set(&self.overrides_key, &field, None).await;
+                }
+                Err(e) => tracing::warn!(field = %field, error = %e, "unreadable runtime override; ignored"),
+            }
+        }
+        stored.sort_by(|a, b| (&a.rule, &a.tag).cmp(&(&b.rule, &b.tag)));
+        if stored != self.runtime.load().stored {
+            let snap = self.snapshot.load();
+            self.runtime
+                .store(Arc::new(RuntimeOverrides::compile(stored, &snap.rules)));
+        }
+        Ok(())
+    }
+
+    /// Store `o` (set or replace) and install it on this node at once; other nodes see it at
+    /// their next refresh (within half a second).
+    pub async fn put_override(&self, o: &StoredOverride) -> Result<(), crate::limiter::StoreError> {
+        let json = serde_json::to_string(o).map_err(|e| crate::limiter::StoreError::Protocol(e.to_string()))?;
+        self.limiter
+            .store
+            .table_set(&self.overrides_key, &o.field(), Some(&json))
+            .await?;
+        self.refresh_overrides().await
+    }
+
+    /// Remove the override stored under `field`; true when there was one.
+    pub async fn delete_override(&self, field: &str) -> Result<bool, crate::limiter::StoreError> {
+        let existed = self.runtime.load().stored.iter().any(|o| o.field() == field);
+        self.limiter.store.table_set(&self.overrides_key, field, None).await?;
+        self.refresh_overrides().await?;
+        Ok(existed)
     }
 
     /// Reload rules, API keys and JWT keys. On error the old ones all stay in force. Also notices (warning
@@ -393,6 +450,10 @@ impl State {
                         self.metrics.forget_rule(r);
                     }
                 }
+                // Runtime overrides survive the reload: recompiled against the new rules.
+                let stored = self.runtime.load().stored.clone();
+                self.runtime
+                    .store(Arc::new(RuntimeOverrides::compile(stored, &snap.rules)));
                 let previous = self.snapshot.swap(Arc::new(snap));
                 // Freeing a large snapshot takes a while too: not on a request thread.
                 tokio::task::spawn_blocking(move || drop(previous));

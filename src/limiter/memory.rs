@@ -106,6 +106,9 @@ pub struct MemoryStore {
     /// Hashes keys to shards (seeded apart from the maps, so a shard's keys still spread
     /// over its map's buckets).
     hasher: foldhash::fast::RandomState,
+    /// Small shared tables (the runtime overrides): table key → field → value. Read twice a
+    /// second and written by the admin API; never touched by the request path.
+    tables: Mutex<HashMap<String, std::collections::BTreeMap<String, String>>>,
 }
 
 impl MemoryStore {
@@ -118,6 +121,7 @@ impl MemoryStore {
             evicted: Counter::default(),
             evicted_denying: Counter::default(),
             hasher: Default::default(),
+            tables: Mutex::new(HashMap::new()),
         }
     }
 
@@ -391,6 +395,25 @@ impl Store for MemoryStore {
 
     async fn debit(&self, spent: &[(LimitCheck, u64)]) -> Result<(), StoreError> {
         self.debit_spent(spent);
+        Ok(())
+    }
+
+    async fn table_load(&self, key: &str) -> Result<Vec<(String, String)>, StoreError> {
+        Ok(self
+            .tables
+            .lock()
+            .get(key)
+            .map(|t| t.iter().map(|(f, v)| (f.clone(), v.clone())).collect())
+            .unwrap_or_default())
+    }
+
+    async fn table_set(&self, key: &str, field: &str, value: Option<&str>) -> Result<(), StoreError> {
+        let mut tables = self.tables.lock();
+        let t = tables.entry(key.to_owned()).or_default();
+        match value {
+            Some(v) => t.insert(field.to_owned(), v.to_owned()),
+            None => t.remove(field),
+        };
         Ok(())
     }
 

@@ -218,6 +218,17 @@ pub trait Store: Send + Sync + 'static {
     /// live, so a long request keeps its slot; checks that are not slots are ignored.
     fn renew(&self, held: &[LimitCheck]) -> impl Future<Output = Result<(), StoreError>> + Send;
 
+    /// Every field and value of the small shared table at `key` (the runtime overrides).
+    fn table_load(&self, key: &str) -> impl Future<Output = Result<Vec<(String, String)>, StoreError>> + Send;
+
+    /// Set `field` of the table at `key` to `value`, or remove it when `value` is `None`.
+    fn table_set(
+        &self,
+        key: &str,
+        field: &str,
+        value: Option<&str>,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
     /// Forget the counters at `keys`, and lift their penalties.
     fn reset(&self, keys: &[StoreKey]) -> impl Future<Output = Result<(), StoreError>> + Send;
 
@@ -265,6 +276,18 @@ impl Store for Backend {
         match self {
             Backend::Memory(m) => m.debit(spent).await,
             Backend::Redis(r) => r.debit(spent).await,
+        }
+    }
+    async fn table_load(&self, key: &str) -> Result<Vec<(String, String)>, StoreError> {
+        match self {
+            Backend::Memory(m) => m.table_load(key).await,
+            Backend::Redis(r) => r.table_load(key).await,
+        }
+    }
+    async fn table_set(&self, key: &str, field: &str, value: Option<&str>) -> Result<(), StoreError> {
+        match self {
+            Backend::Memory(m) => m.table_set(key, field, value).await,
+            Backend::Redis(r) => r.table_set(key, field, value).await,
         }
     }
     async fn renew(&self, held: &[LimitCheck]) -> Result<(), StoreError> {

@@ -133,7 +133,16 @@ impl State {
             headers: req.headers(),
             peer: peer.ip(),
         };
-        let mut plan = plan::plan(&snap, self.keys(), &self.config().identity, parts, now_us / 1_000_000);
+        let runtime = self.runtime().load();
+        let mut plan = plan::plan(
+            &snap,
+            &runtime,
+            self.keys(),
+            &self.config().identity,
+            parts,
+            now_us / 1_000_000,
+        );
+        drop(runtime);
         // Concurrency slots name the request that holds them.
         let mut holder = 0;
         for c in plan.checks.iter_mut().filter(|c| c.check.is_slot()) {
@@ -219,7 +228,12 @@ impl State {
             g.spent = None;
         }
 
-        let result = self.forward(req, peer, slot_guard).await;
+        // A cost reported in a trailer: ask the upstream for trailers (an HTTP/1.1 server sends
+        // them only to a request that says `TE: trailers`).
+        let want_trailers = after
+            .iter()
+            .any(|(ri, _)| snap.rules.rules[*ri as usize].cost_from.is_some());
+        let result = self.forward(req, peer, slot_guard, want_trailers).await;
         let mut resp = if after.is_empty() {
             result?
         } else {
@@ -259,7 +273,9 @@ impl State {
             match resp.headers().get(&cf.header) {
                 Some(v) => match cf.parse(v) {
                     Some(actual) => settle::spawn_settle(self, spent, actual),
-                    None => tracing::debug!(rule = %rule.name, header = %cf.header, "unusable cost header; the estimate stays spent"),
+                    None => {
+                        tracing::debug!(rule = %rule.name, header = %cf.header, "unusable cost header; the estimate stays spent")
+                    }
                 },
                 None => waiting.push((cf.clone(), spent)),
             }
@@ -364,6 +380,7 @@ impl State {
         mut req: Request<Incoming>,
         peer: SocketAddr,
         slots: Option<slots::SlotGuard>,
+        want_trailers: bool,
     ) -> Result<Response<ProxyBody>, GatewayError> {
         let upgrade = forward::upgrade_of(req.headers());
         let client_upgrade = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut req));
@@ -385,6 +402,9 @@ impl State {
                 .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
         });
         forward::strip_hop_by_hop(&mut h, upgrade);
+        if want_trailers {
+            h.insert(header::TE, HeaderValue::from_static("trailers"));
+        }
         forward::add_forwarded(&mut h, peer.ip(), host.as_ref());
         if let Some(host) = host {
             h.insert(header::HOST, host);

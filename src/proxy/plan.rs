@@ -13,6 +13,7 @@ use crate::config::IdentityConfig;
 use crate::identity::{identify, Identity, IdentityKind};
 use crate::limiter::keys::KeyBuilder;
 use crate::limiter::{FailurePolicy, LimitCheck, PolicedCheck};
+use crate::rules::runtime::RuntimeOverrides;
 use crate::rules::{key_value, normalize, KeyValue, RequestInfo};
 use crate::state::Snapshot;
 
@@ -26,6 +27,23 @@ pub struct PlannedCheck {
     pub policy: FailurePolicy,
     /// Index of the rule in the snapshot's rule set.
     pub rule: u32,
+    /// Where the limits came from.
+    pub from: LimitsFrom,
+}
+
+/// Where a planned check's limits came from, for `/explain`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LimitsFrom {
+    /// The rule's own limits.
+    Rule,
+    /// The rule's override for this identity in the rules file.
+    FileOverride,
+    /// A runtime override (admin API), which beats the file; it applies until this instant
+    /// (microseconds since the epoch).
+    Runtime {
+        /// Expiry.
+        expires_at_us: u64,
+    },
 }
 
 impl AsRef<LimitCheck> for PlannedCheck {
@@ -63,9 +81,10 @@ pub struct RequestParts<'a> {
     pub peer: IpAddr,
 }
 
-/// Build the plan of `req` against `snap`.
+/// Build the plan of `req` against `snap` and the runtime overrides in force.
 pub fn plan(
     snap: &Snapshot,
+    runtime: &RuntimeOverrides,
     keys: &KeyBuilder,
     identity: &IdentityConfig,
     req: RequestParts<'_>,
@@ -91,7 +110,17 @@ pub fn plan(
         let mut last: Option<(KeyValue<'_>, String)> = None;
         for ri in selected {
             if let Some(value) = key_value(&snap.rules.rules[ri as usize].key, &ident, req.headers, &ip_text) {
-                rule_checks(snap, keys, ri, value, &ident.id, &mut last, &mut checks);
+                rule_checks(
+                    snap,
+                    runtime,
+                    now_secs,
+                    keys,
+                    ri,
+                    value,
+                    &ident.id,
+                    &mut last,
+                    &mut checks,
+                );
             }
         }
     }
@@ -101,11 +130,14 @@ pub fn plan(
     }
 }
 
-/// Append the checks of rule `ri` for the key value `value`, with the limits of `who`'s
-/// override when the rule has one. `last` remembers the previous value's tag, so a caller's
-/// rules hash its value once.
+/// Append the checks of rule `ri` for the key value `value`: the limits of a runtime override
+/// for that value when one is in force, else of `who`'s override in the rules file, else the
+/// rule's. `last` remembers the previous value's tag, so a caller's rules hash its value once.
+#[allow(clippy::too_many_arguments)]
 pub fn rule_checks<'v>(
     snap: &Snapshot,
+    runtime: &RuntimeOverrides,
+    now_secs: u64,
     keys: &KeyBuilder,
     ri: u32,
     value: KeyValue<'v>,
@@ -114,25 +146,39 @@ pub fn rule_checks<'v>(
     out: &mut Vec<PlannedCheck>,
 ) {
     let rule = &snap.rules.rules[ri as usize];
-    let limits = rule.limits_for_id(who);
-    let planned = |check: LimitCheck| PlannedCheck {
+    let planned = |check: LimitCheck, from: LimitsFrom| PlannedCheck {
         check,
         policy: rule.failure,
         rule: ri,
+        from,
+    };
+    let check = |key, q: &crate::limiter::Quota| LimitCheck {
+        key,
+        quota: *q,
+        cost: rule.cost,
+        shadow: rule.shadow,
+        holder: 0,
+        penalty: rule.penalty,
+    };
+    let file_limits = || {
+        let limits = rule.limits_for_id(who);
+        let from = if std::ptr::eq(limits, rule.limits.as_slice()) {
+            LimitsFrom::Rule
+        } else {
+            LimitsFrom::FileOverride
+        };
+        (limits, from)
     };
     if let (KeyValue::Global, Some(fixed)) = (value, snap.global_keys.get(ri as usize)) {
         // Global counters have fixed keys, built when the rules loaded.
+        let (limits, from) = file_limits();
         if fixed.len() >= limits.len() {
-            out.extend(limits.iter().zip(fixed).map(|(q, key)| {
-                planned(LimitCheck {
-                    key: key.clone(),
-                    quota: *q,
-                    cost: rule.cost,
-                    shadow: rule.shadow,
-                    holder: 0,
-                    penalty: rule.penalty,
-                })
-            }));
+            out.extend(
+                limits
+                    .iter()
+                    .zip(fixed)
+                    .map(|(q, key)| planned(check(key.clone(), q), from)),
+            );
             return;
         }
     }
@@ -144,16 +190,26 @@ pub fn rule_checks<'v>(
             t
         }
     };
-    out.extend(limits.iter().enumerate().map(|(n, q)| {
-        planned(LimitCheck {
-            key: keys.key(&tag, &rule.name, n),
-            quota: *q,
-            cost: rule.cost,
-            shadow: rule.shadow,
-            holder: 0,
-            penalty: rule.penalty,
-        })
-    }));
+    let runtime_limits = if runtime.is_empty() || value == KeyValue::Global {
+        None
+    } else {
+        runtime.get(&tag, &rule.name, now_secs.saturating_mul(1_000_000))
+    };
+    let (limits, from) = match runtime_limits {
+        Some(a) => (
+            a.quotas.as_slice(),
+            LimitsFrom::Runtime {
+                expires_at_us: a.expires_at_us,
+            },
+        ),
+        None => file_limits(),
+    };
+    out.extend(
+        limits
+            .iter()
+            .enumerate()
+            .map(|(n, q)| planned(check(keys.key(&tag, &rule.name, n), q), from)),
+    );
 }
 
 /// Host without port, from `Host` or the URI authority (HTTP/2).

@@ -60,7 +60,9 @@ impl Body for SettleBody {
                 for (cf, spent) in waiting {
                     match trailers.get(&cf.header).and_then(|v| cf.parse(v)) {
                         Some(actual) => spawn_settle(&self.gw, spent, actual),
-                        None => tracing::debug!(header = %cf.header, "no usable cost in the trailers; the estimate stays spent"),
+                        None => {
+                            tracing::debug!(header = %cf.header, "no usable cost in the trailers; the estimate stays spent")
+                        }
                     }
                 }
             }

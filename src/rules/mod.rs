@@ -12,6 +12,7 @@
 
 mod compile;
 pub mod path;
+pub mod runtime;
 mod trie;
 
 use std::collections::HashMap;
@@ -88,7 +89,11 @@ impl StatusMatch {
     /// As written: `401, 5xx`.
     pub fn to_text(&self) -> String {
         let mut v: Vec<String> = self.codes.iter().map(u16::to_string).collect();
-        v.extend((1..=5).filter(|c| self.classes & (1 << c) != 0).map(|c| format!("{c}xx")));
+        v.extend(
+            (1..=5)
+                .filter(|c| self.classes & (1 << c) != 0)
+                .map(|c| format!("{c}xx")),
+        );
         v.join(", ")
     }
 }

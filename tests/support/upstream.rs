@@ -4,7 +4,9 @@
 //!
 //! Paths: `/slow/<ms>` answers after `<ms>`; `/stream` answers at once and then sends a chunk
 //! every 100 ms for 30 s; `/reset` sends one chunk and then fails the body (the connection is
-//! cut mid-response); `/hang` answers after 30 s; anything else answers at once.
+//! cut mid-response); `/hang` answers after 30 s; `/status/<code>` answers that status after
+//! 200 ms; `/cost/<n>` answers with `X-Tokens-Used: n`; `/trailer-cost/<n>` streams two chunks
+//! and then `X-Tokens-Used: n` as a trailer; anything else answers at once.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -13,6 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures_util::StreamExt;
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper::{Request, Response};
@@ -102,6 +105,34 @@ async fn serve(counts: Arc<Counts>, req: Request<Incoming>) -> Result<Response<B
         body(serving, 300, Duration::from_millis(100), false)
     } else if path == "/reset" {
         body(serving, 1, Duration::from_millis(50), true)
+    } else if let Some(code) = path.strip_prefix("/status/") {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let mut r = Response::new(body(serving, 1, Duration::ZERO, false));
+        *r.status_mut() = hyper::StatusCode::from_u16(code.parse().unwrap_or(200)).unwrap_or(hyper::StatusCode::OK);
+        return Ok(r);
+    } else if let Some(n) = path.strip_prefix("/cost/") {
+        let mut r = Response::new(body(serving, 1, Duration::ZERO, false));
+        r.headers_mut().insert("x-tokens-used", n.parse().unwrap());
+        return Ok(r);
+    } else if let Some(n) = path.strip_prefix("/trailer-cost/") {
+        let mut trailers = hyper::HeaderMap::new();
+        trailers.insert("x-tokens-used", n.parse().unwrap());
+        let frames = vec![
+            Ok(Frame::data(Bytes::from_static(b"chunk\n"))),
+            Ok(Frame::data(Bytes::from_static(b"chunk\n"))),
+            Ok(Frame::trailers(trailers)),
+        ];
+        let stream = futures_util::stream::iter(frames).chain(
+            futures_util::stream::once(async move {
+                drop(serving);
+                Err(std::io::Error::other("unreachable"))
+            })
+            .filter(|_| futures_util::future::ready(false)),
+        );
+        let mut r = Response::new(StreamBody::new(stream).boxed_unsync());
+        // hyper sends only the trailer fields the head announces.
+        r.headers_mut().insert("trailer", "x-tokens-used".parse().unwrap());
+        return Ok(r);
     } else if path == "/hang" {
         tokio::time::sleep(Duration::from_secs(30)).await;
         body(serving, 1, Duration::ZERO, false)

@@ -307,6 +307,25 @@ impl Store for RedisStore {
         self.peek_groups(checks).await
     }
 
+    async fn table_load(&self, key: &str) -> Result<Vec<(String, String)>, StoreError> {
+        let mut cmd = redis::cmd("HGETALL");
+        cmd.arg(key);
+        let v = self.inner.command(&cmd).await?;
+        redis::from_redis_value::<Vec<(String, String)>>(v).map_err(|e| StoreError::Protocol(e.to_string()))
+    }
+
+    async fn table_set(&self, key: &str, field: &str, value: Option<&str>) -> Result<(), StoreError> {
+        let mut cmd = match value {
+            Some(_) => redis::cmd("HSET"),
+            None => redis::cmd("HDEL"),
+        };
+        cmd.arg(key).arg(field);
+        if let Some(v) = value {
+            cmd.arg(v);
+        }
+        self.inner.command(&cmd).await.map(|_| ())
+    }
+
     /// Debit each slot's checks at the `now` its check used, like a refund with the sign
     /// reversed.
     async fn debit(&self, spent: &[(LimitCheck, u64)]) -> Result<(), StoreError> {

@@ -1,0 +1,365 @@
+//! Issue #18, end to end: counting by response (`count_when`), cost from the response
+//! (`cost_from`, header and trailer) and runtime overrides, on the real gateway, a real
+//! upstream, and the memory store, real Redis and a real 6-node cluster.
+
+mod support;
+
+use std::time::{Duration, Instant, SystemTime};
+
+use support::*;
+
+fn store_yaml(kind: &str, urls: &[String]) -> String {
+    let list: Vec<String> = urls.iter().map(|u| format!("\"{u}\"")).collect();
+    let store = if kind == "memory" {
+        "store:\n  kind: memory\n".to_owned()
+    } else {
+        format!(
+            "store:\n  kind: {kind}\n  urls: [{}]\n  timeout: 200ms\n",
+            list.join(", ")
+        )
+    };
+    format!("{store}identity:\n  trusted_proxies: [127.0.0.1/32]\n")
+}
+
+async fn send(c: &reqwest::Client, method: reqwest::Method, url: &str, ip: &str) -> u16 {
+    let r = c
+        .request(method, url)
+        .header("X-Forwarded-For", ip)
+        .send()
+        .await
+        .unwrap();
+    let s = r.status().as_u16();
+    let _ = r.bytes().await;
+    s
+}
+
+/// `count_when: {status: [401]}`: 50 concurrent wrong passwords give at most 5 upstream 401s,
+/// the rest 429; successful logins spend nothing.
+async fn only_failed_logins_count(kind: &str, urls: &[String]) {
+    let up = counting_upstream().await;
+    let rules = r#"rules:
+  - { name: failed-logins, match: { path: "/status/**", methods: [POST] }, key: ip, algorithm: fixed_window, limit: 5, window: 1h, count_when: { status: [401] } }
+"#;
+    let gw = gateway(&up.url(), &store_yaml(kind, urls), rules, None).await;
+    let c = client();
+    let url = format!("{}/status/401", gw.url);
+    let tasks: Vec<_> = (0..50)
+        .map(|_| {
+            let (c, url) = (c.clone(), url.clone());
+            tokio::spawn(async move { send(&c, reqwest::Method::POST, &url, "10.8.0.1").await })
+        })
+        .collect();
+    let (mut unauthorized, mut limited) = (0, 0);
+    for t in tasks {
+        match t.await.unwrap() {
+            401 => unauthorized += 1,
+            429 => limited += 1,
+            other => panic!("unexpected status {other}"),
+        }
+    }
+    let reached = up.counts.total.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(
+        unauthorized <= 5 && reached <= 5,
+        "{unauthorized} 401s, {reached} reached the upstream"
+    );
+    assert!(unauthorized >= 1 && unauthorized + limited == 50);
+    // Successful logins are refunded: ten in a row from another address all pass.
+    let ok_url = format!("{}/status/200", gw.url);
+    for i in 0..10 {
+        assert_eq!(
+            send(&c, reqwest::Method::POST, &ok_url, "10.8.0.2").await,
+            200,
+            "login {i}"
+        );
+    }
+    // ... and the refunds leave room for exactly 5 failures there.
+    let mut fails = 0;
+    for _ in 0..8 {
+        if send(&c, reqwest::Method::POST, &url, "10.8.0.2").await == 401 {
+            fails += 1;
+        }
+    }
+    assert_eq!(fails, 5);
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_only_failed_logins_count() {
+    only_failed_logins_count("memory", &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_only_failed_logins_count() {
+    let server = RedisServer::start();
+    only_failed_logins_count("redis", &[server.url()]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_only_failed_logins_count() {
+    let cluster = RedisCluster::start();
+    only_failed_logins_count("redis_cluster", &cluster.seed_urls()).await;
+}
+
+/// `cost_from`: the estimate is reserved, then settled from the header or the trailer; a
+/// report above the estimate is debited and may take the key below zero.
+async fn cost_from_settles(kind: &str, urls: &[String]) {
+    let up = counting_upstream().await;
+    let rules = r#"rules:
+  - { name: tokens, match: { path: "/**" }, key: ip, algorithm: fixed_window, limit: 100, window: 1h, cost: 10, cost_from: { header: X-Tokens-Used, max: 1000 } }
+"#;
+    let gw = gateway(&up.url(), &store_yaml(kind, urls), rules, None).await;
+    let c = client();
+    let ip = "10.8.1.1";
+    let remaining = || async {
+        let v = get_json(&c, format!("{}/keys/{ip}", gw.admin)).await;
+        v["counters"][0]["remaining"].as_u64().unwrap()
+    };
+    let settles_to =
+        |want: u64| async move { eventually(Duration::from_secs(3), || async { remaining().await == want }).await };
+    assert_eq!(
+        send(&c, reqwest::Method::GET, &format!("{}/cost/50", gw.url), ip).await,
+        200
+    );
+    assert!(
+        settles_to(50).await,
+        "50 reported: 100 - 50 = 50 left, got {}",
+        remaining().await
+    );
+    assert_eq!(
+        send(&c, reqwest::Method::GET, &format!("{}/cost/3", gw.url), ip).await,
+        200
+    );
+    assert!(
+        settles_to(47).await,
+        "3 reported: 7 of the 10 reserved come back, got {}",
+        remaining().await
+    );
+    assert_eq!(
+        send(&c, reqwest::Method::GET, &format!("{}/trailer-cost/40", gw.url), ip).await,
+        200
+    );
+    assert!(
+        settles_to(7).await,
+        "40 reported in a trailer, got {}",
+        remaining().await
+    );
+    // Below zero: 7 left is under the estimate of 10, so a fresh address goes on.
+    let ip2 = "10.8.1.2";
+    assert_eq!(
+        send(&c, reqwest::Method::GET, &format!("{}/cost/1000", gw.url), ip2).await,
+        200
+    );
+    let denied = eventually(Duration::from_secs(3), || async {
+        send(&c, reqwest::Method::GET, &format!("{}/cost/1", gw.url), ip2).await == 429
+    })
+    .await;
+    assert!(denied, "a debit of 990 over a limit of 100 must deny the key");
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_cost_from_settles() {
+    cost_from_settles("memory", &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cost_from_settles() {
+    let server = RedisServer::start();
+    cost_from_settles("redis", &[server.url()]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_cost_from_settles() {
+    let cluster = RedisCluster::start();
+    cost_from_settles("redis_cluster", &cluster.seed_urls()).await;
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
+const OVERRIDDEN: &str = r#"rules:
+  - name: per-ip
+    match: { path: "/**" }
+    key: ip
+    algorithm: fixed_window
+    limit: 2
+    window: 1h
+    overrides:
+      "10.8.2.1": { limit: 3 }
+"#;
+
+async fn override_source(c: &reqwest::Client, gw: &TestGateway, ip: &str) -> String {
+    let v = get_json(c, format!("{}/explain?path=/x&ip={ip}", gw.admin)).await;
+    v["matches"][0]["override"]["source"]
+        .as_str()
+        .unwrap_or("none")
+        .to_owned()
+}
+
+/// Runtime overrides on three gateways sharing one store: a PUT on one is in force on all
+/// within a second, beats the rules file's override, survives a reload, is listed by hash only,
+/// and a DELETE (or its expiry) brings the file's override back.
+async fn runtime_overrides_reach_the_fleet(kind: &str, urls: &[String]) {
+    let up = counting_upstream().await;
+    let mut gws = Vec::new();
+    for _ in 0..3 {
+        gws.push(gateway(&up.url(), &store_yaml(kind, urls), OVERRIDDEN, None).await);
+    }
+    let c = client();
+    let ip = "10.8.2.1";
+    assert_eq!(override_source(&c, &gws[1], ip).await, "rules_file");
+    let put = c
+        .put(format!("{}/overrides/ip/{ip}", gws[0].admin))
+        .json(&serde_json::json!({"rule": "per-ip", "limits": [{"limit": 5, "window": "1h"}], "expires_at": unix_now() + 3600}))
+        .send()
+        .await
+        .unwrap();
+    let set = Instant::now();
+    assert_eq!(put.status(), 200, "{}", put.text().await.unwrap());
+    for g in &gws {
+        let seen = eventually(Duration::from_millis(1000), || async {
+            override_source(&c, g, ip).await == "runtime"
+        })
+        .await;
+        assert!(seen, "a gateway did not see the override within 1 s");
+    }
+    assert!(set.elapsed() < Duration::from_millis(1500));
+    // Five pass across the fleet (the file says 3), the sixth is denied.
+    for i in 0..5 {
+        assert_eq!(
+            send(&c, reqwest::Method::GET, &format!("{}/x", gws[i % 3].url), ip).await,
+            200,
+            "request {i}"
+        );
+    }
+    assert_eq!(
+        send(&c, reqwest::Method::GET, &format!("{}/x", gws[2].url), ip).await,
+        429
+    );
+    // Listed by hash, never by the address.
+    let list = get_text(&c, format!("{}/overrides", gws[2].admin)).await;
+    assert!(!list.contains(ip), "the raw address is listed: {list}");
+    let v: serde_json::Value = serde_json::from_str(&list).unwrap();
+    assert_eq!(v["overrides"][0]["rule"], "per-ip");
+    // A reload keeps it.
+    let r = c.post(format!("{}/reload", gws[1].admin)).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(override_source(&c, &gws[1], ip).await, "runtime");
+    // Delete it: the file's override is back everywhere within a second.
+    let d = c
+        .delete(format!("{}/overrides/ip/{ip}", gws[2].admin))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(d.status(), 200);
+    for g in &gws {
+        let back = eventually(Duration::from_millis(1000), || async {
+            override_source(&c, g, ip).await == "rules_file"
+        })
+        .await;
+        assert!(back, "a gateway kept a deleted override");
+    }
+    // An override expires by itself.
+    let ip2 = "10.8.2.9";
+    let put = c
+        .put(format!("{}/overrides/ip/{ip2}", gws[0].admin))
+        .json(&serde_json::json!({"rule": "per-ip", "limits": [{"limit": 9, "window": "1h"}], "expires_at": unix_now() + 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(put.status(), 200);
+    assert_eq!(override_source(&c, &gws[0], ip2).await, "runtime");
+    let expired = eventually(Duration::from_secs(5), || async {
+        override_source(&c, &gws[1], ip2).await == "none"
+    })
+    .await;
+    assert!(expired, "an expired override still applies");
+    for g in gws {
+        g.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_runtime_overrides_reach_the_fleet() {
+    let server = RedisServer::start();
+    runtime_overrides_reach_the_fleet("redis", &[server.url()]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_runtime_overrides_reach_the_fleet() {
+    let cluster = RedisCluster::start();
+    runtime_overrides_reach_the_fleet("redis_cluster", &cluster.seed_urls()).await;
+}
+
+/// On the memory store (one node), and every bad request gets a clear 4xx.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_runtime_overrides_and_bad_requests() {
+    let up = counting_upstream().await;
+    let gw = gateway(&up.url(), &store_yaml("memory", &[]), OVERRIDDEN, None).await;
+    let c = client();
+    let put = |path: &str, body: serde_json::Value| {
+        let (c, url) = (c.clone(), format!("{}{path}", gw.admin));
+        async move { c.put(url).json(&body).send().await.unwrap() }
+    };
+    let later = unix_now() + 600;
+    for (path, body, why) in [
+        (
+            "/overrides/ip/10.8.3.1",
+            serde_json::json!({"rule": "nope", "limits": [{"limit": 5, "window": "1h"}], "expires_at": later}),
+            "no rule",
+        ),
+        (
+            "/overrides/user/bob",
+            serde_json::json!({"rule": "per-ip", "limits": [{"limit": 5, "window": "1h"}], "expires_at": later}),
+            "keyed by ip",
+        ),
+        (
+            "/overrides/ip/not-an-ip",
+            serde_json::json!({"rule": "per-ip", "limits": [{"limit": 5, "window": "1h"}], "expires_at": later}),
+            "not an IP",
+        ),
+        (
+            "/overrides/ip/10.8.3.1",
+            serde_json::json!({"rule": "per-ip", "limits": [{"rate": "1/s", "capacity": 5}], "expires_at": later}),
+            "limits",
+        ),
+        (
+            "/overrides/ip/10.8.3.1",
+            serde_json::json!({"rule": "per-ip", "limits": [{"limit": 5, "window": "1h"}], "expires_at": 1000}),
+            "future",
+        ),
+        ("/overrides/ip/10.8.3.1", serde_json::json!({"rule": "per-ip"}), "body"),
+    ] {
+        let r = put(path, body).await;
+        assert_eq!(r.status(), 422, "{why}");
+        let text = r.text().await.unwrap();
+        assert!(text.contains(why), "{why}: {text}");
+    }
+    let r = put(
+        "/overrides/ip/10.8.3.1",
+        serde_json::json!({"rule": "per-ip", "limits": [{"limit": 4, "window": "1h"}], "expires_at": humantime::format_rfc3339_seconds(SystemTime::now() + Duration::from_secs(600)).to_string()}),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    for _ in 0..4 {
+        assert_eq!(
+            send(&c, reqwest::Method::GET, &format!("{}/x", gw.url), "10.8.3.1").await,
+            200
+        );
+    }
+    assert_eq!(
+        send(&c, reqwest::Method::GET, &format!("{}/x", gw.url), "10.8.3.1").await,
+        429
+    );
+    let r = c
+        .delete(format!("{}/overrides/ip/10.8.3.7", gw.admin))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404, "deleting an override that does not exist");
+    gw.stop().await;
+}
