@@ -78,6 +78,9 @@ struct Plan {
     /// Issue #17: some limits have a penalty box, and admitted requests' concurrency slots are
     /// released now and then (on both stores) as their responses end.
     extras: bool,
+    /// Issue #18: now and then an admitted request's reported cost settles its reservation (a
+    /// refund below the estimate, a debit above it) on both stores.
+    settle: bool,
 }
 
 /// Largest |a - b| seen per field, and the number of non-identical outcomes.
@@ -92,6 +95,8 @@ struct Stats {
     penalized: usize,
     /// Concurrency checks denied for want of a free slot.
     slots_full: usize,
+    /// Reservations settled (refunded or debited).
+    settled: usize,
 }
 
 fn close(a: u64, b: u64, tol: u64) -> bool {
@@ -198,6 +203,39 @@ async fn run(store: &RedisStore, plan: &Plan, label: &str) -> Stats {
                 .unwrap_or_else(|e| panic!("seed {seed} step {step}: redis failed: {e}"));
             compare(seed, step, now, &checks, &expected, &got, &mut stats);
             let admitted = checks.iter().zip(&expected).all(|(c, o)| c.shadow || o.allowed);
+            if admitted && plan.settle && rng.gen_bool(0.4) {
+                // The reported cost of each settling limit: 0 ..= 3 × its estimate.
+                let (mut refunds, mut debits) = (Vec::new(), Vec::new());
+                for (c, o) in checks.iter().zip(&expected) {
+                    let settles = matches!(
+                        c.quota.algorithm,
+                        Algorithm::TokenBucket | Algorithm::FixedWindow | Algorithm::SlidingWindow
+                    );
+                    if !settles || !o.allowed || c.cost == 0 {
+                        continue;
+                    }
+                    let actual = rng.gen_range(0..=3 * c.cost);
+                    let mut d = c.clone();
+                    if actual < c.cost {
+                        d.cost = c.cost - actual;
+                        refunds.push((d, o.at_us));
+                    } else if actual > c.cost {
+                        d.cost = actual - c.cost;
+                        debits.push((d, o.at_us));
+                    }
+                }
+                memory.refund_spent(&refunds);
+                memory.debit_spent(&debits);
+                store
+                    .refund(&refunds)
+                    .await
+                    .unwrap_or_else(|e| panic!("seed {seed} step {step}: {e}"));
+                store
+                    .debit(&debits)
+                    .await
+                    .unwrap_or_else(|e| panic!("seed {seed} step {step}: {e}"));
+                stats.settled += refunds.len() + debits.len();
+            }
             if admitted {
                 let slots: Vec<(LimitCheck, u64)> = checks
                     .iter()
@@ -292,6 +330,7 @@ async fn one_algorithm(algorithm: &'static [Algorithm], seed: u64) {
         seed,
         reshape: false,
         extras: false,
+        settle: false,
     };
     let stats = run(&store, &plan, algorithm[0].as_str()).await;
     assert_eq!(stats.steps, 300 * 30);
@@ -340,6 +379,7 @@ async fn mixed_algorithms_one_slot_match_memory() {
         seed: 6_000_000,
         reshape: false,
         extras: false,
+        settle: false,
     };
     run(&store, &plan, "mixed").await;
 }
@@ -358,6 +398,7 @@ async fn mixed_algorithms_across_slots_match_memory() {
         seed: 7_000_000,
         reshape: false,
         extras: false,
+        settle: false,
     };
     run(&store, &plan, "spread").await;
 }
@@ -378,6 +419,7 @@ async fn cluster_matches_memory() {
         seed: 8_000_000,
         reshape: false,
         extras: false,
+        settle: false,
     };
     run(&store, &plan, "cluster").await;
 }
@@ -397,6 +439,7 @@ async fn reloads_that_reshape_limits_match_memory() {
             seed,
             reshape: true,
             extras: false,
+            settle: false,
         };
         run(&store, &plan, "reshape").await;
     }
@@ -423,12 +466,40 @@ async fn concurrency_and_penalties_match_memory() {
             seed,
             reshape: false,
             extras: true,
+            settle: false,
         };
         let stats = run(&store, &plan, "extras").await;
         assert!(stats.allowed > stats.checks / 10, "{stats:?}");
         assert!(
             stats.penalized > 100 && stats.slots_full > 100,
             "the plan must exercise both: {stats:?}"
+        );
+    }
+}
+
+/// Issue #18: reservations settled against a reported cost (refund below the estimate, debit
+/// above it, possibly below zero) leave both stores deciding alike, on one slot and across.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settled_costs_match_memory() {
+    let (_server, store) = standalone().await;
+    const SETTLING: [Algorithm; 3] = [Algorithm::TokenBucket, Algorithm::FixedWindow, Algorithm::SlidingWindow];
+    for (tags, seed) in [(Tags::One, 11_000_000), (Tags::Spread, 11_500_000)] {
+        let plan = Plan {
+            algorithms: &SETTLING,
+            limits: 1..=3,
+            sequences: 200,
+            steps: 30,
+            tags,
+            seed,
+            reshape: false,
+            extras: false,
+            settle: true,
+        };
+        let stats = run(&store, &plan, "settle").await;
+        assert!(stats.settled > 500, "the plan must settle often: {stats:?}");
+        assert!(
+            stats.allowed > stats.checks / 10 && stats.allowed < stats.checks * 9 / 10,
+            "{stats:?}"
         );
     }
 }
