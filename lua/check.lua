@@ -15,7 +15,10 @@
 --   (buckets: microseconds per unit; windows: the window; concurrency: the slot time to live),
 --   cost, flags (1 = shadow: never blocks the request; 2 = penalty box), then
 --   - for concurrency, 1 more: the holder of the slot (letters, digits, ':', at most 64 bytes);
---   - with flag 2, 2 more: the penalty's base and max in microseconds.
+--   - with flag 2, 2 more: the penalty's base and max in microseconds;
+--   - with flag 4 (fixed and sliding window only), 2 more: the calendar unit (1 day, 2 week
+--     from Monday, 3 month) and the UTC offset in seconds (-64800 .. 64800): windows are then
+--     the clock's days, weeks or months (tg_index / tg_start in common.lua).
 -- Penalty box (flag 2): a string at the penalty key, "<until_us>:<len_us>", expiring at until.
 --   While until > now the limit denies without being evaluated (allowed code 3) and, when
 --   max > base, each such request doubles the penalty from now (len = min(2 len, max)). A
@@ -82,6 +85,8 @@ end
 -- The parsed limits: limit i has ALGO[i], LIMIT[i], ... (parsed once, used by evaluation and
 -- spending); its key is KEYS[KEY[i]] and its penalty key KEYS[PKEY[i]] (nil without one).
 local ALGO, LIMIT, INTERVAL, COST, SHADOW, MEMBER, KEY, PKEY, PBASE, PMAX = {}, {}, {}, {}, {}, {}, {}, {}, {}, {}
+-- Calendar alignment of limit i (unit 0 = none; see tg_cal in common.lua).
+local CALU, CALO = {}, {}
 local nlimits, nkeys = 0, 0
 
 -- Parse the limit whose arguments start after ARGV[b]; returns the index after its last
@@ -95,7 +100,7 @@ local function parse_limit(b)
   local flags = tg_num(ARGV[b + 5])
   if not tg_whole(code, 1, 6) or not tg_whole(limit, 1, TG_MAX_UNITS)
     or not tg_whole(interval, 1, TG_MAX_SPAN) or not tg_whole(cost, 0, TG_MAX_UNITS)
-    or not tg_whole(flags, 0, 3) then
+    or not tg_whole(flags, 0, 7) then
     return nil
   end
   if (code == 1 or code == 2) and limit * interval > TG_MAX_SPAN then
@@ -118,13 +123,22 @@ local function parse_limit(b)
     MEMBER[i] = m
     b = b + 1
   end
-  if flags >= 2 then
+  if flags % 4 >= 2 then
     local base, max = tg_num(ARGV[b + 1]), tg_num(ARGV[b + 2])
     if not tg_whole(base, 1, TG_MAX_SPAN) or not tg_whole(max, base, TG_MAX_SPAN) then
       return nil
     end
     k = k + 1
     PKEY[i], PBASE[i], PMAX[i] = k, base, max
+    b = b + 2
+  end
+  CALU[i], CALO[i] = 0, 0
+  if flags >= 4 then
+    local unit, off = tg_num(ARGV[b + 1]), tg_num(ARGV[b + 2])
+    if (code ~= 3 and code ~= 5) or not tg_whole(unit, 1, 3) or not tg_whole(off, -64800, 64800) then
+      return nil
+    end
+    CALU[i], CALO[i] = unit, off
     b = b + 2
   end
   nlimits, nkeys = i, k
@@ -176,6 +190,7 @@ local function decide(i, cost, write)
     end
     return 3, 0, left, left, 0
   end
+  tg_cal(CALU[i], CALO[i])
   local ok, remaining, reset, retry, delay = ALGO[i].eval(KEYS[KEY[i]], now, LIMIT[i], INTERVAL[i], cost)
   if ok then
     return 1, remaining, reset, retry, delay
@@ -237,6 +252,7 @@ if mode == 'check' then
       -- Spending re-reads each key, so a key listed twice is spent twice, like the memory store.
       for i = k0 + 1, k0 + m do
         if admitted[i] then
+          tg_cal(CALU[i], CALO[i])
           ALGO[i].spend(KEYS[KEY[i]], now, LIMIT[i], INTERVAL[i], COST[i], MEMBER[i])
         end
       end
@@ -278,12 +294,14 @@ if mode == 'peek' then
   return pack(reply)
 elseif mode == 'refund' then
   for i = 1, nlimits do
+    tg_cal(CALU[i], CALO[i])
     ALGO[i].refund(KEYS[KEY[i]], now, LIMIT[i], INTERVAL[i], COST[i], MEMBER[i])
   end
   return pack(reply)
 elseif mode == 'debit' then
   for i = 1, nlimits do
     if ALGO[i].debit then
+      tg_cal(CALU[i], CALO[i])
       ALGO[i].debit(KEYS[KEY[i]], now, LIMIT[i], INTERVAL[i], COST[i], MEMBER[i])
     end
   end

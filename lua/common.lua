@@ -101,6 +101,100 @@ local function tg_forget(key)
   TG_SEEN[key] = nil
 end
 
+-- Calendar alignment of the limit being processed (check.lua sets it before every call of an
+-- algorithm function; tg_used sets it from a stored shape): unit 0 = none (epoch-aligned
+-- windows of length w), 1 day, 2 week (from Monday), 3 month; offset in seconds east of UTC.
+local TG_CAL_UNIT, TG_CAL_OFF = 0, 0
+local TG_DAY = 86400000000
+
+local function tg_cal(unit, off)
+  TG_CAL_UNIT, TG_CAL_OFF = unit or 0, off or 0
+end
+
+-- Days since 1970-01-01 of a civil date, and back (H. Hinnant's algorithms; dates after 1970,
+-- so every value is non-negative and floor division is exact). Mirror
+-- src/limiter/algorithm/calendar.rs.
+local function tg_days_from_civil(y, m, d)
+  if m <= 2 then
+    y = y - 1
+  end
+  local era = math.floor(y / 400)
+  local yoe = y - era * 400
+  local mm = m + 9
+  if m > 2 then
+    mm = m - 3
+  end
+  local doy = math.floor((153 * mm + 2) / 5) + d - 1
+  local doe = yoe * 365 + math.floor(yoe / 4) - math.floor(yoe / 100) + doy
+  return era * 146097 + doe - 719468
+end
+
+local function tg_civil_from_days(z)
+  z = z + 719468
+  local era = math.floor(z / 146097)
+  local doe = z - era * 146097
+  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524) - math.floor(doe / 146096)) / 365)
+  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+  local mp = math.floor((5 * doy + 2) / 153)
+  local m = mp - 9
+  if mp < 10 then
+    m = mp + 3
+  end
+  local y = yoe + era * 400
+  if m <= 2 then
+    y = y + 1
+  end
+  return y, m
+end
+
+-- The index of the window (length w, or the calendar unit) holding instant t.
+local function tg_index(t, w)
+  if TG_CAL_UNIT == 0 then
+    return math.floor(t / w)
+  end
+  local l = t + TG_CAL_OFF * 1000000
+  if TG_CAL_UNIT == 1 then
+    return math.floor(l / TG_DAY)
+  elseif TG_CAL_UNIT == 2 then
+    return math.floor((l + 3 * TG_DAY) / (7 * TG_DAY))
+  end
+  local y, m = tg_civil_from_days(math.floor(l / TG_DAY))
+  return y * 12 + m - 1
+end
+
+-- The instant window `index` starts (window index + 1 starts where it ends).
+local function tg_start(index, w)
+  if TG_CAL_UNIT == 0 then
+    return index * w
+  end
+  local l
+  if TG_CAL_UNIT == 1 then
+    l = index * TG_DAY
+  elseif TG_CAL_UNIT == 2 then
+    l = index * 7 * TG_DAY - 3 * TG_DAY
+  else
+    l = tg_days_from_civil(math.floor(index / 12), index % 12 + 1, 1) * TG_DAY
+  end
+  return l - TG_CAL_OFF * 1000000
+end
+
+-- The shape string of a hash-kept limit, "<family>:<window>" (f: fixed, s: sliding window),
+-- plus ":c<unit>:<offset>" for a calendar window; memoised for the plain ones (every request of
+-- a batch asks for the same few).
+local TG_SHAPES = { f = {}, s = {} }
+
+local function tg_shape(fam, w)
+  if TG_CAL_UNIT ~= 0 then
+    return fam .. ':' .. string.format('%d', w) .. ':c' .. TG_CAL_UNIT .. ':' .. string.format('%d', TG_CAL_OFF)
+  end
+  local v = TG_SHAPES[fam][w]
+  if v == nil then
+    v = fam .. ':' .. string.format('%d', w)
+    TG_SHAPES[fam][w] = v
+  end
+  return v
+end
+
 -- Units the state at `key` still holds at `now`, whatever algorithm or window wrote it, rounded
 -- up (conservative): the consumption a reload carries over to a limit of another shape, counted
 -- for that limit's `span` (its window, or a bucket's capacity * interval) where the old state
@@ -116,13 +210,20 @@ local function tg_used(key, now, span)
     return tg_div_ceil(tat - now, iv)
   elseif t == 'hash' then
     local r = redis.call('HMGET', key, 'i', 'p', 'c', 'q')
-    local fam, w = string.match(r[4] or '', '^(%a):(%d+)$')
+    local q = r[4] or ''
+    local fam, w = string.match(q, '^(%a):(%d+)')
+    local cu, co = string.match(q, ':c(%d):(%-?%d+)$')
     w = tonumber(w)
     local i = tonumber(r[1])
     if not w or w <= 0 or not i then
       return 0
     end
-    local index = math.floor(now / w)
+    -- Read the stored state under ITS calendar, then restore the current limit's.
+    local su, so = TG_CAL_UNIT, TG_CAL_OFF
+    tg_cal(tonumber(cu) or 0, tonumber(co) or 0)
+    local index = tg_index(now, w)
+    local start, len = tg_start(index, w), tg_start(index + 1, w) - tg_start(index, w)
+    tg_cal(su, so)
     if fam == 'f' then
       if i == index then
         return tonumber(r[3]) or 0
@@ -135,27 +236,14 @@ local function tg_used(key, now, span)
       elseif i + 1 == index then
         prev = tonumber(r[3]) or 0
       end
-      local elapsed = now - index * w
-      return math.max(math.ceil(prev * (w - elapsed) / w + curr), 0)
+      local elapsed = now - start
+      return math.max(math.ceil(prev * (len - elapsed) / len + curr), 0)
     end
     return 0
   elseif t == 'zset' then
     return redis.call('ZCOUNT', key, string.format('(%d', math.max(now - span, 0)), '+inf')
   end
   return 0
-end
-
--- The shape string of a hash-kept limit, "<family>:<window>" (f: fixed, s: sliding window),
--- memoised: every request of a batch asks for the same few.
-local TG_SHAPES = { f = {}, s = {} }
-
-local function tg_shape(fam, w)
-  local v = TG_SHAPES[fam][w]
-  if v == nil then
-    v = fam .. ':' .. string.format('%d', w)
-    TG_SHAPES[fam][w] = v
-  end
-  return v
 end
 
 -- tonumber, memoised by string: a batch repeats the same few limit arguments ("1000000" ...)

@@ -18,7 +18,7 @@
 local function fw_put(key, index, count, w, q)
   if TG_WRITE then
     redis.call('HSET', key, 'i', index, 'c', count, 'q', q)
-    redis.call('PEXPIREAT', key, tg_at_ms((index + 1) * w))
+    redis.call('PEXPIREAT', key, tg_at_ms(tg_start(index + 1, w)))
   end
   tg_remember('fw', key, { index, count, q })
 end
@@ -34,7 +34,7 @@ local function fw_get(key, now, limit, w)
     return tonumber(r[1]), tonumber(r[2]) or 0
   end
   local used = math.min(tg_used(key, now, w), limit)
-  local index = math.floor(now / w)
+  local index = tg_index(now, w)
   if TG_WRITE then
     redis.call('DEL', key)
   end
@@ -47,13 +47,13 @@ local function fw_get(key, now, limit, w)
 end
 
 local function fw_eval(key, now, limit, w, cost)
-  local index = math.floor(now / w)
+  local index = tg_index(now, w)
   local i, c = fw_get(key, now, limit, w)
   local count = 0
   if i == index then
     count = c
   end
-  local reset = (index + 1) * w - now
+  local reset = tg_start(index + 1, w) - now
   if count + cost <= limit then
     return true, limit - count - cost, reset, 0, 0
   end
@@ -61,7 +61,7 @@ local function fw_eval(key, now, limit, w, cost)
 end
 
 local function fw_spend(key, now, limit, w, cost)
-  local index = math.floor(now / w)
+  local index = tg_index(now, w)
   local i, c = fw_get(key, now, limit, w)
   if i == index then
     -- Same window: the key already expires at its end (set when the window began).
@@ -74,7 +74,7 @@ end
 -- Give back `cost` units if the window the check counted them in is still the stored one
 -- (and the key was not converted to another shape since).
 local function fw_refund(key, now, limit, w, cost)
-  local index = math.floor(now / w)
+  local index = tg_index(now, w)
   local r = tg_read('HMGET', key, 'i', 'c', 'q')
   if r and tonumber(r[1]) == index and r[3] == tg_shape('f', w) then
     redis.call('HSET', key, 'c', math.max((tonumber(r[2]) or 0) - cost, 0))
@@ -86,7 +86,7 @@ end
 -- that window is still the stored one: the real cost of a request reported after its response
 -- (`cost_from`). The count may go over the limit; the key is then denied until the window ends.
 local function fw_debit(key, now, limit, w, cost)
-  local index = math.floor(now / w)
+  local index = tg_index(now, w)
   local r = tg_read('HMGET', key, 'i', 'c', 'q')
   if r and tonumber(r[1]) == index and r[3] == tg_shape('f', w) then
     redis.call('HSET', key, 'c', (tonumber(r[2]) or 0) + cost)

@@ -21,7 +21,7 @@
 local function sw_put(key, index, prev, curr, w, q)
   if TG_WRITE then
     redis.call('HSET', key, 'i', index, 'p', prev, 'c', curr, 'q', q)
-    redis.call('PEXPIREAT', key, tg_at_ms((index + 2) * w))
+    redis.call('PEXPIREAT', key, tg_at_ms(tg_start(index + 2, w)))
   end
   tg_remember('sw', key, { index, prev, curr, q })
 end
@@ -29,7 +29,7 @@ end
 -- The state rolled to now's window: index, previous, current, and whether the stored window is
 -- now's (so a spend only moves the count). State of another shape is converted first.
 local function sw_roll(key, now, limit, w)
-  local index = math.floor(now / w)
+  local index = tg_index(now, w)
   local q = tg_shape('s', w)
   local r, bad = tg_read_key('sw', key, 'HMGET', 'i', 'p', 'c', 'q')
   if bad or (r and r[1] and r[4] ~= q) then
@@ -58,12 +58,15 @@ end
 
 local function sw_eval(key, now, limit, w, cost)
   local index, prev, curr = sw_roll(key, now, limit, w)
-  local elapsed = now - index * w
+  -- This window [start, e1) and the next [e1, e2): equal lengths unless calendar-aligned.
+  local start, e1, e2 = tg_start(index, w), tg_start(index + 1, w), tg_start(index + 2, w)
+  w = e1 - start
+  local elapsed = now - start
   local estimate = prev * (w - elapsed) / w + curr
   if estimate + cost <= limit then
-    local reset = w - elapsed
+    local reset = e1 - now
     if curr + cost > 0 then
-      reset = 2 * w - elapsed
+      reset = e2 - now
     end
     return true, math.max(math.floor(limit - estimate - cost), 0), reset, 0, 0
   end
@@ -74,12 +77,13 @@ local function sw_eval(key, now, limit, w, cost)
     retry = math.max(e - elapsed, 1)
   else
     -- Wait for the next window, where this window's count becomes `previous`.
-    local e = math.max(math.ceil(w - (limit - cost) * w / curr), 0)
+    local nw = e2 - e1
+    local e = math.max(math.ceil(nw - (limit - cost) * nw / curr), 0)
     retry = (w - elapsed) + e
   end
-  local reset = w - elapsed
+  local reset = e1 - now
   if curr > 0 then
-    reset = 2 * w - elapsed
+    reset = e2 - now
   end
   return false, math.max(math.floor(limit - estimate), 0), reset, tg_int(retry), 0
 end
@@ -99,7 +103,7 @@ end
 -- it moved on by exactly one window; later than that they no longer count anyway. A key
 -- converted to another shape since keeps its units.
 local function sw_refund(key, now, limit, w, cost)
-  local index = math.floor(now / w)
+  local index = tg_index(now, w)
   local r = tg_read('HMGET', key, 'i', 'p', 'c', 'q')
   if not r or not r[1] or r[4] ~= tg_shape('s', w) then
     return
@@ -118,7 +122,7 @@ end
 -- the previous count when the window has moved on by one (mirrors sw_refund with the sign
 -- reversed): the real cost of a request reported after its response (`cost_from`).
 local function sw_debit(key, now, limit, w, cost)
-  local index = math.floor(now / w)
+  local index = tg_index(now, w)
   local r = tg_read('HMGET', key, 'i', 'p', 'c', 'q')
   if not r or not r[1] or r[4] ~= tg_shape('s', w) then
     return

@@ -363,3 +363,39 @@ async fn memory_runtime_overrides_and_bad_requests() {
     assert_eq!(r.status(), 404, "deleting an override that does not exist");
     gw.stop().await;
 }
+
+/// Calendar windows through the gateway: a daily limit at an offset answers with
+/// `X-RateLimit-Reset` at the next local midnight and `Retry-After` counting down to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daily_limit_resets_at_local_midnight() {
+    let up = counting_upstream().await;
+    let rules = r#"rules:
+  - { name: daily, match: { path: "/**" }, key: ip, algorithm: fixed_window, limit: 1, window: 1d, align: calendar, timezone: "+05:30" }
+"#;
+    let gw = gateway(&up.url(), &store_yaml("memory", &[]), rules, None).await;
+    let c = client();
+    assert_eq!(
+        send(&c, reqwest::Method::GET, &format!("{}/x", gw.url), "10.8.4.1").await,
+        200
+    );
+    let r = c
+        .get(format!("{}/x", gw.url))
+        .header("X-Forwarded-For", "10.8.4.1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    let now = unix_now();
+    let reset: u64 = r.headers()["x-ratelimit-reset"].to_str().unwrap().parse().unwrap();
+    let retry: u64 = r.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+    // The next midnight at +05:30, in UTC seconds.
+    let off = 5 * 3600 + 1800;
+    let midnight = ((now + off) / 86_400 + 1) * 86_400 - off;
+    assert_eq!(reset, midnight, "X-RateLimit-Reset is the next local midnight");
+    assert!(
+        retry.abs_diff(midnight - now) <= 1,
+        "Retry-After {retry} vs {}",
+        midnight - now
+    );
+    gw.stop().await;
+}

@@ -19,6 +19,7 @@ use rand::{Rng, SeedableRng};
 
 use support::*;
 use tollgate::clock::FakeClock;
+use tollgate::limiter::algorithm::calendar::{days_from_civil, Calendar, CalendarUnit, DAY_US};
 use tollgate::limiter::memory::MemoryStore;
 use tollgate::limiter::redis::{RedisMode, RedisStore};
 use tollgate::limiter::{Algorithm, LimitCheck, Outcome, Penalty, Quota, Store, StoreKey};
@@ -28,6 +29,20 @@ const TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
 fn nz(v: u64) -> NonZeroU64 {
     NonZeroU64::new(v).unwrap()
+}
+
+/// A random calendar window (day, week or month at a random UTC offset) for `algorithm`.
+fn calendar_quota(rng: &mut StdRng, algorithm: Algorithm) -> Quota {
+    let limit = nz(*[1u64, 2, 3, 5, 7, 10, 20].choose(rng).unwrap());
+    let unit = *[CalendarUnit::Day, CalendarUnit::Week, CalendarUnit::Month]
+        .choose(rng)
+        .unwrap();
+    let mut q = Quota::window(algorithm, limit, nz(unit.nominal_us()));
+    q.calendar = Some(Calendar {
+        unit,
+        offset_s: *[0, 7200, -5 * 3600, 5 * 3600 + 1800, -12 * 3600].choose(rng).unwrap(),
+    });
+    q
 }
 
 /// A random quota for `algorithm`.
@@ -81,6 +96,8 @@ struct Plan {
     /// Issue #18: now and then an admitted request's reported cost settles its reservation (a
     /// refund below the estimate, a debit above it) on both stores.
     settle: bool,
+    /// Issue #18: windows follow the calendar (days, weeks, months at UTC offsets).
+    calendar: bool,
 }
 
 /// Largest |a - b| seen per field, and the number of non-identical outcomes.
@@ -138,7 +155,12 @@ async fn run(store: &RedisStore, plan: &Plan, label: &str) -> Stats {
                 } else {
                     format!("d:{{{tag}}}:{j}:{}", algorithm.as_str())
                 };
-                (StoreKey(key), random_quota(&mut rng, algorithm))
+                let q = if plan.calendar {
+                    calendar_quota(&mut rng, algorithm)
+                } else {
+                    random_quota(&mut rng, algorithm)
+                };
+                (StoreKey(key), q)
             })
             .collect();
         // A random phase in the future (year 2096+): keys expire by this clock (PEXPIREAT), so
@@ -331,6 +353,7 @@ async fn one_algorithm(algorithm: &'static [Algorithm], seed: u64) {
         reshape: false,
         extras: false,
         settle: false,
+        calendar: false,
     };
     let stats = run(&store, &plan, algorithm[0].as_str()).await;
     assert_eq!(stats.steps, 300 * 30);
@@ -380,6 +403,7 @@ async fn mixed_algorithms_one_slot_match_memory() {
         reshape: false,
         extras: false,
         settle: false,
+        calendar: false,
     };
     run(&store, &plan, "mixed").await;
 }
@@ -399,6 +423,7 @@ async fn mixed_algorithms_across_slots_match_memory() {
         reshape: false,
         extras: false,
         settle: false,
+        calendar: false,
     };
     run(&store, &plan, "spread").await;
 }
@@ -420,6 +445,7 @@ async fn cluster_matches_memory() {
         reshape: false,
         extras: false,
         settle: false,
+        calendar: false,
     };
     run(&store, &plan, "cluster").await;
 }
@@ -440,6 +466,7 @@ async fn reloads_that_reshape_limits_match_memory() {
             reshape: true,
             extras: false,
             settle: false,
+            calendar: false,
         };
         run(&store, &plan, "reshape").await;
     }
@@ -467,6 +494,7 @@ async fn concurrency_and_penalties_match_memory() {
             reshape: false,
             extras: true,
             settle: false,
+            calendar: false,
         };
         let stats = run(&store, &plan, "extras").await;
         assert!(stats.allowed > stats.checks / 10, "{stats:?}");
@@ -494,6 +522,7 @@ async fn settled_costs_match_memory() {
             reshape: false,
             extras: false,
             settle: true,
+            calendar: false,
         };
         let stats = run(&store, &plan, "settle").await;
         assert!(stats.settled > 500, "the plan must settle often: {stats:?}");
@@ -501,5 +530,118 @@ async fn settled_costs_match_memory() {
             stats.allowed > stats.checks / 10 && stats.allowed < stats.checks * 9 / 10,
             "{stats:?}"
         );
+    }
+}
+
+/// Issue #18: calendar windows (days, weeks from Monday, months of their real lengths, at UTC
+/// offsets) decide alike on both stores, with `now` passed to the script.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calendar_windows_match_memory() {
+    let (_server, store) = standalone().await;
+    const WINDOWS: [Algorithm; 2] = [Algorithm::FixedWindow, Algorithm::SlidingWindow];
+    let plan = Plan {
+        algorithms: &WINDOWS,
+        limits: 1..=3,
+        sequences: 200,
+        steps: 30,
+        tags: Tags::One,
+        seed: 12_000_000,
+        reshape: false,
+        extras: false,
+        settle: true,
+        calendar: true,
+    };
+    let stats = run(&store, &plan, "calendar").await;
+    assert!(
+        stats.allowed > stats.checks / 10 && stats.allowed < stats.checks * 9 / 10,
+        "{stats:?}"
+    );
+}
+
+/// Issue #18: month ends of 28, 29 (leap year), 30 and 31 days, in UTC and at an offset: a
+/// monthly limit resets exactly at the local first of the month, and the reset and retry times
+/// of a denial point at that instant, on the memory store (injected time) and on Redis (`now`
+/// passed to the script) alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn monthly_limits_reset_at_the_local_first_of_the_month() {
+    let (_server, store) = standalone().await;
+    let at = |y: i64, m: u32, d: u32| days_from_civil(y, m, d) as u64 * DAY_US;
+    // (the month's last day, the next month's first day)
+    // In the future (keys expire by PEXPIREAT in the script's time base, so a past month's
+    // key would vanish at once in wall-clock time), before the script's bound of 2^52 µs.
+    let cases = [
+        ((2097, 2, 28), (2097, 3, 1)),
+        ((2096, 2, 29), (2096, 3, 1)),
+        ((2097, 4, 30), (2097, 5, 1)),
+        ((2097, 12, 31), (2098, 1, 1)),
+    ];
+    let mut n = 0;
+    for algorithm in [Algorithm::FixedWindow, Algorithm::SlidingWindow] {
+        for offset_s in [0i32, 2 * 3600, -5 * 3600] {
+            for ((y, m, d), (ny, nm, nd)) in cases {
+                n += 1;
+                let mut q = Quota::window(algorithm, nz(3), nz(CalendarUnit::Month.nominal_us()));
+                q.calendar = Some(Calendar {
+                    unit: CalendarUnit::Month,
+                    offset_s,
+                });
+                let key = StoreKey(format!("m:{{cal-{n}}}:0"));
+                let c = LimitCheck::new(key, q, 1);
+                let off = i64::from(offset_s) * 1_000_000;
+                // The boundary in UTC: the local first of the next month at 00:00.
+                let boundary = (at(ny, nm, nd) as i64 - off) as u64;
+                let last_second = boundary - 1_000_000;
+                assert_eq!(at(y, m, d) + DAY_US, at(ny, nm, nd));
+                let memory = MemoryStore::new(Arc::new(FakeClock::new(0)), 100);
+                for i in 0..3 {
+                    let e = memory.check_at(std::slice::from_ref(&c), last_second + i)[0];
+                    let g = store
+                        .check_at(std::slice::from_ref(&c), Some(last_second + i))
+                        .await
+                        .into_result()
+                        .unwrap()[0];
+                    assert!(e.allowed && g.allowed, "{algorithm:?} {y}-{m} {offset_s}: request {i}");
+                }
+                let now = last_second + 10;
+                let e = memory.check_at(std::slice::from_ref(&c), now)[0];
+                let g = store
+                    .check_at(std::slice::from_ref(&c), Some(now))
+                    .await
+                    .into_result()
+                    .unwrap()[0];
+                assert!(
+                    !e.allowed && !g.allowed,
+                    "{algorithm:?} {y}-{m} {offset_s}: the 4th is denied"
+                );
+                if algorithm == Algorithm::FixedWindow {
+                    assert_eq!(
+                        e.retry_after_us,
+                        boundary - now,
+                        "memory: Retry-After points at the boundary"
+                    );
+                    assert_eq!(
+                        g.retry_after_us,
+                        boundary - now,
+                        "redis: Retry-After points at the boundary"
+                    );
+                    assert_eq!((e.reset_us, g.reset_us), (boundary - now, boundary - now));
+                    // At the boundary the month starts over.
+                    let e = memory.check_at(std::slice::from_ref(&c), boundary)[0];
+                    let g = store
+                        .check_at(std::slice::from_ref(&c), Some(boundary))
+                        .await
+                        .into_result()
+                        .unwrap()[0];
+                    assert!(e.allowed && g.allowed, "{y}-{m} {offset_s}: a new month");
+                    assert_eq!(e.remaining, 2);
+                } else {
+                    // Sliding: the full month just ended weighs nearly all of its count at the
+                    // boundary; retry and reset agree between the stores and lie past it.
+                    assert_eq!(e.retry_after_us, g.retry_after_us);
+                    assert_eq!(e.reset_us, g.reset_us);
+                    assert!(now + e.retry_after_us > boundary);
+                }
+            }
+        }
     }
 }

@@ -222,6 +222,10 @@ pub struct RawRule {
     pub count_when: Option<Spanned<RawCountWhen>>,
     /// The real cost comes from a response header (or trailer).
     pub cost_from: Option<Spanned<RawCostFrom>>,
+    /// `calendar`: windows are the clock's days, weeks or months.
+    pub align: Option<Spanned<String>>,
+    /// The clock of a calendar window: `UTC` or `+HH:MM`.
+    pub timezone: Option<Spanned<String>>,
 }
 
 /// `count_when: {status: [401, 403, 5xx]}`.

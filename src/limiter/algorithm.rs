@@ -113,6 +113,9 @@ pub struct Quota {
     pub window_us: NonZeroU64,
     /// Buckets: microseconds per unit (1 / rate). Windows: equal to `window_us`.
     pub interval_us: NonZeroU64,
+    /// Fixed and sliding windows with `align: calendar`: days, weeks or months of a clock
+    /// (`window_us` is then nominal; see [`calendar`]). `None` for epoch-aligned windows.
+    pub calendar: Option<calendar::Calendar>,
 }
 
 impl Quota {
@@ -123,6 +126,7 @@ impl Quota {
             limit,
             window_us,
             interval_us: window_us,
+            calendar: None,
         }
     }
 
@@ -134,6 +138,7 @@ impl Quota {
             limit: capacity,
             window_us: NonZeroU64::new(window).unwrap_or(NonZeroU64::MIN),
             interval_us,
+            calendar: None,
         }
     }
 
@@ -183,7 +188,7 @@ impl Quota {
             (a, b) if a.is_bucket() && b.is_bucket() => self.interval_us == other.interval_us,
             (Algorithm::SlidingLog, Algorithm::SlidingLog) => true,
             (Algorithm::Concurrency, Algorithm::Concurrency) => true,
-            (a, b) => a == b && self.window_us == other.window_us,
+            (a, b) => a == b && self.window_us == other.window_us && self.calendar == other.calendar,
         }
     }
 }
@@ -298,7 +303,7 @@ pub fn spend(q: &Quota, state: &mut Option<State>, now: u64, cost: u64) {
             });
         }
         Algorithm::FixedWindow => {
-            let index = now / q.window_us.get();
+            let index = calendar::index(q, now);
             match state {
                 Some(State::Window { index: i, count }) if *i == index => *count += cost,
                 _ => *state = Some(State::Window { index, count: cost }),
@@ -329,9 +334,9 @@ pub fn expires_at(q: &Quota, state: &State) -> u64 {
     let w = q.window_us.get();
     match state {
         State::Bucket { tat } => *tat,
-        State::Window { index, .. } => (index + 1) * w,
+        State::Window { index, .. } => calendar::start(q, index + 1),
         State::Log { entries } => entries.back().map_or(0, |t| t + w),
-        State::Sliding { index, .. } => (index + 2) * w,
+        State::Sliding { index, .. } => calendar::start(q, index + 2),
         State::Slots { held } => held.iter().map(|(_, e)| *e).max().unwrap_or(0),
     }
 }
@@ -375,14 +380,13 @@ fn bucket_eval(q: &Quota, state: &Option<State>, now: u64, cost: u64) -> Outcome
 }
 
 fn fixed_eval(q: &Quota, state: &Option<State>, now: u64, cost: u64) -> Outcome {
-    let w = q.window_us.get();
     let limit = q.limit.get();
-    let index = now / w;
+    let index = calendar::index(q, now);
     let count = match state {
         Some(State::Window { index: i, count }) if *i == index => *count,
         _ => 0,
     };
-    let reset = (index + 1) * w - now;
+    let reset = calendar::start(q, index + 1) - now;
     if count + cost <= limit {
         Outcome {
             allowed: true,
@@ -455,7 +459,7 @@ fn log_eval(q: &Quota, state: &Option<State>, now: u64, cost: u64) -> Outcome {
 }
 
 fn roll_sliding(q: &Quota, state: &mut Option<State>, now: u64) {
-    let index = now / q.window_us.get();
+    let index = calendar::index(q, now);
     let (prev, curr) = match state {
         Some(State::Sliding { index: i, prev, curr }) => {
             if *i == index {
@@ -477,13 +481,21 @@ fn sliding_eval(q: &Quota, state: &mut Option<State>, now: u64, cost: u64) -> Ou
         Some(State::Sliding { prev, curr, .. }) => (*prev, *curr),
         _ => (0, 0),
     };
-    let w = q.window_us.get();
+    // This window [start, end), the next one ends at `next_end` (all equal lengths unless the
+    // window follows the calendar).
+    let index = calendar::index(q, now);
+    let (start, end, next_end) = (
+        calendar::start(q, index),
+        calendar::start(q, index + 1),
+        calendar::start(q, index + 2),
+    );
+    let w = end - start;
     let limit = q.limit.get();
-    let elapsed = now % w;
+    let elapsed = now - start;
     let (wf, pf, cf, lf, costf) = (w as f64, prev as f64, curr as f64, limit as f64, cost as f64);
     let estimate = pf * (wf - elapsed as f64) / wf + cf;
     if estimate + costf <= lf {
-        let reset = if curr + cost > 0 { 2 * w - elapsed } else { w - elapsed };
+        let reset = if curr + cost > 0 { next_end - now } else { end - now };
         Outcome {
             allowed: true,
             remaining: (lf - estimate - costf).floor().max(0.0) as u64,
@@ -501,10 +513,11 @@ fn sliding_eval(q: &Quota, state: &mut Option<State>, now: u64, cost: u64) -> Ou
             (e - elapsed as f64).max(1.0)
         } else {
             // Wait for the next window, where this window's count becomes `previous`.
-            let e = (wf - (lf - costf) * wf / cf).ceil().max(0.0);
+            let nf = (next_end - end) as f64;
+            let e = (nf - (lf - costf) * nf / cf).ceil().max(0.0);
             (wf - elapsed as f64) + e
         };
-        let reset = if curr > 0 { 2 * w - elapsed } else { w - elapsed };
+        let reset = if curr > 0 { next_end - now } else { end - now };
         Outcome {
             allowed: false,
             remaining: (lf - estimate).floor().max(0.0) as u64,
@@ -518,6 +531,7 @@ fn sliding_eval(q: &Quota, state: &mut Option<State>, now: u64, cost: u64) -> Ou
     }
 }
 
+pub mod calendar;
 pub mod concurrency;
 mod reshape;
 pub use reshape::{debit, refund, seeded, used};

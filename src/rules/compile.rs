@@ -17,6 +17,7 @@ use crate::config::{duration, ConfigError};
 
 /// Rules a rules file may hold unless `limits.max_rules` says otherwise.
 pub const DEFAULT_MAX_RULES: usize = 50_000;
+use crate::limiter::algorithm::calendar::{self, Calendar, CalendarUnit};
 use crate::limiter::{Algorithm, FailurePolicy, Penalty, Quota};
 
 /// How long a concurrency slot lives without renewal unless `store.concurrency_ttl` says
@@ -57,6 +58,8 @@ pub fn parse_rate(s: &str) -> Result<NonZeroU64, String> {
 struct Ctx<'a> {
     file: &'a Path,
     default_alg: Algorithm,
+    /// The rule being compiled follows the calendar at this UTC offset (`align: calendar`).
+    calendar: std::cell::Cell<Option<i32>>,
 }
 
 impl Ctx<'_> {
@@ -82,6 +85,25 @@ impl Ctx<'_> {
     }
 
     fn window(&self, rule: &str, w: &Spanned<String>) -> Result<NonZeroU64, ConfigError> {
+        if self.calendar.get().is_some() {
+            return CalendarUnit::parse(&w.value)
+                .and_then(|u| NonZeroU64::new(u.nominal_us()))
+                .ok_or_else(|| {
+                    self.err(
+                        &w.referenced,
+                        format!(
+                            "rule {rule:?}: align: calendar takes window 1d, 1w or 1mo, got {:?}",
+                            w.value
+                        ),
+                    )
+                });
+        }
+        if CalendarUnit::parse(&w.value) == Some(CalendarUnit::Month) {
+            return Err(self.err(
+                &w.referenced,
+                format!("rule {rule:?}: a 1mo window needs align: calendar (months differ in length)"),
+            ));
+        }
         let d = duration(self.file, w)?;
         let us = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
         if us < 1000 {
@@ -236,6 +258,70 @@ fn penalty(file: &Path, rule: &str, p: &Spanned<RawPenalty>) -> Result<Penalty, 
     })
 }
 
+/// `align: calendar` (with an optional `timezone`) on a fixed or sliding window: the UTC
+/// offset its windows follow; `None` for epoch-aligned windows.
+fn calendar_of(
+    file: &Path,
+    rule: &str,
+    alg: Algorithm,
+    align: &Option<Spanned<String>>,
+    timezone: &Option<Spanned<String>>,
+) -> Result<Option<i32>, ConfigError> {
+    let Some(a) = align else {
+        if let Some(tz) = timezone {
+            return Err(ConfigError::at(
+                file,
+                &tz.referenced,
+                format!("rule {rule:?}: timezone needs align: calendar"),
+            ));
+        }
+        return Ok(None);
+    };
+    if a.value.trim() != "calendar" {
+        return Err(ConfigError::at(
+            file,
+            &a.referenced,
+            format!("rule {rule:?}: unknown align {:?} (calendar)", a.value),
+        ));
+    }
+    if !matches!(alg, Algorithm::FixedWindow | Algorithm::SlidingWindow) {
+        return Err(ConfigError::at(
+            file,
+            &a.referenced,
+            format!(
+                "rule {rule:?}: align: calendar works with fixed_window and sliding_window, not {}",
+                alg.as_str()
+            ),
+        ));
+    }
+    match timezone {
+        None => Ok(Some(0)),
+        Some(tz) => calendar::parse_offset(&tz.value).map(Some).ok_or_else(|| {
+            ConfigError::at(
+                file,
+                &tz.referenced,
+                format!(
+                    "rule {rule:?}: timezone {:?}: want UTC or +HH:MM / -HH:MM (at most 18h)",
+                    tz.value
+                ),
+            )
+        }),
+    }
+}
+
+/// Give calendar-aligned quotas their unit (from the nominal window) and offset.
+fn align(qs: &mut [Quota], offset: Option<i32>) {
+    let Some(offset_s) = offset else { return };
+    for q in qs {
+        let unit = [CalendarUnit::Day, CalendarUnit::Week, CalendarUnit::Month]
+            .into_iter()
+            .find(|u| u.nominal_us() == q.window_us.get());
+        if let Some(unit) = unit {
+            q.calendar = Some(Calendar { unit, offset_s });
+        }
+    }
+}
+
 /// `count_when: {status: [...]}`: codes 100-599 and classes `1xx`-`5xx`, at least one.
 fn count_when(file: &Path, rule: &str, cw: &Spanned<RawCountWhen>) -> Result<StatusMatch, ConfigError> {
     let at = |m: String| ConfigError::at(file, &cw.referenced, format!("rule {rule:?}: count_when: {m}"));
@@ -359,7 +445,11 @@ impl RuleSet {
             raw.defaults.local_share.as_ref(),
             FailurePolicy::Open,
         )?;
-        let ctx = Ctx { file, default_alg };
+        let ctx = Ctx {
+            file,
+            default_alg,
+            calendar: std::cell::Cell::new(None),
+        };
         let mut rules: Vec<Rule> = Vec::new();
         let mut names: std::collections::HashMap<String, (u64, u64)> = std::collections::HashMap::new();
         for (index, sr) in raw.rules.iter().enumerate() {
@@ -389,7 +479,9 @@ impl RuleSet {
                 )
             })?;
             let alg = ctx.algorithm(name, &r.algorithm)?;
-            let limits = ctx.quotas(name, loc, alg, &r.limit, &r.window, &r.limits, &r.rate, &r.capacity)?;
+            ctx.calendar.set(calendar_of(file, name, alg, &r.align, &r.timezone)?);
+            let mut limits = ctx.quotas(name, loc, alg, &r.limit, &r.window, &r.limits, &r.rate, &r.capacity)?;
+            align(&mut limits, ctx.calendar.get());
             let cost = match &r.cost {
                 Some(c) if alg == Algorithm::Concurrency => {
                     return Err(ctx.err(
@@ -479,7 +571,8 @@ impl RuleSet {
                         format!("rule {name:?}: override {who:?}: rate/capacity on a window algorithm"),
                     ));
                 }
-                let qs = ctx.quotas(name, &o.referenced, alg, &limit, &window, &limits_o, &rate, &capacity)?;
+                let mut qs = ctx.quotas(name, &o.referenced, alg, &limit, &window, &limits_o, &rate, &capacity)?;
+                align(&mut qs, ctx.calendar.get());
                 check_cost(&qs, &o.referenced)?;
                 overrides.insert(who.clone(), qs);
             }

@@ -15,6 +15,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use super::{parse_rate, Rule, RuleSet};
+use crate::limiter::algorithm::calendar::{Calendar, CalendarUnit};
 use crate::limiter::{Algorithm, Quota};
 
 /// Longest an override may live: a year (a longer one belongs in the rules file).
@@ -101,16 +102,27 @@ pub fn quotas(rule: &Rule, limits: &[OverrideLimit]) -> Result<Vec<Quota>, Strin
                     .window
                     .as_deref()
                     .ok_or_else(|| format!("{} needs window", alg.as_str()))?;
-                let d = humantime::parse_duration(w.trim()).map_err(|e| format!("window {w:?}: {e}"))?;
-                let us = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
-                if us < 1000 {
-                    return Err("window must be at least 1ms".into());
+                let limit = positive(l.limit, "limit")?;
+                match rule.limits.first().and_then(|q| q.calendar) {
+                    Some(cal) => {
+                        let unit = CalendarUnit::parse(w).ok_or("a calendar rule takes window 1d, 1w or 1mo")?;
+                        let mut q = Quota::window(
+                            alg,
+                            limit,
+                            NonZeroU64::new(unit.nominal_us()).unwrap_or(NonZeroU64::MIN),
+                        );
+                        q.calendar = Some(Calendar { unit, ..cal });
+                        q
+                    }
+                    None => {
+                        let d = humantime::parse_duration(w.trim()).map_err(|e| format!("window {w:?}: {e}"))?;
+                        let us = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+                        if us < 1000 {
+                            return Err("window must be at least 1ms".into());
+                        }
+                        Quota::window(alg, limit, NonZeroU64::new(us).unwrap_or(NonZeroU64::MIN))
+                    }
                 }
-                Quota::window(
-                    alg,
-                    positive(l.limit, "limit")?,
-                    NonZeroU64::new(us).unwrap_or(NonZeroU64::MIN),
-                )
             }
         };
         if let Some(m) = q.bounds_error(rule.cost) {

@@ -2,7 +2,7 @@
 //! that changes the limit's shape applies (the units still held, carried over). Mirrored by
 //! each algorithm's `*_refund` and by `tg_used` in `lua/`.
 
-use super::{roll_sliding, Algorithm, Quota, State};
+use super::{calendar, roll_sliding, Algorithm, Quota, State};
 
 /// Give back `cost` units that a check decided at `at` spent, in the window and bucket state
 /// it spent them in: a window that has moved on since keeps what it has (the units no longer
@@ -10,12 +10,11 @@ use super::{roll_sliding, Algorithm, Quota, State};
 /// previous count; a log loses its `cost` newest entries at or before `at`.
 /// Mirrors each algorithm's `*_refund` in `lua/`.
 pub fn refund(q: &Quota, state: &mut Option<State>, at: u64, cost: u64) {
-    let w = q.window_us.get();
+    let spent_in = calendar::index(q, at);
     match state {
         Some(State::Bucket { tat }) => *tat = tat.saturating_sub(cost.saturating_mul(q.interval_us.get())),
-        Some(State::Window { index, count }) if *index == at / w => *count = count.saturating_sub(cost),
+        Some(State::Window { index, count }) if *index == spent_in => *count = count.saturating_sub(cost),
         Some(State::Sliding { index, prev, curr }) => {
-            let spent_in = at / w;
             if *index == spent_in {
                 *curr = curr.saturating_sub(cost);
             } else if *index == spent_in + 1 {
@@ -38,7 +37,7 @@ pub fn refund(q: &Quota, state: &mut Option<State>, at: u64, cost: u64) {
 /// previous count of a sliding window that moved on by one). The state may go below zero: the
 /// key is then denied until it earns its way back. Mirrors `*_debit` in `lua/`.
 pub fn debit(q: &Quota, state: &mut Option<State>, at: u64, cost: u64) {
-    let w = q.window_us.get();
+    let spent_in = calendar::index(q, at);
     match (q.algorithm, state.as_mut()) {
         (Algorithm::TokenBucket, s) => {
             let tat = match s {
@@ -49,11 +48,11 @@ pub fn debit(q: &Quota, state: &mut Option<State>, at: u64, cost: u64) {
                 tat: tat.max(at).saturating_add(cost.saturating_mul(q.interval_us.get())),
             });
         }
-        (Algorithm::FixedWindow, Some(State::Window { index, count })) if *index == at / w => *count += cost,
+        (Algorithm::FixedWindow, Some(State::Window { index, count })) if *index == spent_in => *count += cost,
         (Algorithm::SlidingWindow, Some(State::Sliding { index, prev, curr })) => {
-            if *index == at / w {
+            if *index == spent_in {
                 *curr += cost;
-            } else if *index == at / w + 1 {
+            } else if *index == spent_in + 1 {
                 *prev += cost;
             }
         }
@@ -67,11 +66,10 @@ pub fn debit(q: &Quota, state: &mut Option<State>, at: u64, cost: u64) {
 /// hands out a fresh quota. A log counts its entries inside `new`'s span (its window, or a
 /// bucket's time to refill from empty). Mirrored by `tg_used` in `lua/common.lua`.
 pub fn used(old: &Quota, state: &State, new: &Quota, now: u64) -> u64 {
-    let w = old.window_us.get();
     let units = match state {
         State::Bucket { tat } => tat.saturating_sub(now).div_ceil(old.interval_us.get()),
         State::Window { index, count } => {
-            if *index == now / w {
+            if *index == calendar::index(old, now) {
                 *count
             } else {
                 0
@@ -84,7 +82,10 @@ pub fn used(old: &Quota, state: &State, new: &Quota, now: u64) -> u64 {
                 Some(State::Sliding { prev, curr, .. }) => (prev, curr),
                 _ => (0, 0),
             };
-            let elapsed = now % w;
+            let i = calendar::index(old, now);
+            let start = calendar::start(old, i);
+            let w = calendar::start(old, i + 1) - start;
+            let elapsed = now - start;
             let (wf, pf, cf) = (w as f64, prev as f64, curr as f64);
             let estimate = pf * (wf - elapsed as f64) / wf + cf;
             estimate.ceil().max(0.0) as u64
@@ -109,17 +110,16 @@ pub fn seeded(q: &Quota, used: u64, now: u64) -> Option<State> {
     if used == 0 || q.algorithm == Algorithm::Concurrency {
         return None;
     }
-    let w = q.window_us.get();
     Some(match q.algorithm {
         Algorithm::TokenBucket | Algorithm::LeakyBucket => State::Bucket {
             tat: now + used * q.interval_us.get(),
         },
         Algorithm::FixedWindow => State::Window {
-            index: now / w,
+            index: calendar::index(q, now),
             count: used,
         },
         Algorithm::SlidingWindow => State::Sliding {
-            index: now / w,
+            index: calendar::index(q, now),
             prev: 0,
             curr: used,
         },

@@ -62,9 +62,11 @@ fn script_head(sha: Option<&str>) -> Cmd {
 }
 
 /// Append the script arguments of one limit: code, limit, interval, cost, flags (1 shadow,
-/// 2 penalty box), then the holder for a concurrency slot and the penalty's base and max.
+/// 2 penalty box, 4 calendar window), then the holder for a concurrency slot, the penalty's
+/// base and max, and the calendar unit and UTC offset.
 fn limit_args(cmd: &mut Cmd, c: &LimitCheck) {
-    let flags = u8::from(c.shadow) | if c.penalty.is_some() { 2 } else { 0 };
+    let flags =
+        u8::from(c.shadow) | if c.penalty.is_some() { 2 } else { 0 } | if c.quota.calendar.is_some() { 4 } else { 0 };
     cmd.arg(c.quota.algorithm.code())
         .arg(c.quota.limit.get())
         .arg(c.quota.interval_us.get())
@@ -75,6 +77,9 @@ fn limit_args(cmd: &mut Cmd, c: &LimitCheck) {
     }
     if let Some(p) = c.penalty {
         cmd.arg(p.base_us.get()).arg(p.max_us.get());
+    }
+    if let Some(cal) = c.quota.calendar {
+        cmd.arg(cal.unit.code()).arg(cal.offset_s);
     }
 }
 
