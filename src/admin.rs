@@ -435,6 +435,23 @@ fn quota_json(q: &crate::limiter::Quota) -> Value {
             json!({"rate": crate::describe::rate(q.interval_us.get()), "capacity": q.limit.get()})
         }
         Algorithm::Concurrency => json!({"limit": q.limit.get(), "slot_ttl": window_text(q.window_us.get())}),
+        _ if q.calendar.is_some() => {
+            use crate::limiter::algorithm::calendar::CalendarUnit;
+            let (unit, off) = q.calendar.map_or((CalendarUnit::Day, 0), |c| (c.unit, c.offset_s));
+            let w = match unit {
+                CalendarUnit::Day => "1d",
+                CalendarUnit::Week => "1w",
+                CalendarUnit::Month => "1mo",
+            };
+            let a = off.unsigned_abs();
+            let tz = format!(
+                "{}{:02}:{:02}",
+                if off < 0 { '-' } else { '+' },
+                a / 3600,
+                a % 3600 / 60
+            );
+            json!({"limit": q.limit.get(), "window": w, "align": "calendar", "timezone": tz})
+        }
         _ => json!({"limit": q.limit.get(), "window": window_text(q.window_us.get())}),
     }
 }
@@ -468,6 +485,8 @@ fn rule_json(r: &Rule) -> Value {
         "failure": crate::describe::failure(&r.failure),
         "shadow": r.shadow,
         "penalty": r.penalty.map(|p| json!({"base": window_text(p.base_us.get()), "max": window_text(p.max_us.get())})),
+        "count_when": r.count_when.as_ref().map(|m| m.to_text()),
+        "cost_from": r.cost_from.as_ref().map(|c| json!({"header": c.header.as_str(), "max": c.max})),
         "overrides": r.overrides.keys().collect::<Vec<_>>(),
     })
 }

@@ -14,6 +14,23 @@ pub fn quota(q: &Quota) -> String {
             format!("rate {}, capacity {}", rate(q.interval_us.get()), q.limit)
         }
         Algorithm::Concurrency => format!("{} in flight", q.limit),
+        _ if q.calendar.is_some() => {
+            let cal = q.calendar.map(|c| (c.unit, c.offset_s));
+            let (unit, off) = cal.unwrap_or((crate::limiter::algorithm::calendar::CalendarUnit::Day, 0));
+            let unit = match unit {
+                crate::limiter::algorithm::calendar::CalendarUnit::Day => "day",
+                crate::limiter::algorithm::calendar::CalendarUnit::Week => "week (from Monday)",
+                crate::limiter::algorithm::calendar::CalendarUnit::Month => "month",
+            };
+            let sign = if off < 0 { '-' } else { '+' };
+            let a = off.unsigned_abs();
+            format!(
+                "{} per calendar {unit} (UTC{sign}{:02}:{:02})",
+                q.limit,
+                a / 3600,
+                a % 3600 / 60
+            )
+        }
         _ => format!("{} per {}", q.limit, window_text(q.window_us.get())),
     }
 }
@@ -98,6 +115,12 @@ pub fn rule(r: &Rule) -> String {
     }
     if !r.overrides.is_empty() {
         s.push_str(&format!(" overrides={}", r.overrides.len()));
+    }
+    if let Some(m) = &r.count_when {
+        s.push_str(&format!(" count_when=[{}]", m.to_text()));
+    }
+    if let Some(cf) = &r.cost_from {
+        s.push_str(&format!(" cost_from={} (max {})", cf.header, cf.max));
     }
     if let Some(p) = &r.penalty {
         if p.escalates() {
