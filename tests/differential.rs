@@ -448,6 +448,27 @@ async fn cluster_matches_memory() {
         calendar: false,
     };
     run(&store, &plan, "cluster").await;
+    // Issues #17 and #18 on the cluster: slots and penalties, settled costs, calendar windows.
+    const SLOTS: [Algorithm; 3] = [Algorithm::Concurrency, Algorithm::FixedWindow, Algorithm::TokenBucket];
+    const WINDOWS: [Algorithm; 2] = [Algorithm::FixedWindow, Algorithm::SlidingWindow];
+    for (algorithms, extras, settle, calendar, seed) in [
+        (&SLOTS[..], true, false, false, 8_100_000),
+        (&WINDOWS[..], false, true, true, 8_200_000),
+    ] {
+        let plan = Plan {
+            algorithms,
+            limits: 1..=3,
+            sequences: 30,
+            steps: 20,
+            tags: Tags::Spread,
+            seed,
+            reshape: false,
+            extras,
+            settle,
+            calendar,
+        };
+        run(&store, &plan, "cluster-beyond").await;
+    }
 }
 
 /// Issue #24, defect 2: reloads change a limit's algorithm, window or rate under the same key;
