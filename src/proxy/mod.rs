@@ -444,7 +444,17 @@ impl State {
         self.metrics().upstream_response(resp.status().as_u16());
 
         if resp.status() == http::StatusCode::SWITCHING_PROTOCOLS {
-            if let Some(client_up) = client_upgrade {
+            let Some(client_up) = client_upgrade else {
+                // A 101 the client never asked for would hand it a connection in a protocol
+                // it does not speak: refuse it (the upstream connection is dropped with it).
+                if let Some(suppressed) = self.upstream_log().allow() {
+                    tracing::warn!(method = %method, path = %parts.uri.path(), upstream = %self.config().upstream.authority, suppressed, "upstream answered 101 to a request that asked for no upgrade");
+                }
+                return Err(GatewayError::BadGateway(
+                    "the upstream switched protocols for a request that asked for no upgrade".into(),
+                ));
+            };
+            {
                 let upstream_up = hyper::upgrade::on(&mut resp);
                 tokio::spawn(async move {
                     // The request's slots stay held while the upgraded connection is open.

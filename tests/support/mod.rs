@@ -8,18 +8,22 @@
 //!   config directories;
 //! * [`http`](self::http): an HTTP client and small request/metrics helpers;
 //! * [`upstream`](self::upstream): a real upstream that counts the requests it serves at once;
+//! * [`faults`](self::faults): a TCP proxy that adds latency, black-holes or resets traffic to
+//!   one Redis node;
 //! * [`poll`](self::poll): [`eventually`] and friends, the only way tests wait for something.
 //!
 //! Nothing here mocks anything: if `redis-server` or `redis-cli` is missing the tests fail,
 //! they never skip.
 #![allow(dead_code, unused_imports)]
 
+mod faults;
 mod gateway;
 mod http;
 mod poll;
 mod redis;
 mod upstream;
 
+pub use self::faults::{FaultProxy, Faults};
 pub use self::gateway::*;
 pub use self::http::*;
 pub use self::poll::*;

@@ -312,6 +312,21 @@ impl RedisCluster {
             .collect()
     }
 
+    /// Make the node at `port` announce `via` as its client port (a proxy in front of it), and
+    /// wait until every live node's slot map says so: clients then reach it only through `via`.
+    pub fn announce_via(&self, port: u16, via: u16) {
+        let bus = (port + 10000).to_string();
+        redis_cli(port, &["CONFIG", "SET", "cluster-announce-bus-port", &bus]);
+        redis_cli(port, &["CONFIG", "SET", "cluster-announce-port", &via.to_string()]);
+        let needle = format!("127.0.0.1:{via}@");
+        let seen = eventually_blocking(Duration::from_secs(15), || {
+            self.live_ports()
+                .iter()
+                .all(|&p| redis_cli(p, &["CLUSTER", "NODES"]).contains(&needle))
+        });
+        assert!(seen, "the cluster never announced {port} as {via}");
+    }
+
     /// `redis://127.0.0.1:<port>/` for every node (the store's seed list).
     pub fn seed_urls(&self) -> Vec<String> {
         self.nodes
