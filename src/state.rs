@@ -300,9 +300,9 @@ impl State {
                 } else {
                     RedisMode::Cluster
                 };
-                Backend::Redis(Arc::new(
-                    RedisStore::connect(mode, &sc.urls, sc.timeout, sc.breaker_threshold).await?,
-                ))
+                let store = RedisStore::connect(mode, &sc.urls, sc.timeout, sc.breaker_threshold).await?;
+                store.set_replicated(sc.replicated);
+                Backend::Redis(Arc::new(store))
             }
         };
         let limiter = Limiter {

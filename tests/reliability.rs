@@ -444,3 +444,91 @@ async fn resharding_under_load_admits_exactly_the_limit() {
         g.stop().await;
     }
 }
+
+/// One run of the replication-loss scenario for rule `burst` (limit 100 a day): 10 requests,
+/// then a burst of 20 while the replica of the rule's master is frozen, then the master dies
+/// and the stale replica takes over. Returns the requests admitted before the failover, the
+/// count the promoted replica holds, and the median latency of an admission before the fault.
+async fn replication_loss(durability: &str) -> (u64, u64, Duration) {
+    let mut cluster = RedisCluster::start();
+    let kb = keys();
+    let key = kb.key(&kb.global_tag("burst"), "burst", 0);
+    let slot = cluster.keyslot(key.as_str());
+    let master = cluster.master_for_key(key.as_str());
+    let replica = cluster.replicas_of(master)[0];
+    let up = echo().await;
+    let rules = r#"rules:
+  - { name: burst, match: { path: "/**" }, key: global, algorithm: fixed_window, limit: 100, window: 1d, failure: closed }
+"#;
+    let store = format!(
+        "{}  durability: {durability}\n",
+        store_yaml("redis_cluster", &cluster.seed_urls(), "100ms")
+            .replace("identity:\n  trusted_proxies: [127.0.0.1/32]\n", "")
+    );
+    let gw = gateway(&format!("http://{up}"), &store, rules, None).await;
+    let c = client();
+    let url = format!("{}/x", gw.url);
+    let mut admitted = 0;
+    let mut lat = Vec::new();
+    for _ in 0..10 {
+        let (s, d) = timed(&c, &url, "10.19.7.1").await;
+        assert_eq!(s, 200);
+        admitted += 1;
+        lat.push(d);
+    }
+    lat.sort();
+    // Let the replica catch up, then freeze it; a burst arrives; the master dies.
+    let offset = |port: u16| -> Option<u64> {
+        redis_cli(port, &["INFO", "replication"])
+            .lines()
+            .find_map(|l| l.strip_prefix("master_repl_offset:"))
+            .and_then(|v| v.trim().parse().ok())
+    };
+    let caught_up = eventually(Duration::from_secs(5), || async {
+        offset(master).is_some() && offset(master) == offset(replica)
+    })
+    .await;
+    assert!(caught_up, "the replica never saw the first 10");
+    // A frozen process still receives into its socket buffer, so also cut the link on the
+    // master's side: what the master writes from now on reaches no replica.
+    cluster.stop_node(replica);
+    redis_cli(master, &["CLIENT", "KILL", "TYPE", "replica"]);
+    for _ in 0..20 {
+        if timed(&c, &url, "10.19.7.1").await.0 == 200 {
+            admitted += 1;
+        }
+    }
+    cluster.kill_node(master);
+    cluster.cont_node(replica);
+    let promoted = cluster.wait_failover(slot, master, Duration::from_secs(30));
+    assert_eq!(promoted, Some(replica), "the replica did not take over");
+    let count: u64 = redis_cli(replica, &["HGET", key.as_str(), "c"]).parse().unwrap_or(0);
+    gw.stop().await;
+    (admitted, count, lat[lat.len() / 2])
+}
+
+/// Replication loss: with writes acknowledged by the master alone, a failover to a replica that
+/// missed them forgets them, and the fleet may admit them again (measured: the whole burst);
+/// with `store.durability: replicated` the burst waits for a replica that never confirms and
+/// fails closed, so the promoted replica holds every admitted request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replication_loss_over_admits_unless_writes_wait_for_a_replica() {
+    let (a_admitted, a_kept, a_p50) = replication_loss("none").await;
+    let (r_admitted, r_kept, r_p50) = replication_loss("replicated").await;
+    eprintln!(
+        "durability none: {a_admitted} admitted, {a_kept} survived the failover (over-admission {}), p50 {a_p50:?}; \
+         replicated: {r_admitted} admitted, {r_kept} survived (over-admission {}), p50 {r_p50:?}",
+        a_admitted.saturating_sub(a_kept),
+        r_admitted.saturating_sub(r_kept)
+    );
+    assert_eq!(a_admitted, 30);
+    assert_eq!(a_kept, 10, "the frozen replica should have missed the burst");
+    assert_eq!(
+        r_admitted, 10,
+        "no write may be admitted without a replica's acknowledgement"
+    );
+    assert!(
+        r_kept >= r_admitted,
+        "replicated writes lost an admission: {r_kept} < {r_admitted}"
+    );
+}

@@ -156,6 +156,9 @@ pub struct StoreConfig {
     /// How long a concurrency slot lives without renewal (running requests renew theirs every
     /// third of it; a crashed gateway's slots free themselves after it). At least 3 s.
     pub concurrency_ttl: Duration,
+    /// `store.durability: replicated`: every Redis write waits (`WAIT 1`) for a replica within
+    /// `timeout`, else the check is a store failure.
+    pub replicated: bool,
 }
 
 /// `limits:`, validated.
@@ -455,6 +458,27 @@ impl GatewayConfig {
                     ));
                 }
                 ttl
+            },
+            replicated: match &s.durability {
+                None => false,
+                Some(d) if d.value == "none" => false,
+                Some(d) if d.value == "replicated" => {
+                    if kind == StoreKind::Memory {
+                        return Err(ConfigError::at(
+                            f,
+                            &d.referenced,
+                            "store.durability: replicated needs a Redis store (kind: redis or redis_cluster)",
+                        ));
+                    }
+                    true
+                }
+                Some(d) => {
+                    return Err(ConfigError::at(
+                        f,
+                        &d.referenced,
+                        format!("store.durability: unknown value {:?} (none | replicated)", d.value),
+                    ))
+                }
             },
         };
 

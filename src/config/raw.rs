@@ -74,6 +74,8 @@ pub struct RawStore {
     pub probe_interval: Option<Spanned<String>>,
     /// How long a concurrency slot lives without renewal.
     pub concurrency_ttl: Option<Spanned<String>>,
+    /// `none` (default) or `replicated`: writes wait for a replica.
+    pub durability: Option<Spanned<String>>,
 }
 
 /// `identity:`.

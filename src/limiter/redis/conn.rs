@@ -29,7 +29,7 @@ use arc_swap::{ArcSwap, ArcSwapOption};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
+use redis::cluster_routing::{MultipleNodeRoutingInfo, Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::io::tcp::TcpSettings;
 use redis::{Cmd, ErrorKind, IntoConnectionInfo, RedisError, ServerErrorKind, Value};
 
@@ -113,6 +113,23 @@ pub(super) struct Inner {
     pub(super) batch_calls: AtomicU64,
     /// Requests those calls carried.
     pub(super) batch_requests: AtomicU64,
+    /// `store.durability: replicated`: every call that writes waits (`WAIT 1`) until a replica
+    /// has its writes, within the call's deadline; a write no replica confirmed in time is a
+    /// store failure (the rule's failure policy decides the request).
+    pub(super) replicated: AtomicBool,
+}
+
+/// Where a script call with keys goes in a cluster: the master of its first key's slot (the
+/// 4th argument: `EVALSHA sha numkeys key ...`); `None` for a keyless call.
+fn first_key_route(cmd: &Cmd) -> Option<RoutingInfo> {
+    let key = cmd.args_iter().nth(3).and_then(|a| match a {
+        redis::Arg::Simple(b) => std::str::from_utf8(b).ok(),
+        _ => None,
+    })?;
+    let slot = slots::slot_of(key);
+    Some(RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(
+        Route::new(slot, SlotAddr::Master),
+    )))
 }
 
 /// Map a client error to a store error: a timeout, a connection-level (transient) failure, or
@@ -293,7 +310,7 @@ impl Inner {
 
     /// Run the limit script built by `build` (given the SHA for `EVALSHA`, or `None` for
     /// `EVAL` with the source) and return the raw reply: `EVALSHA` first, `EVAL` on NOSCRIPT.
-    async fn run_script(&self, build: impl Fn(Option<&str>) -> Cmd) -> Result<Value, RedisError> {
+    async fn run_script(&self, build: &impl Fn(Option<&str>) -> Cmd) -> Result<Value, RedisError> {
         let mut conn = self.conn()?;
         let cmd = build(Some(&self.sha));
         match conn.query(&cmd).await {
@@ -307,10 +324,43 @@ impl Inner {
 
     /// One script call bounded by the deadline; the raw reply. (Failures are counted by the
     /// caller, against the breaker of the shard it called.)
-    async fn script(&self, build: impl Fn(Option<&str>) -> Cmd) -> Result<Value, StoreError> {
-        match tokio::time::timeout(self.timeout, self.run_script(build)).await {
-            Ok(r) => r.map_err(store_err),
+    async fn script(&self, write: bool, build: impl Fn(Option<&str>) -> Cmd) -> Result<Value, StoreError> {
+        let replicated = write && self.replicated.load(Ordering::Relaxed);
+        let call = async {
+            let routing = if replicated {
+                first_key_route(&build(Some(&self.sha)))
+            } else {
+                None
+            };
+            let value = self.run_script(&build).await.map_err(store_err)?;
+            if replicated {
+                self.wait_replica(routing).await?;
+            }
+            Ok(value)
+        };
+        match tokio::time::timeout(self.timeout, call).await {
+            Ok(r) => r,
             Err(_) => Err(StoreError::Timeout),
+        }
+    }
+
+    /// `WAIT 1 <deadline>` on the connection (the node) that just ran a write: `Ok` once a
+    /// replica acknowledged it. WAIT covers every earlier write of the connection, ours included.
+    async fn wait_replica(&self, routing: Option<RoutingInfo>) -> Result<(), StoreError> {
+        let ms = u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX).max(1);
+        let mut cmd = redis::cmd("WAIT");
+        cmd.arg(1).arg(ms);
+        let mut conn = self.conn().map_err(store_err)?;
+        let acked = match (&mut conn, routing) {
+            (Conn::Cluster(c), Some(r)) => c.route_command(cmd, r).await,
+            _ => conn.query(&cmd).await,
+        }
+        .map_err(store_err)?;
+        match acked {
+            Value::Int(n) if n >= 1 => Ok(()),
+            other => Err(StoreError::Redis(format!(
+                "store.durability: replicated: no replica confirmed the write within {ms} ms ({other:?})"
+            ))),
         }
     }
 
@@ -327,7 +377,10 @@ impl Inner {
         I: Iterator<Item = &'c LimitCheck> + Clone + ExactSizeIterator,
     {
         let n = checks.len();
-        let value = self.script(|sha| script_cmd(sha, mode, now, checks.clone())).await?;
+        let write = mode != Mode::Peek;
+        let value = self
+            .script(write, |sha| script_cmd(sha, mode, now, checks.clone()))
+            .await?;
         parse_packed(
             value,
             if matches!(mode, Mode::Refund | Mode::Renew | Mode::Debit) {
@@ -350,7 +403,7 @@ impl Inner {
         R: Iterator<Item = &'c [LimitCheck]> + Clone,
     {
         let n = requests.clone().map(<[LimitCheck]>::len).sum();
-        let value = self.script(|sha| check_cmd(sha, now, requests.clone())).await?;
+        let value = self.script(true, |sha| check_cmd(sha, now, requests.clone())).await?;
         parse_packed(value, n, checked)
     }
 

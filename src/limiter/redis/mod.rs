@@ -148,10 +148,18 @@ impl RedisStore {
             rebuild_log: crate::log_throttle::LogThrottle::new(Duration::from_secs(60)),
             batch_calls: AtomicU64::new(0),
             batch_requests: AtomicU64::new(0),
+            replicated: AtomicBool::new(false),
         });
         inner.refresh_topology().await;
         let batches = batch::Batches::spawn(Arc::clone(&inner));
         Ok(RedisStore { inner, batches })
+    }
+
+    /// `store.durability: replicated`: every write waits until a replica confirmed it (`WAIT 1`)
+    /// within the store deadline, else it counts as a store failure. Trades a replica round trip
+    /// per call for no over-admission when a master dies before replicating.
+    pub fn set_replicated(&self, on: bool) {
+        self.inner.replicated.store(on, Ordering::Relaxed);
     }
 
     /// Standalone or cluster.
