@@ -133,11 +133,6 @@ fn rule_signatures(rules: &RuleSet) -> BTreeMap<String, String> {
         .collect()
 }
 
-/// Each key hash → its entry.
-fn key_entries(keys: &KeyRegistry) -> BTreeMap<[u8; 32], crate::identity::keys::KeyEntry> {
-    keys.entries().map(|(h, e)| (*h, e.clone())).collect()
-}
-
 /// SHA-256 of a file's bytes, `None` if it cannot be read.
 fn file_digest(path: &std::path::Path) -> Option<[u8; 32]> {
     use sha2::{Digest, Sha256};
@@ -331,7 +326,12 @@ impl State {
                 None => None,
             };
             let rules = Changes::between(&rule_signatures(&old.rules), &rule_signatures(&snap.rules));
-            let keys = Changes::between(&key_entries(&old.keys), &key_entries(&snap.keys));
+            let (added, removed, changed) = snap.keys.diff(&old.keys);
+            let keys = Changes {
+                added,
+                removed,
+                changed,
+            };
             let changed = rules.any() || keys.any() || old.rules.version != snap.rules.version;
             let old_rules: Vec<String> = old.rules.rules.iter().map(|r| r.name.to_string()).collect();
             Ok((snap, jwt, rules, keys, changed, old_rules))

@@ -258,3 +258,27 @@ fn the_fast_reader_agrees_with_the_parser_on_generated_files() {
     // About one in twelve files is all simple tokens (34 in one run); 15 is far below that.
     assert!(fast_count >= 15, "the fast reader took only {fast_count} of 400 files");
 }
+
+#[test]
+fn a_reload_counts_keys_added_removed_and_changed() {
+    let dir = tempfile::tempdir().unwrap();
+    let load = |text: String| {
+        let path = dir.path().join("keys.yaml");
+        std::fs::write(&path, text).unwrap();
+        KeyRegistry::load(&path).unwrap()
+    };
+    let old = load(format!(
+        "keys:\n  - {{ id: k1, sha256: {} }}\n  - {{ id: k2, sha256: {}, tier: pro }}\n  - {{ id: k3, sha256: {}, tier: pro }}\n",
+        h(1),
+        h(2),
+        h(3)
+    ));
+    let new = load(format!(
+        "keys:\n  - {{ id: k2, sha256: {}, tier: pro }}\n  - {{ id: k3, sha256: {}, tier: free }}\n  - {{ id: k4, sha256: {} }}\n",
+        h(2),
+        h(3),
+        h(4)
+    ));
+    assert_eq!(new.diff(&old), (1, 1, 1), "k4 added, k1 removed, k3 changed");
+    assert_eq!(old.diff(&old), (0, 0, 0));
+}

@@ -139,6 +139,21 @@ impl KeyRegistry {
         self.by_hash.iter()
     }
 
+    /// How this registry differs from `old`: keys added, keys removed, and keys in both whose
+    /// entry changed. Compared in place: a reload of a million keys copies none of them.
+    pub fn diff(&self, old: &KeyRegistry) -> (u64, u64, u64) {
+        let (mut added, mut changed) = (0, 0);
+        for (h, e) in &self.by_hash {
+            match old.by_hash.get(h) {
+                None => added += 1,
+                Some(o) if o != e => changed += 1,
+                Some(_) => {}
+            }
+        }
+        let removed = old.by_hash.keys().filter(|h| !self.by_hash.contains_key(*h)).count() as u64;
+        (added, removed, changed)
+    }
+
     /// True when a registered key has the id `id` (admin lookups; a linear scan).
     pub fn has_id(&self, id: &str) -> bool {
         self.by_hash.values().any(|e| &*e.id == id)
