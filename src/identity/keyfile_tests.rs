@@ -13,7 +13,7 @@ type Loaded = Result<Vec<([u8; 32], KeyEntry)>, String>;
 fn sorted(r: Result<KeyRegistry, ConfigError>) -> Loaded {
     r.map(|reg| {
         let mut v: Vec<_> = reg.entries().map(|(h, e)| (*h, e.clone())).collect();
-        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v.sort_by_key(|a| a.0);
         v
     })
     .map_err(|e| e.to_string())
@@ -136,7 +136,7 @@ fn anything_else_is_left_to_the_parser() {
         format!("keys:\n  - {{ id: !!str k, sha256: {a} }}\n"),
         format!("keys:\n  - {{ id: k, sha256: {a}, teir: pro }}\n"),
         format!("keys:\n  - {{ id: k, sha: {a} }}\n"),
-        format!("keys:\n  - {{ id: k }}\n"),
+        "keys:\n  - { id: k }\n".to_string(),
         format!("keys:\n  - {{ id: k, id: j, sha256: {a} }}\n"),
         format!("keys:\n  - {{ id: k, sha256: {a}, }}\n"),
         format!("keys:\n  - {{ id: a:b, sha256: {a} }}\n"),
