@@ -7,6 +7,9 @@
 //! next kind.
 
 pub mod jwt;
+mod keyfile;
+#[cfg(test)]
+mod keyfile_tests;
 pub mod keys;
 
 use std::net::{IpAddr, Ipv6Addr};

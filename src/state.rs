@@ -144,11 +144,6 @@ fn rule_signatures(rules: &RuleSet) -> BTreeMap<String, String> {
         .collect()
 }
 
-/// Each key hash → its entry.
-fn key_entries(keys: &KeyRegistry) -> BTreeMap<[u8; 32], crate::identity::keys::KeyEntry> {
-    keys.entries().map(|(h, e)| (*h, e.clone())).collect()
-}
-
 /// Seconds since the Unix epoch (0 before it).
 fn unix_secs(t: SystemTime) -> u64 {
     t.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs())
@@ -424,7 +419,12 @@ impl State {
                 None => None,
             };
             let rules = Changes::between(&rule_signatures(&old.rules), &rule_signatures(&snap.rules));
-            let keys = Changes::between(&key_entries(&old.keys), &key_entries(&snap.keys));
+            let (added, removed, changed) = snap.keys.diff(&old.keys);
+            let keys = Changes {
+                added,
+                removed,
+                changed,
+            };
             let changed = rules.any() || keys.any() || old.rules.version != snap.rules.version;
             let old_rules: Vec<String> = old.rules.rules.iter().map(|r| r.name.to_string()).collect();
             Ok((snap, jwt, rules, keys, changed, old_rules))

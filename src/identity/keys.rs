@@ -1,13 +1,14 @@
 //! The API key registry: SHA-256 hashes of keys → `{id, tier, org}`. Keys themselves are never
 //! stored, logged or sent to the store.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
-use crate::config::error::{parse_file_sized, ConfigError, Sized};
+use super::keyfile;
+use crate::config::error::{parse_str_sized, ConfigError, Sized};
 
 /// Keys a registry may hold unless `limits.max_keys` says otherwise.
 pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
@@ -27,8 +28,9 @@ pub struct KeyEntry {
 /// Hash → entry. Built once per load, then read-only.
 #[derive(Debug, Clone, Default)]
 pub struct KeyRegistry {
-    /// SHA-256 of the key → entry.
-    by_hash: HashMap<[u8; 32], KeyEntry>,
+    /// SHA-256 of the key → entry. foldhash: the keys are already uniform hashes, and
+    /// SipHash was a tenth of loading a million of them.
+    by_hash: HashMap<[u8; 32], KeyEntry, foldhash::fast::RandomState>,
 }
 
 /// The hex SHA-256 of `key`, as `keys.yaml` wants it.
@@ -48,7 +50,15 @@ impl KeyRegistry {
     }
 
     /// Load and validate a `keys.yaml` of at most `max_keys` keys (`limits.max_keys`).
+    ///
+    /// A file in the layout registries are generated in is read by [`super::keyfile`] straight
+    /// into the registry (a million keys in about a second); any other file by the YAML parser.
+    /// Both give the same registry and the same errors.
     pub fn load_max(path: &Path, max_keys: usize) -> Result<Self, ConfigError> {
+        if let Some(read) = Self::read_simple(path, max_keys) {
+            return read;
+        }
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::file(path, format!("cannot read: {e}")))?;
         let size = Sized {
             entries: max_keys,
             // `{id, sha256, tier, org}`: a map, four keys, four values.
@@ -56,7 +66,8 @@ impl KeyRegistry {
             bytes_per_entry: 512,
             what: "limits.max_keys",
         };
-        let raw: RawKeys = parse_file_sized(path, size)?;
+        let raw: RawKeys = parse_str_sized(path, &text, size)?;
+        drop(text);
         if raw.keys.len() > max_keys {
             return Err(ConfigError::file(
                 path,
@@ -69,55 +80,49 @@ impl KeyRegistry {
         Self::compile(path, raw)
     }
 
+    /// The registry in `path` when the file is in the simple layout (`None`: parse it as YAML,
+    /// which also reports a file that cannot be read).
+    fn read_simple(path: &Path, max_keys: usize) -> Option<Result<Self, ConfigError>> {
+        // Every entry has one `sha256`: room for all of them at once, no rehashing as it fills.
+        let expected = count_sha256(path).ok()?.min(max_keys);
+        let file = std::fs::File::open(path).ok()?;
+        let mut b = Builder::new(path, expected);
+        let scan = keyfile::scan(std::io::BufReader::with_capacity(1 << 20, file), max_keys, |e| {
+            let (Some(id), Some(sha)) = (e.id, e.sha256) else {
+                return Ok(());
+            };
+            b.add(
+                id.text,
+                id.at,
+                sha.text,
+                sha.at,
+                e.tier.map(|t| t.text),
+                e.org.map(|o| o.text),
+            )
+        });
+        match scan {
+            keyfile::Scan::Read { error: Some(e) } => Some(Err(e)),
+            keyfile::Scan::Read { error: None } => Some(Ok(b.finish())),
+            keyfile::Scan::Other => None,
+        }
+    }
+
     /// Validate parsed keys: 64 hex digits each, ids and hashes unique.
     pub fn compile(path: &Path, raw: RawKeys) -> Result<Self, ConfigError> {
-        let mut by_hash = HashMap::with_capacity(raw.keys.len());
-        let mut ids = std::collections::HashSet::with_capacity(raw.keys.len());
-        // Tiers and orgs repeat across keys: one shared string each, not one per key (a million
-        // keys in a handful of tiers and thousands of orgs).
-        let mut interned: std::collections::HashSet<Arc<str>> = std::collections::HashSet::new();
-        let mut intern = |s: &str| -> Arc<str> {
-            match interned.get(s) {
-                Some(a) => a.clone(),
-                None => {
-                    let a: Arc<str> = Arc::from(s);
-                    interned.insert(a.clone());
-                    a
-                }
-            }
-        };
+        let mut b = Builder::new(path, raw.keys.len());
+        let at = |l: &serde_saphyr::Location| (l.line(), l.column());
         for k in raw.keys {
             let k = k.value;
-            let mut h = [0u8; 32];
-            if hex::decode_to_slice(k.sha256.value.trim(), &mut h).is_err() {
-                return Err(ConfigError::at(
-                    path,
-                    &k.sha256.referenced,
-                    "sha256 must be 64 hex digits (use `tollgate hash-key <KEY>`)",
-                ));
-            }
-            let id: Arc<str> = Arc::from(k.id.value.as_str());
-            if k.id.value.is_empty() || !ids.insert(id.clone()) {
-                return Err(ConfigError::at(
-                    path,
-                    &k.id.referenced,
-                    format!("duplicate or empty key id {:?}", k.id.value),
-                ));
-            }
-            let entry = KeyEntry {
-                id,
-                tier: intern(k.tier.as_deref().unwrap_or(crate::identity::ANONYMOUS)),
-                org: k.org.as_deref().map(&mut intern),
-            };
-            if by_hash.insert(h, entry).is_some() {
-                return Err(ConfigError::at(
-                    path,
-                    &k.sha256.referenced,
-                    "the same key hash is registered twice",
-                ));
-            }
+            b.add(
+                &k.id.value,
+                at(&k.id.referenced),
+                &k.sha256.value,
+                at(&k.sha256.referenced),
+                k.tier.as_deref(),
+                k.org.as_deref(),
+            )?;
         }
-        Ok(KeyRegistry { by_hash })
+        Ok(b.finish())
     }
 
     /// The entry for a presented key, if registered.
@@ -134,6 +139,21 @@ impl KeyRegistry {
         self.by_hash.iter()
     }
 
+    /// How this registry differs from `old`: keys added, keys removed, and keys in both whose
+    /// entry changed. Compared in place: a reload of a million keys copies none of them.
+    pub fn diff(&self, old: &KeyRegistry) -> (u64, u64, u64) {
+        let (mut added, mut changed) = (0, 0);
+        for (h, e) in &self.by_hash {
+            match old.by_hash.get(h) {
+                None => added += 1,
+                Some(o) if o != e => changed += 1,
+                Some(_) => {}
+            }
+        }
+        let removed = old.by_hash.keys().filter(|h| !self.by_hash.contains_key(*h)).count() as u64;
+        (added, removed, changed)
+    }
+
     /// True when a registered key has the id `id` (admin lookups; a linear scan).
     pub fn has_id(&self, id: &str) -> bool {
         self.by_hash.values().any(|e| &*e.id == id)
@@ -147,5 +167,106 @@ impl KeyRegistry {
     /// True when no key is registered.
     pub fn is_empty(&self) -> bool {
         self.by_hash.is_empty()
+    }
+}
+
+/// How many times `sha256` occurs in the file at `path` (at least once per key entry).
+fn count_sha256(path: &Path) -> std::io::Result<usize> {
+    use std::io::Read;
+    const NEEDLE: &[u8] = b"sha256";
+    let finder = memchr::memmem::Finder::new(NEEDLE);
+    let mut f = std::fs::File::open(path)?;
+    let mut buf = vec![0u8; 1 << 20];
+    let (mut carry, mut n) = (0, 0);
+    loop {
+        let read = f.read(&mut buf[carry..])?;
+        if read == 0 {
+            return Ok(n);
+        }
+        let end = carry + read;
+        n += finder.find_iter(&buf[..end]).count();
+        // Keep a needle's length less one: a match across the boundary is counted next time,
+        // and none is counted twice.
+        let keep = end.min(NEEDLE.len() - 1);
+        buf.copy_within(end - keep..end, 0);
+        carry = keep;
+    }
+}
+
+/// Builds a registry entry by entry, validating each: 64 hex digits, ids and hashes unique.
+struct Builder<'p> {
+    path: &'p Path,
+    by_hash: HashMap<[u8; 32], KeyEntry, foldhash::fast::RandomState>,
+    ids: HashSet<Arc<str>, foldhash::fast::RandomState>,
+    /// Tiers and orgs repeat across keys: one shared string each, not one per key (a million
+    /// keys in a handful of tiers and thousands of orgs).
+    interned: HashSet<Arc<str>, foldhash::fast::RandomState>,
+}
+
+impl<'p> Builder<'p> {
+    fn new(path: &'p Path, capacity: usize) -> Self {
+        Builder {
+            path,
+            by_hash: HashMap::with_capacity_and_hasher(capacity, Default::default()),
+            ids: HashSet::with_capacity_and_hasher(capacity, Default::default()),
+            interned: HashSet::default(),
+        }
+    }
+
+    fn intern(&mut self, s: &str) -> Arc<str> {
+        match self.interned.get(s) {
+            Some(a) => a.clone(),
+            None => {
+                let a: Arc<str> = Arc::from(s);
+                self.interned.insert(a.clone());
+                a
+            }
+        }
+    }
+
+    /// One key; `id_at` and `sha_at` are the line and column of its `id` and `sha256` values.
+    fn add(
+        &mut self,
+        id: &str,
+        id_at: (u64, u64),
+        sha256: &str,
+        sha_at: (u64, u64),
+        tier: Option<&str>,
+        org: Option<&str>,
+    ) -> Result<(), ConfigError> {
+        let path = self.path;
+        let err = |(line, col): (u64, u64), message: String| ConfigError {
+            file: path.to_path_buf(),
+            line,
+            col,
+            message,
+        };
+        let mut h = [0u8; 32];
+        if hex::decode_to_slice(sha256.trim(), &mut h).is_err() {
+            return Err(err(
+                sha_at,
+                "sha256 must be 64 hex digits (use `tollgate hash-key <KEY>`)".to_string(),
+            ));
+        }
+        if id.is_empty() || self.ids.contains(id) {
+            return Err(err(id_at, format!("duplicate or empty key id {id:?}")));
+        }
+        let id: Arc<str> = Arc::from(id);
+        self.ids.insert(id.clone());
+        let entry = KeyEntry {
+            id,
+            tier: self.intern(tier.unwrap_or(crate::identity::ANONYMOUS)),
+            org: org.map(|o| self.intern(o)),
+        };
+        if self.by_hash.insert(h, entry).is_some() {
+            return Err(err(sha_at, "the same key hash is registered twice".to_string()));
+        }
+        Ok(())
+    }
+
+    fn finish(self) -> KeyRegistry {
+        let mut by_hash = self.by_hash;
+        by_hash.shrink_to_fit();
+        KeyRegistry { by_hash }
     }
 }
