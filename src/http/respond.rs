@@ -217,6 +217,43 @@ pub fn rate_limited(b: &Binding<'_>, ietf: bool, legacy: bool, now_us: u64) -> R
     resp
 }
 
+/// gRPC status codes tollgate answers with itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GrpcCode {
+    /// 8: over a limit (what HTTP says with 429).
+    ResourceExhausted = 8,
+    /// 14: the limiter's store is down and the rule fails closed, or the upstream is
+    /// unreachable (what HTTP says with 503 / 502 / 504).
+    Unavailable = 14,
+}
+
+/// True for a gRPC request (`content-type: application/grpc`, `application/grpc+proto`, …):
+/// its client reads the outcome from `grpc-status`, not from the HTTP status.
+pub fn is_grpc(headers: &http::HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+}
+
+/// Turn a locally made response into what a gRPC client understands: HTTP 200, an empty body,
+/// `content-type: application/grpc`, and `grpc-status` / `grpc-message` (a "trailers-only"
+/// response: over HTTP/2 the status travels in the one header block that ends the stream).
+/// The rate-limit headers and `Retry-After` stay, as metadata.
+pub fn grpc(mut resp: Response<ProxyBody>, code: GrpcCode, message: &str) -> Response<ProxyBody> {
+    *resp.status_mut() = StatusCode::OK;
+    *resp.body_mut() = full("");
+    let h = resp.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    h.remove(header::CONTENT_LENGTH);
+    h.insert("grpc-status", HeaderValue::from(code as i32));
+    // grpc-message is percent-encoded (gRPC over HTTP/2, "Responses").
+    let encoded = percent_encoding::utf8_percent_encode(message, percent_encoding::CONTROLS).to_string();
+    if let Ok(v) = HeaderValue::from_str(&encoded) {
+        h.insert("grpc-message", v);
+    }
+    resp
+}
+
 /// A JSON answer with `status` (admin API: a refused reload, a store error).
 pub fn json(status: StatusCode, v: &serde_json::Value) -> Response<ProxyBody> {
     let mut resp = json_ok(v);

@@ -97,10 +97,26 @@ fn headers_within<B>(req: &Request<B>, max_bytes: usize) -> Result<(), GatewayEr
 impl State {
     /// Serve one request; never fails (errors become responses in `crate::http::respond`).
     pub async fn handle(self: Arc<Self>, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
+        let grpc = respond::is_grpc(req.headers());
         match self.clone().handle_inner(req, peer).await {
+            Ok(r) if grpc && r.status() == http::StatusCode::TOO_MANY_REQUESTS => {
+                let wait = r.headers().get(header::RETRY_AFTER).and_then(|v| v.to_str().ok()).unwrap_or("1");
+                let rule = r
+                    .headers()
+                    .get(&headers::RATELIMIT)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.split('"').nth(1))
+                    .unwrap_or("");
+                let msg = format!("rate limit {rule:?} exceeded; retry in {wait} s");
+                respond::grpc(r, respond::GrpcCode::ResourceExhausted, &msg)
+            }
             Ok(r) => r,
             Err(e) => {
                 self.metrics().local_response(e.status().as_u16());
+                if grpc && e.status().is_server_error() {
+                    let msg = e.to_string();
+                    return respond::grpc(e.into_response(), respond::GrpcCode::Unavailable, &msg);
+                }
                 e.into_response()
             }
         }
