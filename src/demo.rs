@@ -166,6 +166,7 @@ async fn run_with(
     }
     config.upstream.url = format!("http://{echo}").parse()?;
     config.upstream.authority = echo.to_string().parse()?;
+    config.upstream.targets = vec![crate::config::Target::plain(echo)];
     let running = crate::server::start(config).await?;
     let a = running.addr;
     let port = a.port();
