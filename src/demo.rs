@@ -22,7 +22,9 @@ use tokio::net::TcpListener;
 use crate::config::{EnvOverrides, GatewayConfig};
 use crate::http::{full, BoxError, ProxyBody};
 
-async fn echo(mut req: Request<Incoming>) -> Result<Response<ProxyBody>, Infallible> {
+/// The echo handler: the request as JSON (bodyless methods) or its body streamed back;
+/// `/status/<code>` answers that status; upgrades are echoed.
+pub async fn echo(mut req: Request<Incoming>) -> Result<Response<ProxyBody>, Infallible> {
     let path = req.uri().path().to_string();
     if let Some(ms) = path.strip_prefix("/slow/").and_then(|s| s.parse::<u64>().ok()) {
         tokio::time::sleep(Duration::from_millis(ms.min(60_000))).await;

@@ -8,6 +8,8 @@
 //!   config directories;
 //! * [`http`](self::http): an HTTP client and small request/metrics helpers;
 //! * [`upstream`](self::upstream): a real upstream that counts the requests it serves at once;
+//! * [`tls`](self::tls): a test CA made with rcgen, an HTTPS echo upstream, Redis over TLS
+//!   with a password (standalone and cluster);
 //! * [`poll`](self::poll): [`eventually`] and friends, the only way tests wait for something.
 //!
 //! Nothing here mocks anything: if `redis-server` or `redis-cli` is missing the tests fail,
@@ -18,13 +20,15 @@ mod gateway;
 mod http;
 mod poll;
 mod redis;
+mod tls;
 mod upstream;
 
 pub use self::gateway::*;
 pub use self::http::*;
 pub use self::poll::*;
 pub use self::redis::{redis_cli, RedisCluster, RedisServer};
-pub use self::upstream::{counting_upstream, CountingUpstream};
+pub use self::tls::*;
+pub use self::upstream::{counting_upstream, CountingUpstream, Instance};
 
 use std::net::{SocketAddr, TcpListener};
 
