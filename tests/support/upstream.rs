@@ -134,7 +134,8 @@ pub async fn counting_upstream() -> CountingUpstream {
 
 /// An upstream instance that can be killed (listener closed, every open connection cut) and
 /// brought back on the same port: one of several targets. It answers every request with 200
-/// and `x-instance: <port>` (after `<ms>` for `/slow/<ms>`), and counts what it served.
+/// and `x-instance: <port>` (after `<ms>` for `/slow/<ms>`), and counts what it served (health
+/// checks, `/healthz`, are not counted).
 pub struct Instance {
     /// Where it listens.
     pub addr: SocketAddr,
@@ -171,7 +172,9 @@ impl Instance {
                             if let Some(ms) = req.uri().path().strip_prefix("/slow/") {
                                 tokio::time::sleep(Duration::from_millis(ms.parse().unwrap_or(10))).await;
                             }
-                            served.fetch_add(1, Ordering::SeqCst);
+                            if req.uri().path() != "/healthz" {
+                                served.fetch_add(1, Ordering::SeqCst);
+                            }
                             let mut r = Response::new(http_body_util::Full::new(Bytes::from_static(b"ok")));
                             r.headers_mut().insert("x-instance", port.into());
                             Ok::<_, Infallible>(r)
