@@ -22,7 +22,9 @@ use tokio::net::TcpListener;
 use crate::config::{EnvOverrides, GatewayConfig};
 use crate::http::{full, BoxError, ProxyBody};
 
-async fn echo(mut req: Request<Incoming>) -> Result<Response<ProxyBody>, Infallible> {
+/// The echo handler: the request as JSON (bodyless methods) or its body streamed back;
+/// `/status/<code>` answers that status; upgrades are echoed.
+pub async fn echo(mut req: Request<Incoming>) -> Result<Response<ProxyBody>, Infallible> {
     let path = req.uri().path().to_string();
     if let Some(ms) = path.strip_prefix("/slow/").and_then(|s| s.parse::<u64>().ok()) {
         tokio::time::sleep(Duration::from_millis(ms.min(60_000))).await;
@@ -166,6 +168,7 @@ async fn run_with(
     }
     config.upstream.url = format!("http://{echo}").parse()?;
     config.upstream.authority = echo.to_string().parse()?;
+    config.upstream.targets = vec![crate::config::Target::plain(echo)];
     let running = crate::server::start(config).await?;
     let a = running.addr;
     let port = a.port();

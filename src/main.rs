@@ -192,16 +192,21 @@ fn check(config: &std::path::Path) -> ExitCode {
     match load_all(config) {
         Ok((cfg, snap)) => {
             println!("{}: ok", config.display());
-            println!("  listen {}", cfg.listen);
+            println!(
+                "  listen {}{}",
+                cfg.listen,
+                if cfg.tls.is_some() { " (TLS)" } else { "" }
+            );
             let access = match (&cfg.admin.token_env, cfg.admin.insecure) {
                 (Some(env), _) => format!("token from ${env}"),
                 (None, true) => "no token, admin.insecure: true".to_string(),
                 (None, false) => "no token, loopback only".to_string(),
             };
             println!("  admin  {} ({access})", cfg.admin_listen);
+            let targets: Vec<String> = cfg.upstream.targets.iter().map(|t| t.url.to_string()).collect();
             println!(
                 "  upstream {} (connect timeout {}, request timeout {})",
-                cfg.upstream.url,
+                targets.join(", "),
                 humantime::format_duration(cfg.upstream.connect_timeout),
                 humantime::format_duration(cfg.upstream.request_timeout)
             );

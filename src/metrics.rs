@@ -221,6 +221,14 @@ pub struct Metrics {
     pub process_start_time: Gauge,
     /// User + system CPU time, milliseconds, refreshed at each scrape (Linux).
     pub process_cpu_ms: Gauge,
+    /// Listener certificate reloads that took effect.
+    pub tls_reload_ok: Counter,
+    /// Listener certificate reloads refused (the old certificate kept serving).
+    pub tls_reload_error: Counter,
+    /// Upstream requests sent a second time after their first attempt failed.
+    pub upstream_retries: Counter,
+    /// Upstream targets taken out (passive ejection or a failed health check).
+    pub upstream_ejections: Counter,
 }
 
 impl Metrics {
@@ -300,6 +308,28 @@ impl Metrics {
             "upstream_duration_seconds",
             "Upstream time to response headers",
             upstream_latency.clone(),
+        );
+        let tls_reloads = Family::<ResultLabels, Counter>::default();
+        registry.register(
+            "tls_certificate_reloads",
+            "Listener certificate reloads by result (error: the old certificate kept serving)",
+            tls_reloads.clone(),
+        );
+        let tls_reload_ok = tls_reloads.get_or_create(&ResultLabels { result: "ok".into() }).clone();
+        let tls_reload_error = tls_reloads
+            .get_or_create(&ResultLabels { result: "error".into() })
+            .clone();
+        let upstream_retries = Counter::default();
+        registry.register(
+            "upstream_retries",
+            "Upstream requests retried after a failed attempt",
+            upstream_retries.clone(),
+        );
+        let upstream_ejections = Counter::default();
+        registry.register(
+            "upstream_ejections",
+            "Upstream targets taken out after failures",
+            upstream_ejections.clone(),
         );
         let reloads = Family::<ResultLabels, Counter>::default();
         registry.register("reloads", "Rule/key reloads by result", reloads.clone());
@@ -438,6 +468,10 @@ impl Metrics {
             process_open_fds,
             process_start_time,
             process_cpu_ms,
+            tls_reload_ok,
+            tls_reload_error,
+            upstream_retries,
+            upstream_ejections,
         })
     }
 

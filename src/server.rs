@@ -63,7 +63,19 @@ pub async fn start_with(gw: Arc<State>) -> Result<Running, StartError> {
         addr: admin_listen,
         source,
     })?;
+    // TLS before anything starts: a certificate that cannot be loaded refuses to start.
+    let tls = match &gw.config().tls {
+        Some(t) => {
+            let (cfg, resolver) = crate::http::tls::server_config(t)?;
+            Some((tokio_rustls::TlsAcceptor::from(cfg), resolver))
+        }
+        None => None,
+    };
     let (tx, rx) = watch::channel(false);
+    if let Some((_, resolver)) = &tls {
+        spawn_cert_watcher(&gw, resolver.clone(), rx.clone());
+    }
+    spawn_health_check(&gw, rx.clone());
     spawn_probe(&gw, rx.clone());
     spawn_slot_renewal(&gw, rx.clone());
     spawn_override_refresh(&gw, rx.clone());
@@ -84,12 +96,16 @@ pub async fn start_with(gw: Arc<State>) -> Result<Running, StartError> {
         }
     });
     tokio::spawn(crate::admin::serve(gw.clone(), admin, rx.clone()));
-    let done = tokio::spawn(serve(gw.clone(), listener, rx));
+    let acceptor = tls.map(|(a, _)| a);
+    let tls_on = acceptor.is_some();
+    let done = tokio::spawn(serve_with(gw.clone(), listener, rx, acceptor));
+    let targets: Vec<String> = gw.upstream().status().into_iter().map(|(t, _)| t).collect();
     tracing::info!(
         %addr,
         %admin_addr,
+        tls = tls_on,
         store = crate::describe::store_kind(gw.config().store.kind),
-        upstream = %gw.config().upstream.url,
+        upstream = %targets.join(","),
         admin_token = gw.config().admin.token.is_some(),
         "tollgate listening"
     );
@@ -139,7 +155,18 @@ async fn sniff_h2(stream: &tokio::net::TcpStream) -> Option<bool> {
 /// a rewind wrapper in front of every read of the connection's life: about 2 % of the request
 /// path's instructions.) Shutdown: every connection task watches `stop`, asks its connection
 /// to finish gracefully, and holds a clone of `drained`; the loop waits until all are dropped.
-pub async fn serve(gw: Arc<State>, listener: TcpListener, mut stop: watch::Receiver<bool>) {
+pub async fn serve(gw: Arc<State>, listener: TcpListener, stop: watch::Receiver<bool>) {
+    serve_with(gw, listener, stop, None).await
+}
+
+/// [`serve`], with TLS when `tls` is given: each connection's handshake (bounded by
+/// `header_read_timeout`) comes first, and ALPN picks HTTP/2 or HTTP/1.1.
+pub async fn serve_with(
+    gw: Arc<State>,
+    listener: TcpListener,
+    mut stop: watch::Receiver<bool>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+) {
     let sc = gw.config().server.clone();
     let mut h1 = hyper::server::conn::http1::Builder::new();
     h1.timer(TokioTimer::new())
@@ -172,32 +199,42 @@ pub async fn serve(gw: Arc<State>, listener: TcpListener, mut stop: watch::Recei
         };
         let _ = stream.set_nodelay(true);
         let gw2 = gw.clone();
-        let svc = service_fn(move |req: hyper::Request<Incoming>| {
-            let gw = gw2.clone();
-            async move { Ok::<_, std::convert::Infallible>(gw.handle(req, peer).await) }
-        });
         let (h1, h2, drained, mut stop) = (h1.clone(), h2.clone(), drained.clone(), stop.clone());
         let mut killed = killed.clone();
         let open = crate::metrics::InFlight::enter(&gw.metrics().open_connections);
         let first_byte = sc.header_read_timeout;
+        let tls = tls.clone();
         tokio::spawn(async move {
-            // hyper's header timer starts only with the first request: a client that connects
-            // and sends nothing would hold its connection (and permit) forever.
-            let is_h2 = tokio::select! {
-                r = tokio::time::timeout(first_byte, sniff_h2(&stream)) => match r {
-                    Ok(Some(h2)) => h2,
-                    _ => return,
-                },
-                _ = stop.changed() => return,
-            };
-            let io = TokioIo::new(stream);
             let serve = async {
-                if is_h2 {
-                    let conn = std::pin::pin!(h2.serve_connection(io, svc));
-                    until_stopped(conn, &mut stop, |c| c.graceful_shutdown()).await
-                } else {
-                    let conn = std::pin::pin!(h1.serve_connection(io, svc).with_upgrades());
-                    until_stopped(conn, &mut stop, |c| c.graceful_shutdown()).await
+                match tls {
+                    None => {
+                        // hyper's header timer starts only with the first request: a client
+                        // that connects and sends nothing would hold its connection (and
+                        // permit) forever.
+                        let is_h2 = tokio::select! {
+                            r = tokio::time::timeout(first_byte, sniff_h2(&stream)) => match r {
+                                Ok(Some(h2)) => h2,
+                                _ => return Ok(()),
+                            },
+                            _ = stop.changed() => return Ok(()),
+                        };
+                        serve_conn(TokioIo::new(stream), is_h2, gw2, peer, &h1, &h2, &mut stop).await
+                    }
+                    Some(acceptor) => {
+                        let s = tokio::select! {
+                            r = tokio::time::timeout(first_byte, acceptor.accept(stream)) => match r {
+                                Ok(Ok(s)) => s,
+                                Ok(Err(e)) => {
+                                    tracing::debug!(error = %e, %peer, "TLS handshake failed");
+                                    return Ok(());
+                                }
+                                Err(_) => return Ok(()),
+                            },
+                            _ = stop.changed() => return Ok(()),
+                        };
+                        let is_h2 = s.get_ref().1.alpn_protocol() == Some(b"h2");
+                        serve_conn(TokioIo::new(s), is_h2, gw2, peer, &h1, &h2, &mut stop).await
+                    }
                 }
             };
             let result = tokio::select! {
@@ -223,6 +260,75 @@ pub async fn serve(gw: Arc<State>, listener: TcpListener, mut stop: watch::Recei
             let _ = kill.send(true);
         }
     }
+}
+
+/// Serve one connection (plain or TLS) with hyper's HTTP/1.1 or HTTP/2 connection, until it
+/// ends; once `stop` fires it finishes gracefully.
+async fn serve_conn<I>(
+    io: I,
+    is_h2: bool,
+    gw: Arc<State>,
+    peer: SocketAddr,
+    h1: &hyper::server::conn::http1::Builder,
+    h2: &hyper::server::conn::http2::Builder<TokioExecutor>,
+    stop: &mut watch::Receiver<bool>,
+) -> Result<(), hyper::Error>
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let svc = service_fn(move |req: hyper::Request<Incoming>| {
+        let gw = gw.clone();
+        async move { Ok::<_, std::convert::Infallible>(gw.handle(req, peer).await) }
+    });
+    if is_h2 {
+        let conn = std::pin::pin!(h2.serve_connection(io, svc));
+        until_stopped(conn, stop, |c| c.graceful_shutdown()).await
+    } else {
+        let conn = std::pin::pin!(h1.serve_connection(io, svc).with_upgrades());
+        until_stopped(conn, stop, |c| c.graceful_shutdown()).await
+    }
+}
+
+/// Re-read the listener's certificate and key when their files change (and on `SIGHUP`). A
+/// new pair that fails to load is refused, logged and counted; the old one keeps serving.
+fn spawn_cert_watcher(gw: &Arc<State>, resolver: Arc<crate::http::tls::CertResolver>, stop: watch::Receiver<bool>) {
+    let gw = gw.clone();
+    let files = resolver.files().to_vec();
+    crate::config::reload::spawn_watcher(files, stop, move |why| {
+        let (gw, resolver) = (gw.clone(), resolver.clone());
+        async move {
+            match tokio::task::spawn_blocking(move || resolver.reload()).await {
+                Ok(Ok(())) => {
+                    gw.metrics().tls_reload_ok.inc();
+                    tracing::info!(trigger = why.as_str(), "TLS certificate reloaded");
+                }
+                Ok(Err(e)) => {
+                    gw.metrics().tls_reload_error.inc();
+                    tracing::error!(trigger = why.as_str(), error = %e, "TLS certificate reload refused; the previous certificate keeps serving");
+                }
+                Err(e) => tracing::error!(error = %e, "TLS certificate reload task failed"),
+            }
+        }
+    });
+}
+
+/// Ask every upstream target `health_check.path` every `interval`, when configured.
+fn spawn_health_check(gw: &Arc<State>, mut stop: watch::Receiver<bool>) {
+    let Some(hc) = gw.config().upstream.health_check.clone() else {
+        return;
+    };
+    let up = gw.upstream().clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(hc.interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stop.changed() => return,
+            }
+            up.health_check(&hc.path, hc.timeout).await;
+        }
+    });
 }
 
 /// Drive `conn` to its end; once `stop` fires, ask it to finish gracefully (`shutdown`: answer

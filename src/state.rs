@@ -65,8 +65,10 @@ pub struct State {
     metrics: Arc<Metrics>,
     /// Builds store keys.
     keys: KeyBuilder,
-    /// Pooled connections to the upstream.
-    upstream: crate::http::upstream::Upstream,
+    /// The upstream's targets and their pools.
+    upstream: Arc<crate::http::upstream::Upstream>,
+    /// Which requests the access log writes.
+    access: crate::proxy::access::Sampler,
     /// Time source.
     clock: SharedClock,
     /// Shadow denials seen (for log sampling).
@@ -209,6 +211,12 @@ pub enum StartError {
     /// The store could not be set up.
     #[error("store: {0}")]
     Store(#[from] StoreError),
+    /// The upstream (its TLS client config) could not be set up.
+    #[error("upstream: {0}")]
+    Upstream(#[from] crate::http::upstream::UpstreamError),
+    /// The listener's TLS could not be set up.
+    #[error("tls: {0}")]
+    Tls(#[from] crate::http::tls::TlsError),
     /// A listener could not bind.
     #[error("cannot listen on {addr}: {source}")]
     Bind {
@@ -245,9 +253,14 @@ impl State {
         &self.keys
     }
 
-    /// The pooled connections to the upstream.
-    pub fn upstream(&self) -> &crate::http::upstream::Upstream {
+    /// The upstream's targets and their pools.
+    pub fn upstream(&self) -> &Arc<crate::http::upstream::Upstream> {
         &self.upstream
+    }
+
+    /// Decides which requests the access log writes.
+    pub fn access_sampler(&self) -> &crate::proxy::access::Sampler {
+        &self.access
     }
 
     /// The time source (a fake clock in tests).
@@ -278,6 +291,7 @@ impl State {
 
     /// As [`State::new`] with an injected clock.
     pub async fn with_clock(config: GatewayConfig, clock: SharedClock) -> Result<Arc<Self>, StartError> {
+        crate::http::tls::install_default_provider();
         let metrics = Metrics::new();
         let snap = load_snapshot(&config, &metrics)?;
         metrics.set_rules_version(&snap.rules.version);
@@ -295,7 +309,18 @@ impl State {
                 } else {
                     RedisMode::Cluster
                 };
-                let store = RedisStore::connect(mode, &sc.urls, sc.timeout, sc.breaker_threshold).await?;
+                let ca_pem = match &sc.auth.ca_file {
+                    Some(p) => Some(
+                        std::fs::read(p)
+                            .map_err(|e| StoreError::Redis(format!("store.tls.ca_file {}: {e}", p.display())))?,
+                    ),
+                    None => None,
+                };
+                let auth = crate::limiter::redis::RedisAuth {
+                    password: sc.auth.password.clone(),
+                    ca_pem,
+                };
+                let store = RedisStore::connect_with(mode, &sc.urls, sc.timeout, sc.breaker_threshold, auth).await?;
                 store.set_replicated(sc.replicated);
                 Backend::Redis(Arc::new(store))
             }
@@ -315,11 +340,8 @@ impl State {
             held: Default::default(),
             next_holder: std::sync::atomic::AtomicU64::new(crate::limiter::random_holder_start()),
         };
-        let upstream = crate::http::upstream::Upstream::new(
-            config.upstream.authority.as_str().to_string(),
-            config.upstream.connect_timeout,
-            config.upstream.pool_max_idle_per_host,
-        );
+        let upstream = crate::http::upstream::Upstream::new(&config.upstream, &metrics)?;
+        let access = crate::proxy::access::Sampler::new(config.access_log);
         let keys = key_builder(&config);
         let activity = crate::activity::Activity::new(clock.now_us() / 1_000_000);
         activity.reloaded(crate::activity::ReloadEvent {
@@ -341,6 +363,7 @@ impl State {
             metrics,
             keys,
             upstream,
+            access,
             clock,
             shadow_seen: AtomicU64::new(0),
             reload_lock: tokio::sync::Mutex::new(()),

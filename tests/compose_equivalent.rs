@@ -14,6 +14,7 @@ fn the_shipped_cluster_config_enforces_its_rules() {
     let cluster = RedisCluster::start();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let up = rt.block_on(echo());
+    let up2 = rt.block_on(echo());
     let dir = tempfile::tempdir().unwrap();
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
     let (port, admin) = (free_port(), free_port());
@@ -23,12 +24,14 @@ fn the_shipped_cluster_config_enforces_its_rules() {
     }
     gw = gw
         .replace("http://upstream:8080", &format!("http://{up}"))
+        .replace("http://upstream-2:8080", &format!("http://{up2}"))
         .replace("listen: 0.0.0.0:8080", &format!("listen: 127.0.0.1:{port}"))
         .replace(
             "admin_listen: 0.0.0.0:9090",
             &format!("admin_listen: 127.0.0.1:{admin}"),
         );
     assert!(!gw.contains("redis-1:6379"), "every compose host name rewritten");
+    assert!(!gw.contains("upstream-2:8080"), "both upstream instances rewritten");
     std::fs::write(dir.path().join("gateway.yaml"), gw).unwrap();
     for f in ["rules.yaml", "keys.yaml"] {
         std::fs::copy(root.join(f), dir.path().join(f)).unwrap();

@@ -581,7 +581,7 @@ fn outage_logs_are_throttled_name_their_target_and_hide_passwords_and_queries() 
     for want in [
         "\"method\":\"GET\"",
         "\"path\":\"/open/thing\"",
-        &format!("\"upstream\":\"127.0.0.1:{dead_upstream}\""),
+        &format!("\"upstream\":\"http://127.0.0.1:{dead_upstream}\""),
     ] {
         assert!(first.contains(want), "{first} (want {want})");
     }

@@ -5,11 +5,13 @@
 
 pub mod admin;
 pub mod error;
+pub mod net;
 pub mod raw;
 pub mod reload;
 
 pub use crate::identity::IdentityConfig;
 pub use error::{duration, parse_file, parse_str, ConfigError};
+pub use net::{AccessLog, ClientAuth, HealthCheck, ListenerTls, Secret, StoreAuth, Target, UpstreamTls};
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -120,12 +122,22 @@ pub enum StoreKind {
 /// `upstream:`, validated.
 #[derive(Debug, Clone)]
 pub struct UpstreamConfig {
-    /// `http://host:port` (no path).
+    /// The first target's `http(s)://host:port` (no path), for logs and summaries.
     pub url: http::Uri,
     /// Scheme of `url`.
     pub scheme: http::uri::Scheme,
     /// Authority of `url`.
     pub authority: http::uri::Authority,
+    /// Every instance of the upstream (`upstream.url` is one target); at least one.
+    pub targets: Vec<Target>,
+    /// TLS to `https://` targets.
+    pub tls: UpstreamTls,
+    /// Consecutive failures (connect errors, 5xx answers) that eject a target.
+    pub eject_after: u32,
+    /// How long an ejected target first stays out; doubled each time it fails again on return.
+    pub eject_for: Duration,
+    /// Optional active health check of every target.
+    pub health_check: Option<HealthCheck>,
     /// TCP connect timeout.
     pub connect_timeout: Duration,
     /// Deadline for response headers; past it the client gets 504.
@@ -159,6 +171,8 @@ pub struct StoreConfig {
     /// `store.durability: replicated`: every Redis write waits (`WAIT 1`) for a replica within
     /// `timeout`, else the check is a store failure.
     pub replicated: bool,
+    /// Redis password and TLS roots.
+    pub auth: StoreAuth,
 }
 
 /// `limits:`, validated.
@@ -212,6 +226,10 @@ pub struct GatewayConfig {
     pub admin: admin::AdminConfig,
     /// The upstream.
     pub upstream: UpstreamConfig,
+    /// TLS on the proxy listener (`None`: plain HTTP).
+    pub tls: Option<ListenerTls>,
+    /// The access log.
+    pub access_log: AccessLog,
     /// Rules file (absolute or relative to the working dir).
     pub rules_file: PathBuf,
     /// API key registry.
@@ -317,28 +335,25 @@ impl GatewayConfig {
         let mut notes = Vec::new();
         let admin = admin::compile(f, &raw.admin, admin_listen, raw.admin_listen.as_ref(), &mut notes)?;
 
-        let u = &raw.upstream;
-        let url: http::Uri = u
-            .url
-            .value
-            .parse()
-            .map_err(|e| ConfigError::at(f, &u.url.referenced, format!("invalid upstream url: {e}")))?;
-        let scheme = url.scheme().cloned();
-        let authority = url.authority().cloned();
-        let (scheme, authority) = match (scheme, authority) {
-            (Some(s), Some(a)) if s == http::uri::Scheme::HTTP => (s, a),
-            _ => {
-                return Err(ConfigError::at(
-                    f,
-                    &u.url.referenced,
-                    "upstream url must be http://host:port (TLS to the upstream is not supported)",
-                ))
-            }
+        let u = &raw.upstream.value;
+        let net = net::upstream(f, dir, &raw.upstream, &mut notes)?;
+        let first = &net.targets[0].url;
+        let (Some(scheme), Some(authority)) = (first.scheme().cloned(), first.authority().cloned()) else {
+            return Err(ConfigError::at(
+                f,
+                &raw.upstream.referenced,
+                "upstream: a target has no scheme or host",
+            ));
         };
         let upstream = UpstreamConfig {
-            url,
+            url: first.clone(),
             scheme,
             authority,
+            targets: net.targets,
+            tls: net.tls,
+            eject_after: net.eject_after,
+            eject_for: net.eject_for,
+            health_check: net.health_check,
             connect_timeout: positive_duration(
                 f,
                 &u.connect_timeout,
@@ -434,7 +449,9 @@ impl GatewayConfig {
             },
             None => String::new(),
         };
+        let auth = net::store_auth(f, dir, s, if kind == StoreKind::Memory { &[] } else { &urls })?;
         let store = StoreConfig {
+            auth,
             kind,
             urls,
             timeout: positive_duration(f, &s.timeout, "store.timeout", Duration::from_millis(20))?,
@@ -574,12 +591,19 @@ impl GatewayConfig {
             ));
         }
 
+        let tls = match &raw.tls {
+            Some(t) => Some(net::listener_tls(f, dir, t)?),
+            None => None,
+        };
+        let access_log = net::access_log(f, &raw.access_log)?;
         Ok(GatewayConfig {
             path: path.to_path_buf(),
             listen,
             admin_listen,
             admin,
             upstream,
+            tls,
+            access_log,
             rules_file: rel(raw.rules_file.as_ref().map_or("rules.yaml", |r| r.value.as_str())),
             keys_file: raw.keys_file.as_ref().map(|k| rel(&k.value)),
             rules_file_at: raw

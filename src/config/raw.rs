@@ -18,7 +18,11 @@ pub struct RawGateway {
     #[serde(default)]
     pub admin: RawAdmin,
     /// The upstream API.
-    pub upstream: RawUpstream,
+    pub upstream: Spanned<RawUpstream>,
+    /// TLS on the proxy listener.
+    pub tls: Option<Spanned<RawTls>>,
+    /// One structured line per request: `true`, `false`, or a sampled fraction in (0, 1].
+    pub access_log: Option<Spanned<RawAccessLog>>,
     /// Rules file, relative to the gateway file.
     pub rules_file: Option<Spanned<String>>,
     /// API key registry, relative to the gateway file.
@@ -37,12 +41,80 @@ pub struct RawGateway {
     pub server: RawServer,
 }
 
+/// `tls:` (the proxy listener).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTls {
+    /// PEM certificate chain.
+    pub cert_file: Spanned<String>,
+    /// PEM private key.
+    pub key_file: Spanned<String>,
+    /// PEM CA bundle that client certificates must chain to (mutual TLS).
+    pub client_ca_file: Option<Spanned<String>>,
+    /// `required` (default with a `client_ca_file`) or `optional`.
+    pub client_auth: Option<Spanned<String>>,
+}
+
+/// `access_log:` — `true`, `false`, or the fraction of requests logged.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(untagged)]
+pub enum RawAccessLog {
+    /// Every request, or none.
+    All(bool),
+    /// A sampled fraction, in (0, 1].
+    Rate(f64),
+}
+
+/// `upstream.tls:`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawUpstreamTls {
+    /// PEM CA bundle trusted instead of the webpki roots.
+    pub ca_file: Option<Spanned<String>>,
+    /// PEM client certificate chain (mutual TLS to the upstream).
+    pub client_cert_file: Option<Spanned<String>>,
+    /// PEM client private key.
+    pub client_key_file: Option<Spanned<String>>,
+    /// Do not verify the upstream's certificate (warned at every start).
+    pub insecure_skip_verify: Option<Spanned<bool>>,
+}
+
+/// `upstream.health_check:`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawHealthCheck {
+    /// Path asked with `GET`; a 2xx or 3xx answer is healthy.
+    pub path: Spanned<String>,
+    /// How often each target is asked.
+    pub interval: Option<Spanned<String>>,
+    /// Deadline of one check.
+    pub timeout: Option<Spanned<String>>,
+}
+
+/// `store.tls:`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawStoreTls {
+    /// PEM CA bundle the Redis servers' certificates chain to.
+    pub ca_file: Option<Spanned<String>>,
+}
+
 /// `upstream:`.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawUpstream {
-    /// `http://host:port`.
-    pub url: Spanned<String>,
+    /// `http://host:port` or `https://host:port` (one target).
+    pub url: Option<Spanned<String>>,
+    /// Several instances of the same API.
+    pub targets: Option<Spanned<Vec<Spanned<String>>>>,
+    /// TLS to `https://` targets.
+    pub tls: Option<Spanned<RawUpstreamTls>>,
+    /// Consecutive failures (connect errors, 5xx) that eject a target.
+    pub eject_after: Option<Spanned<u32>>,
+    /// How long an ejected target stays out (doubling while it keeps failing).
+    pub eject_for: Option<Spanned<String>>,
+    /// Active health check.
+    pub health_check: Option<RawHealthCheck>,
     /// TCP connect timeout.
     pub connect_timeout: Option<Spanned<String>>,
     /// Deadline for the upstream's response headers.
@@ -76,6 +148,10 @@ pub struct RawStore {
     pub concurrency_ttl: Option<Spanned<String>>,
     /// `none` (default) or `replicated`: writes wait for a replica.
     pub durability: Option<Spanned<String>>,
+    /// Name of an env var holding the Redis password.
+    pub password_env: Option<Spanned<String>>,
+    /// TLS to Redis (`rediss://` URLs).
+    pub tls: Option<Spanned<RawStoreTls>>,
 }
 
 /// `identity:`.

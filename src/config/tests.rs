@@ -57,7 +57,7 @@ fn errors_name_file_line_and_column() {
     let cases = [
         ("upstream: { url: http://127.0.0.1:8081 }\nstore:\n  timeot: 5ms\n", "/etc/tollgate/gateway.yaml:3:3:", "unknown field"),
         ("upstream: { url: http://127.0.0.1:8081 }\nstore:\n  timeout: 5 parsecs\n", "/etc/tollgate/gateway.yaml:3:12:", "invalid duration"),
-        ("upstream: { url: https://api.example }\n", "/etc/tollgate/gateway.yaml:1:18:", "http://host:port"),
+        ("upstream: { url: ftp://api.example }\n", "/etc/tollgate/gateway.yaml:1:18:", "http://host:port"),
         ("upstream: { url: http://127.0.0.1:8081 }\nstore: { kind: etcd }\n", "/etc/tollgate/gateway.yaml:2:16:", "unknown store kind"),
         ("upstream: { url: http://127.0.0.1:8081 }\nidentity: { trusted_proxies: [10.0.0.0/33] }\n", "/etc/tollgate/gateway.yaml:2:31:", "invalid CIDR"),
         ("upstream: { url: http://127.0.0.1:8081 }\nidentity: { jwt: { algorithms: [none], secret_env: X } }\n", "/etc/tollgate/gateway.yaml:2:32:", "never accepted"),
@@ -180,4 +180,99 @@ fn unknown_fields_suggest_the_closest_and_print_the_position_once() {
     .unwrap_err()
     .to_string();
     assert!(!e.contains("did you mean"), "no suggestion when nothing is close: {e}");
+}
+
+#[test]
+fn upstream_targets_tls_and_access_log_validate_with_positions() {
+    let c = compile(
+        "upstream:\n  targets: [http://10.0.0.1:8080, \"https://api.internal\"]\n  eject_after: 5\n  eject_for: 2s\n  health_check: { path: /healthz, interval: 1s }\naccess_log: 0.25\n",
+        &EnvOverrides::default(),
+    )
+    .unwrap();
+    assert_eq!(c.upstream.targets.len(), 2);
+    assert_eq!(c.upstream.targets[1].addr, "api.internal:443");
+    assert_eq!(c.upstream.targets[1].host, "api.internal");
+    assert!(c.upstream.targets[1].tls && !c.upstream.targets[0].tls);
+    assert_eq!(c.upstream.eject_after, 5);
+    assert_eq!(c.upstream.eject_for, Duration::from_secs(2));
+    assert_eq!(c.upstream.health_check.as_ref().unwrap().path.as_str(), "/healthz");
+    assert_eq!(c.access_log, AccessLog::Sampled { rate: 0.25, one_in: 4 });
+    let c = compile(
+        "upstream: { url: http://h:1 }\naccess_log: true\n",
+        &EnvOverrides::default(),
+    )
+    .unwrap();
+    assert_eq!(c.access_log, AccessLog::All);
+    assert_eq!(c.upstream.targets.len(), 1);
+
+    let cases = [
+        (
+            "upstream: { url: http://h:1, targets: [http://h:2] }\n",
+            "gateway.yaml:1:18:",
+            "not both",
+        ),
+        ("upstream: { targets: [] }\n", "gateway.yaml:1:22:", "at least one"),
+        (
+            "upstream: { targets: [http://h:1, http://h:1] }\n",
+            "gateway.yaml:1:35:",
+            "listed twice",
+        ),
+        (
+            "upstream: { targets: [http://h:1/api] }\n",
+            "gateway.yaml:1:23:",
+            "a path is not supported",
+        ),
+        (
+            "upstream: { connect_timeout: 1s }\n",
+            "gateway.yaml:1:11:",
+            "needs url or targets",
+        ),
+        (
+            "upstream: { url: http://h:1 }\naccess_log: 2\n",
+            "gateway.yaml:2:13:",
+            "fraction",
+        ),
+        (
+            "upstream: { url: http://h:1 }\ntls: { cert_file: /nonexistent.pem, key_file: k.pem }\n",
+            "gateway.yaml:2:19:",
+            "cannot read",
+        ),
+        (
+            "upstream: { url: https://h:1, tls: { client_cert_file: c.pem } }\n",
+            "gateway.yaml:1:56:",
+            "go together",
+        ),
+        (
+            "upstream: { url: http://h:1 }\nstore: { kind: redis, urls: [\"redis://r:6379\"], tls: { ca_file: x } }\n",
+            "gateway.yaml:2:54:",
+            "rediss://",
+        ),
+        (
+            "upstream: { url: http://h:1 }\nstore: { password_env: TOLLGATE_TEST_SURELY_UNSET_PW }\n",
+            "gateway.yaml:2:24:",
+            "is not set",
+        ),
+    ];
+    for (yaml, at, what) in cases {
+        let e = compile(yaml, &EnvOverrides::default()).unwrap_err().to_string();
+        assert!(e.contains(at), "{e} (want {at})");
+        assert!(e.contains(what), "{e} (want {what})");
+    }
+}
+
+#[test]
+fn insecure_skip_verify_is_a_note_and_the_password_never_prints() {
+    let c = compile(
+        "upstream: { url: \"https://h:1\", tls: { insecure_skip_verify: true } }\n",
+        &EnvOverrides::default(),
+    )
+    .unwrap();
+    assert!(c.upstream.tls.insecure_skip_verify);
+    assert!(
+        c.notes.iter().any(|n| n.contains("insecure_skip_verify")),
+        "{:?}",
+        c.notes
+    );
+    let s = Secret("hunter2".into());
+    assert!(!format!("{s:?}").contains("hunter2"));
 }

@@ -85,16 +85,22 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap, keep_upgrade: Option<HeaderValue>) {
     }
 }
 
-/// Append this hop to `X-Forwarded-For`, `-Proto`, `-Host` and `Forwarded`. The new values are
-/// cut from one buffer.
+/// Append this hop to `X-Forwarded-For`, `-Proto`, `-Host` and `Forwarded`, for a client that
+/// spoke plain HTTP. The new values are cut from one buffer.
 pub fn add_forwarded(h: &mut HeaderMap, peer: IpAddr, host: Option<&HeaderValue>) {
+    add_forwarded_proto(h, peer, host, false)
+}
+
+/// [`add_forwarded`], with `proto=https` when the client spoke TLS.
+pub fn add_forwarded_proto(h: &mut HeaderMap, peer: IpAddr, host: Option<&HeaderValue>, https: bool) {
+    let proto = if https { "https" } else { "http" };
     let peer = peer.to_canonical();
     let mut ip = String::with_capacity(40);
     crate::identity::write_ip(&mut ip, peer);
     let host_len = host.map_or(0, HeaderValue::len);
     let mut buf = BytesMut::with_capacity(2 * ip.len() + host_len + 64);
     append_list(h, &X_FORWARDED_FOR, ip.as_bytes(), &mut buf);
-    append_static(h, &X_FORWARDED_PROTO, "http", &mut buf);
+    append_static(h, &X_FORWARDED_PROTO, proto, &mut buf);
     if let Some(host) = host {
         append_value(h, &X_FORWARDED_HOST, host, &mut buf);
     }
@@ -102,12 +108,13 @@ pub fn add_forwarded(h: &mut HeaderMap, peer: IpAddr, host: Option<&HeaderValue>
     if peer.is_ipv6() {
         fwd.push_str("for=\"[");
         fwd.push_str(&ip);
-        fwd.push_str("]\";proto=http");
+        fwd.push_str("]\";proto=");
     } else {
         fwd.push_str("for=");
         fwd.push_str(&ip);
-        fwd.push_str(";proto=http");
+        fwd.push_str(";proto=");
     }
+    fwd.push_str(proto);
     if let Some(host) = host.and_then(|v| v.to_str().ok()) {
         if host.bytes().all(|b| b.is_ascii_graphic() && b != b'"' && b != b'\\') {
             fwd.push_str(";host=\"");

@@ -1,10 +1,13 @@
 //! HTTP plumbing: the response body type, the one place errors become responses
 //! ([`respond`]), rate-limit headers ([`headers`]), forwarding helpers ([`forward`]) and the
-//! upstream connection pool ([`upstream`]).
+//! upstream targets and their pools ([`upstream`]), TLS ([`tls`]) and request ids
+//! ([`request_id`]).
 
 pub mod forward;
 pub mod headers;
+pub mod request_id;
 pub mod respond;
+pub mod tls;
 pub mod upstream;
 
 use bytes::Bytes;

@@ -16,13 +16,16 @@ use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 
 use crate::http::headers::{self, Binding};
+use crate::http::request_id::{self, X_REQUEST_ID};
 use crate::http::respond::{self, GatewayError};
+use crate::http::upstream::{self as up, Replay};
 use crate::http::{forward, BoxError, ProxyBody};
 use crate::identity::Identity;
 use crate::limiter::{local_share, FailurePolicy, LimitCheck, Source, StoreError, Verdict};
 use crate::rules::caller;
 use crate::state::State;
 
+pub mod access;
 pub mod plan;
 mod settle;
 mod slots;
@@ -96,11 +99,46 @@ fn headers_within<B>(req: &Request<B>, max_bytes: usize) -> Result<(), GatewayEr
 
 impl State {
     /// Serve one request; never fails (errors become responses in `crate::http::respond`).
-    pub async fn handle(self: Arc<Self>, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
+    /// The request id (kept or generated) goes upstream and back; the access log, when on,
+    /// gets one line.
+    pub async fn handle(self: Arc<Self>, mut req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
+        let id = request_id::ensure(req.headers_mut());
+        let logged = self.access_sampler().take().then(|| {
+            (
+                Instant::now(),
+                req.method().clone(),
+                req.uri().path().to_owned(),
+                access::Note::default(),
+            )
+        });
+        let (mut resp, logged) = match logged {
+            None => (self.respond(req, peer, None).await, None),
+            Some((started, method, path, mut note)) => {
+                let r = self.respond(req, peer, Some(&mut note)).await;
+                (r, Some((started, method, path, note)))
+            }
+        };
+        if let Some((started, method, path, note)) = logged {
+            access::write(&id, &method, &path, resp.status().as_u16(), started, &note);
+        }
+        resp.headers_mut().insert(X_REQUEST_ID.clone(), id);
+        resp
+    }
+
+    async fn respond(
+        self: &Arc<Self>,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+        mut note: Option<&mut access::Note>,
+    ) -> Response<ProxyBody> {
         let grpc = respond::is_grpc(req.headers());
-        match self.clone().handle_inner(req, peer).await {
+        match self.clone().handle_inner(req, peer, note.as_deref_mut()).await {
             Ok(r) if grpc && r.status() == http::StatusCode::TOO_MANY_REQUESTS => {
-                let wait = r.headers().get(header::RETRY_AFTER).and_then(|v| v.to_str().ok()).unwrap_or("1");
+                let wait = r
+                    .headers()
+                    .get(header::RETRY_AFTER)
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("1");
                 let rule = r
                     .headers()
                     .get(&headers::RATELIMIT)
@@ -112,6 +150,16 @@ impl State {
             }
             Ok(r) => r,
             Err(e) => {
+                if let Some(n) = note {
+                    n.decision = match &e {
+                        GatewayError::LimiterUnavailable { rule, .. } => {
+                            n.rule = Some(rule.as_str().into());
+                            "unavailable"
+                        }
+                        _ if n.decision.is_empty() => "error",
+                        _ => n.decision,
+                    };
+                }
                 self.metrics().local_response(e.status().as_u16());
                 if grpc && e.status().is_server_error() {
                     let msg = e.to_string();
@@ -126,6 +174,7 @@ impl State {
         self: Arc<Self>,
         req: Request<Incoming>,
         peer: SocketAddr,
+        mut note: Option<&mut access::Note>,
     ) -> Result<Response<ProxyBody>, GatewayError> {
         validate(&req)?;
         headers_within(&req, self.config().server.max_header_bytes)?;
@@ -168,6 +217,11 @@ impl State {
             c.check.holder = holder;
         }
         let ident = &plan.identity;
+        if let Some(n) = note.as_deref_mut() {
+            n.identity_kind = ident.kind.as_str();
+            n.identity = caller(ident).tag(self.keys(), "");
+            n.decision = if plan.checks.is_empty() { "unmatched" } else { "allowed" };
+        }
 
         let mut binding: Option<(usize, crate::limiter::Outcome, Source)> = None;
         let mut delay_us = 0u64;
@@ -206,7 +260,13 @@ impl State {
             );
             if let Some(i) = idx {
                 let (o, src) = verdict.outcomes[i];
+                if let Some(n) = note.as_deref_mut() {
+                    n.rule = Some(snap.rules.rules[plan.checks[i].rule as usize].name.clone());
+                }
                 if !o.allowed {
+                    if let Some(n) = note.as_deref_mut() {
+                        n.decision = "limited";
+                    }
                     let b = binding_of(&plan, &snap, i, &o, src);
                     let lim = &self.config().limits;
                     self.metrics().rate_limited();
@@ -249,7 +309,7 @@ impl State {
         let want_trailers = after
             .iter()
             .any(|(ri, _)| snap.rules.rules[*ri as usize].cost_from.is_some());
-        let result = self.forward(req, peer, slot_guard, want_trailers).await;
+        let result = self.forward(req, peer, slot_guard, want_trailers, note).await;
         let mut resp = if after.is_empty() {
             result?
         } else {
@@ -397,9 +457,11 @@ impl State {
         peer: SocketAddr,
         slots: Option<slots::SlotGuard>,
         want_trailers: bool,
+        note: Option<&mut access::Note>,
     ) -> Result<Response<ProxyBody>, GatewayError> {
         let upgrade = forward::upgrade_of(req.headers());
         let client_upgrade = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut req));
+        let body_is_end = hyper::body::Body::is_end_stream(req.body());
         let (parts, body) = req.into_parts();
         let mut out = Request::new(
             Limited::new(body, self.config().server.max_body_bytes as usize)
@@ -421,7 +483,7 @@ impl State {
         if want_trailers {
             h.insert(header::TE, HeaderValue::from_static("trailers"));
         }
-        forward::add_forwarded(&mut h, peer.ip(), host.as_ref());
+        forward::add_forwarded_proto(&mut h, peer.ip(), host.as_ref(), self.config().tls.is_some());
         if let Some(host) = host {
             h.insert(header::HOST, host);
         }
@@ -430,9 +492,34 @@ impl State {
             return Err(GatewayError::BadRequest("CONNECT is not supported"));
         }
 
+        // A retry may replay this request (DESIGN.md §11). With one target nothing is copied:
+        // only an attempt that was never written is sent again.
+        let replay =
+            (client_upgrade.is_none() && up::replayable(out.method(), out.headers(), body_is_end)).then(|| {
+                (self.upstream().len() > 1).then(|| Replay {
+                    method: out.method().clone(),
+                    uri: out.uri().clone(),
+                    headers: out.headers().clone(),
+                })
+            });
+        let retry = match &replay {
+            None => up::Retry::No,
+            Some(None) => up::Retry::Unsent,
+            Some(Some(r)) => up::Retry::Copy(r),
+        };
         let started = Instant::now();
-        let result = tokio::time::timeout(self.config().upstream.request_timeout, self.upstream().send(out)).await;
-        self.metrics().upstream_latency.observe(started.elapsed().as_secs_f64());
+        let result =
+            tokio::time::timeout(self.config().upstream.request_timeout, self.upstream().send(out, retry)).await;
+        let waited = started.elapsed();
+        self.metrics().upstream_latency.observe(waited.as_secs_f64());
+        if let Some(n) = note {
+            n.upstream_us = u64::try_from(waited.as_micros()).unwrap_or(u64::MAX);
+            match &result {
+                Ok(Ok(x)) => (n.target, n.attempts) = (Some(x.target.clone()), x.attempts),
+                Ok(Err(f)) => (n.target, n.attempts) = (Some(f.target.clone()), f.attempts),
+                Err(_) => {}
+            }
+        }
         let mut resp = match result {
             Err(_) => {
                 self.metrics().upstream_status[5].inc();
@@ -441,19 +528,19 @@ impl State {
                 }
                 return Err(GatewayError::GatewayTimeout);
             }
-            Ok(Err(e)) if body_over_limit(&e) => {
+            Ok(Err(f)) if body_over_limit(&f.error) => {
                 // A body without Content-Length (chunked, HTTP/2) went over `max_body_bytes`
                 // while it streamed: the upstream got an aborted body, never a complete one.
                 return Err(GatewayError::PayloadTooLarge);
             }
-            Ok(Err(e)) => {
+            Ok(Err(f)) => {
                 self.metrics().upstream_status[5].inc();
                 if let Some(suppressed) = self.upstream_log().allow() {
-                    tracing::warn!(method = %method, path = %parts.uri.path(), upstream = %self.config().upstream.authority, error = %e, suppressed, "upstream request failed (repeats logged at most once a second, `suppressed` counts the others)");
+                    tracing::warn!(method = %method, path = %parts.uri.path(), upstream = %f.target, attempts = f.attempts, error = %f.error, suppressed, "upstream request failed (repeats logged at most once a second, `suppressed` counts the others)");
                 }
-                return Err(GatewayError::BadGateway(e.to_string()));
+                return Err(GatewayError::BadGateway(f.error.to_string()));
             }
-            Ok(Ok(r)) => r,
+            Ok(Ok(x)) => x.response,
         };
         let class = (resp.status().as_u16() / 100).clamp(1, 5) as usize - 1;
         self.metrics().upstream_status[class].inc();

@@ -10,6 +10,8 @@
 //! * [`upstream`](self::upstream): a real upstream that counts the requests it serves at once;
 //! * [`faults`](self::faults): a TCP proxy that adds latency, black-holes or resets traffic to
 //!   one Redis node;
+//! * [`tls`](self::tls): a test CA made with rcgen, an HTTPS echo upstream, Redis over TLS
+//!   with a password (standalone and cluster);
 //! * [`poll`](self::poll): [`eventually`] and friends, the only way tests wait for something.
 //!
 //! Nothing here mocks anything: if `redis-server` or `redis-cli` is missing the tests fail,
@@ -21,6 +23,7 @@ mod gateway;
 mod http;
 mod poll;
 mod redis;
+mod tls;
 mod upstream;
 
 pub use self::faults::{FaultProxy, Faults};
@@ -28,7 +31,8 @@ pub use self::gateway::*;
 pub use self::http::*;
 pub use self::poll::*;
 pub use self::redis::{redis_cli, RedisCluster, RedisServer};
-pub use self::upstream::{counting_upstream, CountingUpstream};
+pub use self::tls::*;
+pub use self::upstream::{counting_upstream, CountingUpstream, Instance};
 
 use std::net::{SocketAddr, TcpListener};
 

@@ -162,3 +162,90 @@ pub async fn counting_upstream() -> CountingUpstream {
     });
     CountingUpstream { addr, counts }
 }
+
+/// An upstream instance that can be killed (listener closed, every open connection cut) and
+/// brought back on the same port: one of several targets. It answers every request with 200
+/// and `x-instance: <port>` (after `<ms>` for `/slow/<ms>`), and counts what it served (health
+/// checks, `/healthz`, are not counted).
+pub struct Instance {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    /// Requests it answered.
+    pub served: Arc<AtomicUsize>,
+    /// The accept loop and the connection tasks, aborted by `kill`.
+    tasks: Arc<parking_lot::Mutex<Vec<tokio::task::AbortHandle>>>,
+}
+
+impl Instance {
+    /// Start on a free loopback port.
+    pub async fn start() -> Instance {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut i = Instance {
+            addr: l.local_addr().unwrap(),
+            served: Arc::new(AtomicUsize::new(0)),
+            tasks: Arc::default(),
+        };
+        i.serve(l);
+        i
+    }
+
+    fn serve(&mut self, l: tokio::net::TcpListener) {
+        let (served, tasks, port) = (self.served.clone(), self.tasks.clone(), self.addr.port());
+        let t2 = tasks.clone();
+        let h = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = l.accept().await else { continue };
+                let served = served.clone();
+                let conn = tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
+                        let served = served.clone();
+                        async move {
+                            if let Some(ms) = req.uri().path().strip_prefix("/slow/") {
+                                tokio::time::sleep(Duration::from_millis(ms.parse().unwrap_or(10))).await;
+                            }
+                            if req.uri().path() != "/healthz" {
+                                served.fetch_add(1, Ordering::SeqCst);
+                            }
+                            let mut r = Response::new(http_body_util::Full::new(Bytes::from_static(b"ok")));
+                            r.headers_mut().insert("x-instance", port.into());
+                            Ok::<_, Infallible>(r)
+                        }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+                t2.lock().push(conn.abort_handle());
+            }
+        });
+        tasks.lock().push(h.abort_handle());
+    }
+
+    /// `http://addr`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Requests answered so far.
+    pub fn served(&self) -> usize {
+        self.served.load(Ordering::SeqCst)
+    }
+
+    /// Close the listener and cut every open connection (like a crashed process).
+    pub fn kill(&self) {
+        for t in self.tasks.lock().drain(..) {
+            t.abort();
+        }
+    }
+
+    /// Listen again on the same port (retried until the port is free).
+    pub async fn revive(&mut self) {
+        let addr = self.addr;
+        let l = super::poll::eventually_some(Duration::from_secs(10), || async move {
+            tokio::net::TcpListener::bind(addr).await.ok()
+        })
+        .await
+        .expect("rebind the instance's port");
+        self.serve(l);
+    }
+}

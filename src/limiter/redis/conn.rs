@@ -86,6 +86,8 @@ pub(super) struct Inner {
     pub(super) mode: RedisMode,
     /// The configured URLs (the server, or cluster seeds), for rebuilds.
     pub(super) urls: Vec<String>,
+    /// Password and TLS roots, for rebuilds.
+    pub(super) auth: Auth,
     /// Deadline of one store call.
     pub(super) timeout: Duration,
     /// The current connection; swapped whole by a rebuild, loaded and cloned by every call.
@@ -176,8 +178,28 @@ pub(super) fn connect_timeout(timeout: Duration) -> Duration {
         .clamp(Duration::from_millis(100), Duration::from_secs(1))
 }
 
+/// How to authenticate to Redis and which roots its TLS certificates chain to
+/// (`store.password_env`, `store.tls.ca_file`). Its `Debug` never shows the password.
+#[derive(Debug, Clone, Default)]
+pub struct Auth {
+    /// `AUTH` password (overrides one in the URL).
+    pub password: Option<crate::config::Secret>,
+    /// PEM roots for `rediss://` (else the system's roots).
+    pub ca_pem: Option<Vec<u8>>,
+}
+
+impl Auth {
+    /// The roots as the client takes them, when a CA was given.
+    fn certs(&self) -> Option<redis::TlsCertificates> {
+        self.ca_pem.as_ref().map(|ca| redis::TlsCertificates {
+            client_tls: None,
+            root_cert: Some(ca.clone()),
+        })
+    }
+}
+
 /// Open a connection of `mode` to `urls`.
-pub(super) async fn open(mode: RedisMode, urls: &[String], timeout: Duration) -> Result<Conn, StoreError> {
+pub(super) async fn open(mode: RedisMode, urls: &[String], timeout: Duration, auth: &Auth) -> Result<Conn, StoreError> {
     let ct = connect_timeout(timeout);
     // Bound the whole handshake (several nodes for a cluster, one retry for a server).
     let deadline = ct.saturating_mul(3);
@@ -188,8 +210,17 @@ pub(super) async fn open(mode: RedisMode, urls: &[String], timeout: Duration) ->
                 .first()
                 .ok_or_else(|| StoreError::Redis("no Redis URL configured".into()))?;
             let info = url.as_str().into_connection_info().map_err(store_err)?;
-            let info = info.set_tcp_settings(nodelay);
-            let client = redis::Client::open(info).map_err(store_err)?;
+            let mut info = info.set_tcp_settings(nodelay);
+            if let Some(p) = &auth.password {
+                let redis_settings = info.redis_settings().clone().set_password(p.expose());
+                info = info.set_redis_settings(redis_settings);
+            }
+            let tls = matches!(info.addr(), redis::ConnectionAddr::TcpTls { .. });
+            let client = match auth.certs() {
+                Some(certs) if tls => redis::Client::build_with_tls(info, certs),
+                _ => redis::Client::open(info),
+            }
+            .map_err(store_err)?;
             let config = ConnectionManagerConfig::new()
                 .set_response_timeout(Some(timeout))
                 .set_connection_timeout(Some(ct))
@@ -206,15 +237,20 @@ pub(super) async fn open(mode: RedisMode, urls: &[String], timeout: Duration) ->
             if urls.is_empty() {
                 return Err(StoreError::Redis("no Redis Cluster seed URL configured".into()));
             }
-            let client = ClusterClientBuilder::new(urls.iter().map(String::as_str))
+            let mut builder = ClusterClientBuilder::new(urls.iter().map(String::as_str))
                 .connection_timeout(ct)
                 .response_timeout(timeout)
                 .retries(2)
                 .min_retry_wait(1)
                 .max_retry_wait(10)
-                .tcp_settings(nodelay)
-                .build()
-                .map_err(store_err)?;
+                .tcp_settings(nodelay);
+            if let Some(p) = &auth.password {
+                builder = builder.password(p.expose());
+            }
+            if let Some(certs) = auth.certs().filter(|_| urls.iter().all(|u| u.starts_with("rediss://"))) {
+                builder = builder.certs(certs);
+            }
+            let client = builder.build().map_err(store_err)?;
             let cc = tokio::time::timeout(deadline, client.get_async_connection())
                 .await
                 .map_err(|_| StoreError::Timeout)?
@@ -256,7 +292,7 @@ impl Inner {
         self.last_rebuild_ms.store(now_ms.max(1), Ordering::Relaxed);
         let inner = Arc::clone(self);
         handle.spawn(async move {
-            match open(inner.mode, &inner.urls, inner.timeout).await {
+            match open(inner.mode, &inner.urls, inner.timeout, &inner.auth).await {
                 Ok(conn) => {
                     inner.conn.store(Some(Arc::new(conn)));
                     inner.rebuilds.fetch_add(1, Ordering::Relaxed);

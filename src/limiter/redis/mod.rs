@@ -120,7 +120,19 @@ impl RedisStore {
         timeout: Duration,
         threshold: u32,
     ) -> Result<Self, StoreError> {
-        let conn = match open(mode, urls, timeout).await {
+        Self::connect_with(mode, urls, timeout, threshold, conn::Auth::default()).await
+    }
+
+    /// [`RedisStore::connect`] with a password and TLS roots (`store.password_env`,
+    /// `store.tls.ca_file`).
+    pub async fn connect_with(
+        mode: RedisMode,
+        urls: &[String],
+        timeout: Duration,
+        threshold: u32,
+        auth: conn::Auth,
+    ) -> Result<Self, StoreError> {
+        let conn = match open(mode, urls, timeout, &auth).await {
             Ok(c) => Some(Arc::new(c)),
             Err(e) if urls.iter().all(|u| u.as_str().into_connection_info().is_ok()) && !urls.is_empty() => {
                 tracing::warn!(error = %e, ?mode, targets = %redacted_targets(urls), "Redis is unreachable at start-up; serving with each rule's failure policy and retrying in the background");
@@ -132,6 +144,7 @@ impl RedisStore {
         let inner = Arc::new(Inner {
             mode,
             urls: urls.to_vec(),
+            auth,
             timeout,
             conn: ArcSwapOption::new(conn),
             sha,
@@ -449,6 +462,7 @@ impl Store for RedisStore {
 
 mod batch;
 mod conn;
+pub use conn::Auth as RedisAuth;
 mod protocol;
 mod slots;
 

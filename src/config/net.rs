@@ -1,0 +1,443 @@
+//! The network parts of `gateway.yaml` (DESIGN.md §11): TLS on the proxy listener, the upstream
+//! targets with their TLS, ejection and health check, the store's TLS and password, and the
+//! access log. Certificates and keys are parsed here already, so `tollgate check` refuses a file
+//! that `run` could not load, with the line and column of the field that names it.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde_saphyr::Spanned;
+
+use super::raw::{RawAccessLog, RawStore, RawTls, RawUpstream};
+use super::{at_least, positive_duration, ConfigError};
+use crate::http::tls;
+
+/// Does a listener with `client_ca_file` require a client certificate?
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientAuth {
+    /// Clients without a certificate are served; one that sends a certificate must chain to
+    /// the CA.
+    Optional,
+    /// Every client must present a certificate that chains to the CA.
+    Required,
+}
+
+/// `tls:` on the proxy listener, validated.
+#[derive(Debug, Clone)]
+pub struct ListenerTls {
+    /// PEM certificate chain (re-read when it changes).
+    pub cert_file: PathBuf,
+    /// PEM private key (re-read when it changes).
+    pub key_file: PathBuf,
+    /// Mutual TLS: the CA client certificates chain to.
+    pub client_ca_file: Option<PathBuf>,
+    /// Whether a client certificate is required (only with `client_ca_file`).
+    pub client_auth: ClientAuth,
+}
+
+/// `upstream.tls:`, validated.
+#[derive(Debug, Clone, Default)]
+pub struct UpstreamTls {
+    /// Trusted CA bundle instead of the webpki roots.
+    pub ca_file: Option<PathBuf>,
+    /// Client certificate chain and key (mutual TLS to the upstream).
+    pub client_cert: Option<(PathBuf, PathBuf)>,
+    /// Skip verification of the upstream's certificate (a warning at every start).
+    pub insecure_skip_verify: bool,
+}
+
+/// One upstream instance.
+#[derive(Debug, Clone)]
+pub struct Target {
+    /// `http(s)://host:port` as configured (no path).
+    pub url: http::Uri,
+    /// `https://`.
+    pub tls: bool,
+    /// The host, without brackets: the SNI name (or IP) of a TLS target.
+    pub host: String,
+    /// `host:port` to connect to (the default port filled in).
+    pub addr: String,
+}
+
+impl Target {
+    /// A plain-HTTP target at `addr` (the demo's echo upstream).
+    pub fn plain(addr: std::net::SocketAddr) -> Self {
+        let url = http::Uri::builder()
+            .scheme("http")
+            .authority(addr.to_string())
+            .path_and_query("/")
+            .build()
+            .unwrap_or_default();
+        Target {
+            url,
+            tls: false,
+            host: addr.ip().to_string(),
+            addr: addr.to_string(),
+        }
+    }
+}
+
+/// `upstream.health_check:`, validated.
+#[derive(Debug, Clone)]
+pub struct HealthCheck {
+    /// Path asked with `GET`.
+    pub path: http::uri::PathAndQuery,
+    /// Period.
+    pub interval: Duration,
+    /// Deadline of one check.
+    pub timeout: Duration,
+}
+
+/// `access_log:`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum AccessLog {
+    /// No access log (the default).
+    Off,
+    /// One line per request.
+    All,
+    /// One request in `one_in` is logged (`access_log: 0.01` logs one in 100).
+    Sampled {
+        /// The configured fraction.
+        rate: f64,
+        /// Every how many requests one is logged.
+        one_in: u64,
+    },
+}
+
+/// A secret from the environment. Its `Debug` never shows it.
+#[derive(Clone, Default)]
+pub struct Secret(pub(crate) String);
+
+impl Secret {
+    /// The secret itself (to hand to a client library, never to a log).
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(***)")
+    }
+}
+
+/// `store.password_env` and `store.tls`, validated.
+#[derive(Debug, Clone, Default)]
+pub struct StoreAuth {
+    /// The Redis password (`AUTH`), read from `password_env`.
+    pub password: Option<Secret>,
+    /// PEM CA bundle for `rediss://` (else the system's roots).
+    pub ca_file: Option<PathBuf>,
+}
+
+/// `path` relative to the gateway file's directory `dir`.
+fn rel(dir: &Path, p: &str) -> PathBuf {
+    let p = Path::new(p);
+    if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        dir.join(p)
+    }
+}
+
+/// The listener's `tls:`; the certificate and key are loaded once to prove they can be.
+pub fn listener_tls(f: &Path, dir: &Path, raw: &Spanned<RawTls>) -> Result<ListenerTls, ConfigError> {
+    let t = &raw.value;
+    let cert_file = rel(dir, &t.cert_file.value);
+    let key_file = rel(dir, &t.key_file.value);
+    tls::load_certified_key(&cert_file, &key_file).map_err(|e| {
+        let at = match e {
+            tls::TlsError::Key { .. } | tls::TlsError::Mismatch => &t.key_file.referenced,
+            _ => &t.cert_file.referenced,
+        };
+        ConfigError::at(f, at, format!("tls: {e}"))
+    })?;
+    let client_ca_file = match &t.client_ca_file {
+        Some(ca) => {
+            let p = rel(dir, &ca.value);
+            tls::load_roots(&p).map_err(|e| ConfigError::at(f, &ca.referenced, format!("tls.client_ca_file: {e}")))?;
+            Some(p)
+        }
+        None => None,
+    };
+    let client_auth = match &t.client_auth {
+        None => ClientAuth::Required,
+        Some(a) if client_ca_file.is_none() => {
+            return Err(ConfigError::at(
+                f,
+                &a.referenced,
+                "tls.client_auth needs tls.client_ca_file (the CA client certificates must chain to)",
+            ))
+        }
+        Some(a) => match a.value.as_str() {
+            "required" => ClientAuth::Required,
+            "optional" => ClientAuth::Optional,
+            other => {
+                return Err(ConfigError::at(
+                    f,
+                    &a.referenced,
+                    format!("tls.client_auth: unknown value {other:?} (required | optional)"),
+                ))
+            }
+        },
+    };
+    Ok(ListenerTls {
+        cert_file,
+        key_file,
+        client_ca_file,
+        client_auth,
+    })
+}
+
+/// One target URL: `http://host[:port]` or `https://host[:port]`, nothing after the authority.
+fn target(f: &Path, s: &Spanned<String>) -> Result<Target, ConfigError> {
+    let bad = |m: String| ConfigError::at(f, &s.referenced, m);
+    let url: http::Uri = s
+        .value
+        .parse()
+        .map_err(|e| bad(format!("invalid upstream url {:?}: {e}", s.value)))?;
+    let tls = match url.scheme_str() {
+        Some("http") => false,
+        Some("https") => true,
+        _ => {
+            return Err(bad(format!(
+                "upstream url {:?} must be http://host:port or https://host:port",
+                s.value
+            )))
+        }
+    };
+    let Some(authority) = url.authority() else {
+        return Err(bad(format!("upstream url {:?} has no host", s.value)));
+    };
+    if authority.as_str().contains('@') {
+        return Err(bad(format!(
+            "upstream url {:?}: credentials in the URL are not supported",
+            s.value
+        )));
+    }
+    if url
+        .path_and_query()
+        .is_some_and(|p| p.as_str() != "/" && !p.as_str().is_empty())
+    {
+        return Err(bad(format!(
+            "upstream url {:?}: a path is not supported (requests keep their own path)",
+            s.value
+        )));
+    }
+    let host = authority
+        .host()
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_string();
+    let port = authority.port_u16().unwrap_or(if tls { 443 } else { 80 });
+    let addr = if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    };
+    if tls {
+        rustls::pki_types::ServerName::try_from(host.as_str()).map_err(|_| {
+            bad(format!(
+                "upstream url {:?}: {host:?} is not a valid TLS server name",
+                s.value
+            ))
+        })?;
+    }
+    Ok(Target { url, tls, host, addr })
+}
+
+/// The upstream's targets, TLS, ejection and health check.
+pub struct UpstreamNet {
+    /// At least one.
+    pub targets: Vec<Target>,
+    /// TLS settings for `https://` targets.
+    pub tls: UpstreamTls,
+    /// Consecutive failures that eject a target.
+    pub eject_after: u32,
+    /// First ejection period.
+    pub eject_for: Duration,
+    /// Optional active health check.
+    pub health_check: Option<HealthCheck>,
+}
+
+/// Validate `upstream:` (everything but the timeouts and the pool size).
+pub fn upstream(
+    f: &Path,
+    dir: &Path,
+    raw: &Spanned<RawUpstream>,
+    notes: &mut Vec<String>,
+) -> Result<UpstreamNet, ConfigError> {
+    let u = &raw.value;
+    let targets = match (&u.url, &u.targets) {
+        (Some(url), None) => vec![target(f, url)?],
+        (None, Some(list)) if list.value.is_empty() => {
+            return Err(ConfigError::at(
+                f,
+                &list.referenced,
+                "upstream.targets: give at least one URL",
+            ))
+        }
+        (None, Some(list)) => {
+            let mut out = Vec::with_capacity(list.value.len());
+            for t in &list.value {
+                let t2 = target(f, t)?;
+                if out.iter().any(|o: &Target| o.url == t2.url) {
+                    return Err(ConfigError::at(
+                        f,
+                        &t.referenced,
+                        format!("upstream.targets: {:?} is listed twice", t.value),
+                    ));
+                }
+                out.push(t2);
+            }
+            out
+        }
+        (Some(url), Some(_)) => {
+            return Err(ConfigError::at(
+                f,
+                &url.referenced,
+                "upstream: give either url (one target) or targets (several), not both",
+            ))
+        }
+        (None, None) => return Err(ConfigError::at(f, &raw.referenced, "upstream: needs url or targets")),
+    };
+    let mut tls = UpstreamTls::default();
+    if let Some(t) = &u.tls {
+        let tv = &t.value;
+        if !targets.iter().any(|t| t.tls) {
+            notes.push("upstream.tls is set but no target is https://: it is not used".to_string());
+        }
+        if let Some(ca) = &tv.ca_file {
+            let p = rel(dir, &ca.value);
+            tls::load_roots(&p)
+                .map_err(|e| ConfigError::at(f, &ca.referenced, format!("upstream.tls.ca_file: {e}")))?;
+            tls.ca_file = Some(p);
+        }
+        match (&tv.client_cert_file, &tv.client_key_file) {
+            (Some(c), Some(k)) => {
+                let (cp, kp) = (rel(dir, &c.value), rel(dir, &k.value));
+                tls::load_certified_key(&cp, &kp).map_err(|e| {
+                    let at = match e {
+                        tls::TlsError::Key { .. } | tls::TlsError::Mismatch => &k.referenced,
+                        _ => &c.referenced,
+                    };
+                    ConfigError::at(f, at, format!("upstream.tls: {e}"))
+                })?;
+                tls.client_cert = Some((cp, kp));
+            }
+            (None, None) => {}
+            (Some(x), None) | (None, Some(x)) => {
+                return Err(ConfigError::at(
+                    f,
+                    &x.referenced,
+                    "upstream.tls: client_cert_file and client_key_file go together",
+                ))
+            }
+        }
+        if let Some(i) = &tv.insecure_skip_verify {
+            tls.insecure_skip_verify = i.value;
+            if i.value {
+                notes.push(
+                    "upstream.tls.insecure_skip_verify is true: the upstream's certificate is NOT verified; anyone on the path can impersonate it"
+                        .to_string(),
+                );
+            }
+        }
+    }
+    let health_check = match &u.health_check {
+        Some(h) => {
+            let path: http::uri::PathAndQuery = h
+                .path
+                .value
+                .parse()
+                .ok()
+                .filter(|p: &http::uri::PathAndQuery| p.as_str().starts_with('/'))
+                .ok_or_else(|| {
+                    ConfigError::at(
+                        f,
+                        &h.path.referenced,
+                        format!("upstream.health_check.path: {:?} is not a path", h.path.value),
+                    )
+                })?;
+            Some(HealthCheck {
+                path,
+                interval: positive_duration(f, &h.interval, "upstream.health_check.interval", Duration::from_secs(5))?,
+                timeout: positive_duration(f, &h.timeout, "upstream.health_check.timeout", Duration::from_secs(1))?,
+            })
+        }
+        None => None,
+    };
+    Ok(UpstreamNet {
+        targets,
+        tls,
+        eject_after: at_least(f, &u.eject_after, "upstream.eject_after", 1, 3)?,
+        eject_for: positive_duration(f, &u.eject_for, "upstream.eject_for", Duration::from_secs(10))?,
+        health_check,
+    })
+}
+
+/// `store.password_env` and `store.tls`. A named variable that is unset or empty refuses to
+/// start: a fleet member without the Secret must not talk to Redis unauthenticated.
+pub fn store_auth(f: &Path, dir: &Path, s: &RawStore, urls: &[String]) -> Result<StoreAuth, ConfigError> {
+    let password = match &s.password_env {
+        Some(name) => match std::env::var(&name.value) {
+            Ok(v) if !v.is_empty() => Some(Secret(v)),
+            Ok(_) => {
+                return Err(ConfigError::at(
+                    f,
+                    &name.referenced,
+                    format!("store.password_env: the environment variable {} is empty", name.value),
+                ))
+            }
+            Err(_) => {
+                return Err(ConfigError::at(
+                    f,
+                    &name.referenced,
+                    format!("store.password_env: the environment variable {} is not set", name.value),
+                ))
+            }
+        },
+        None => None,
+    };
+    if let Some(t) = &s.tls {
+        if !urls.iter().any(|u| u.starts_with("rediss://")) {
+            return Err(ConfigError::at(
+                f,
+                &t.referenced,
+                "store.tls needs rediss:// URLs in store.urls (redis:// is plain TCP)",
+            ));
+        }
+    }
+    let ca_file = match s.tls.as_ref().and_then(|t| t.value.ca_file.as_ref()) {
+        Some(ca) => {
+            let p = rel(dir, &ca.value);
+            tls::load_roots(&p).map_err(|e| ConfigError::at(f, &ca.referenced, format!("store.tls.ca_file: {e}")))?;
+            Some(p)
+        }
+        None => None,
+    };
+    Ok(StoreAuth { password, ca_file })
+}
+
+/// `access_log:`.
+pub fn access_log(f: &Path, raw: &Option<Spanned<RawAccessLog>>) -> Result<AccessLog, ConfigError> {
+    Ok(match raw.as_ref().map(|r| (r.value, r)) {
+        None | Some((RawAccessLog::All(false), _)) => AccessLog::Off,
+        Some((RawAccessLog::All(true), _)) => AccessLog::All,
+        Some((RawAccessLog::Rate(r), at)) => {
+            if !(r > 0.0 && r <= 1.0) {
+                return Err(ConfigError::at(
+                    f,
+                    &at.referenced,
+                    format!("access_log: {r} is not true, false or a fraction in (0, 1]"),
+                ));
+            }
+            let one_in = (1.0 / r).round().max(1.0) as u64;
+            if one_in == 1 {
+                AccessLog::All
+            } else {
+                AccessLog::Sampled { rate: r, one_in }
+            }
+        }
+    })
+}

@@ -1,0 +1,106 @@
+use super::*;
+use crate::config::{Target, UpstreamTls};
+
+fn config(n: usize) -> UpstreamConfig {
+    let targets: Vec<Target> = (0..n)
+        .map(|i| Target::plain(std::net::SocketAddr::from(([127, 0, 0, 1], 1 + i as u16))))
+        .collect();
+    UpstreamConfig {
+        url: targets[0].url.clone(),
+        scheme: http::uri::Scheme::HTTP,
+        authority: "127.0.0.1:1".parse().unwrap(),
+        targets,
+        tls: UpstreamTls::default(),
+        eject_after: 2,
+        eject_for: Duration::from_secs(60),
+        health_check: None,
+        connect_timeout: Duration::from_millis(100),
+        request_timeout: Duration::from_secs(1),
+        pool_max_idle_per_host: 4,
+    }
+}
+
+fn up(n: usize) -> Arc<Upstream> {
+    Upstream::new(&config(n), &crate::metrics::Metrics::new()).unwrap()
+}
+
+#[test]
+fn replayable_means_idempotent_and_no_body() {
+    let h = HeaderMap::new();
+    assert!(replayable(&Method::GET, &h, true));
+    assert!(replayable(&Method::DELETE, &h, false));
+    assert!(!replayable(&Method::POST, &h, true));
+    let mut with_body = HeaderMap::new();
+    with_body.insert(http::header::CONTENT_LENGTH, HeaderValue::from_static("5"));
+    assert!(!replayable(&Method::PUT, &with_body, false));
+    let mut chunked = HeaderMap::new();
+    chunked.insert(http::header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+    assert!(!replayable(&Method::GET, &chunked, false));
+    let mut zero = HeaderMap::new();
+    zero.insert(http::header::CONTENT_LENGTH, HeaderValue::from_static("0"));
+    assert!(replayable(&Method::PUT, &zero, false));
+}
+
+#[test]
+fn p2c_picks_the_less_loaded_of_two() {
+    let u = up(2);
+    u.targets[0].in_flight.store(10, Ordering::Relaxed);
+    for _ in 0..100 {
+        assert_eq!(u.pick(None), 1);
+    }
+    // Avoiding target 1 leaves target 0, however loaded.
+    assert_eq!(u.pick(Some(1)), 0);
+}
+
+#[test]
+fn p2c_spreads_over_equal_targets() {
+    let u = up(3);
+    let mut seen = [0usize; 3];
+    for _ in 0..3000 {
+        seen[u.pick(None)] += 1;
+    }
+    assert!(seen.iter().all(|&n| n > 500), "{seen:?}");
+}
+
+#[test]
+fn ejection_after_consecutive_failures_doubles_and_spares_the_last_target() {
+    let u = up(2);
+    u.failure(0, &"x", false);
+    assert!(u.status()[0].1, "one failure is not enough");
+    u.success(0);
+    u.failure(0, &"x", false);
+    assert!(u.status()[0].1, "a success reset the count");
+    u.failure(0, &"x", false);
+    assert!(!u.status()[0].1, "two in a row eject");
+    assert_eq!(u.ejections(), 1);
+    for _ in 0..100 {
+        assert_eq!(u.pick(None), 1, "an ejected target gets nothing");
+    }
+    let first = u.targets[0].out_until_ms.load(Ordering::Relaxed) - u.now_ms();
+    assert!(first <= 60_000 && first > 59_000, "{first}");
+    // Target 1 fails too, but it is the last one in: it stays.
+    u.failure(1, &"x", false);
+    u.failure(1, &"x", false);
+    assert!(u.status()[1].1);
+    // Target 0 comes back and fails again: out for twice as long.
+    u.targets[0].out_until_ms.store(0, Ordering::Relaxed);
+    u.failure(0, &"x", false);
+    u.failure(0, &"x", false);
+    let second = u.targets[0].out_until_ms.load(Ordering::Relaxed) - u.now_ms();
+    assert!(second > 119_000 && second <= 120_000, "{second}");
+}
+
+#[test]
+fn replay_rebuilds_the_request() {
+    let mut headers = HeaderMap::new();
+    headers.insert("x-a", HeaderValue::from_static("1"));
+    let r = Replay {
+        method: Method::PUT,
+        uri: "/p?q=1".parse().unwrap(),
+        headers,
+    };
+    let req = r.request();
+    assert_eq!(req.method(), Method::PUT);
+    assert_eq!(req.uri(), "/p?q=1");
+    assert_eq!(req.headers()["x-a"], "1");
+}
