@@ -331,7 +331,7 @@ fn dashboard_in_headless_chromium_matches_metrics_and_shows_no_identity() {
     );
     // Store and upstream.
     assert!(dom.contains("started: memory (ok)"), "{dom}");
-    assert!(dom.contains(&format!(r#"data-upstream="http://{up}/""#)), "{dom}");
+    assert!(dom.contains(&format!(r#"data-upstream="http://{up}""#)), "{dom}");
 
     // Screenshots: laptop and phone width (test artifacts in target/).
     let laptop = screenshot(&page, "dashboard.png", 1280, 1500);

@@ -132,7 +132,6 @@ pub fn json(gw: &State) -> Value {
     rules.truncate(MAX_LISTED_RULES);
     let (shards, history, errors) = act.store();
     let up = act.upstream();
-    let upstream = &gw.config().upstream;
     let up_state = match (up.responses, up.failures) {
         (0, 0) => "idle",
         (0, _) => "down",
@@ -166,13 +165,16 @@ pub fn json(gw: &State) -> Value {
             "rules": rules.into_iter().map(|(_, _, v)| v).collect::<Vec<_>>(),
         },
         "limited": act.top_limited(MAX_LIMITED),
-        "upstreams": [{
-            "url": upstream.url.to_string(),
-            "state": up_state,
+        // One entry per target: ejected ones say so; the traffic figures are the upstream's as
+        // a whole (the sampler reads the per-class response counters).
+        "upstreams": gw.upstream().status().into_iter().map(|(url, is_in)| json!({
+            "url": url,
+            "state": if is_in { up_state } else { "ejected" },
+            "in": is_in,
             "responses_last_minute": up.responses,
             "failures_last_minute": up.failures,
             "last_failure_at": up.last_failure_at,
-        }],
+        })).collect::<Vec<_>>(),
     })
 }
 
