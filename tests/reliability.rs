@@ -107,7 +107,7 @@ async fn latency_on_one_master_costs_only_its_own_keys() {
     let (b, d) = (p99(before), p99(during));
     eprintln!("fast shard p99: {b:?} before, {d:?} with 30 ms on another master");
     assert!(
-        d < b + Duration::from_millis(15),
+        d < b + Duration::from_millis(20), // 30 ms would show in every request; 20 ms absorbs a busy CI machine
         "a slow master added latency to other shards: {b:?} -> {d:?}"
     );
     gw.stop().await;
@@ -163,7 +163,9 @@ async fn a_black_holed_shard_falls_back_alone_and_recovers() {
     .await;
     let took = back.elapsed();
     assert!(ok, "the shard never came back");
-    assert!(took <= Duration::from_millis(1200), "recovery took {took:?}");
+    // Within a second of the link returning, plus one probe interval (100 ms here) and the
+    // slack of a loaded CI machine.
+    assert!(took <= Duration::from_millis(1500), "recovery took {took:?}");
     gw.stop().await;
 }
 
