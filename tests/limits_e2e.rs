@@ -260,7 +260,7 @@ async fn admin_endpoints() {
         .unwrap();
     assert_eq!(v["identity"]["kind"], "api_key");
     assert_eq!(v["matches"][0]["rule"], "per-user");
-    assert_eq!(v["matches"][0]["override"], true);
+    assert_eq!(v["matches"][0]["override"]["source"], "rules_file");
     assert_eq!(v["matches"][0]["limits"][0]["limit"], 7);
     let key = v["matches"][0]["limits"][0]["store_key"].as_str().unwrap();
     assert!(!key.contains("secret") && !key.contains("cust_42"), "{key}");
