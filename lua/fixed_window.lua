@@ -71,25 +71,25 @@ local function fw_spend(key, now, limit, w, cost)
   end
 end
 
--- Give back `cost` units if the window the check counted them in is still the stored one
--- (and the key was not converted to another shape since).
-local function fw_refund(key, now, limit, w, cost)
+-- Move the count of the window of `now` (the instant the check was decided) by `delta`, never
+-- below 0, if that window is still the stored one and the key was not converted to another
+-- shape since (a window that moved on no longer counts those units anyway).
+local function fw_adjust(key, now, w, delta)
   local index = tg_index(now, w)
   local r = tg_read('HMGET', key, 'i', 'c', 'q')
   if r and tonumber(r[1]) == index and r[3] == tg_shape('f', w) then
-    redis.call('HSET', key, 'c', math.max((tonumber(r[2]) or 0) - cost, 0))
+    redis.call('HSET', key, 'c', math.max((tonumber(r[2]) or 0) + delta, 0))
     tg_forget(key)
   end
 end
 
--- Debit `cost` more units in the window of `now` (the instant the request was admitted), when
--- that window is still the stored one: the real cost of a request reported after its response
+-- Give back `cost` units counted at `now`.
+local function fw_refund(key, now, limit, w, cost)
+  fw_adjust(key, now, w, -cost)
+end
+
+-- Debit `cost` more units at `now`: the real cost of a request reported after its response
 -- (`cost_from`). The count may go over the limit; the key is then denied until the window ends.
 local function fw_debit(key, now, limit, w, cost)
-  local index = tg_index(now, w)
-  local r = tg_read('HMGET', key, 'i', 'c', 'q')
-  if r and tonumber(r[1]) == index and r[3] == tg_shape('f', w) then
-    redis.call('HSET', key, 'c', (tonumber(r[2]) or 0) + cost)
-    tg_forget(key)
-  end
+  fw_adjust(key, now, w, cost)
 end

@@ -99,10 +99,10 @@ local function sw_spend(key, now, limit, w, cost)
   end
 end
 
--- Give back `cost` units counted at `now`: from c if the window has not moved since, from p if
--- it moved on by exactly one window; later than that they no longer count anyway. A key
--- converted to another shape since keeps its units.
-local function sw_refund(key, now, limit, w, cost)
+-- Move the units counted at `now` by `delta` (never below 0): in c if the window has not moved
+-- since, in p if it moved on by exactly one window; later than that they no longer count
+-- anyway. A key converted to another shape since is left alone.
+local function sw_adjust(key, now, w, delta)
   local index = tg_index(now, w)
   local r = tg_read('HMGET', key, 'i', 'p', 'c', 'q')
   if not r or not r[1] or r[4] ~= tg_shape('s', w) then
@@ -110,29 +110,20 @@ local function sw_refund(key, now, limit, w, cost)
   end
   local i = tonumber(r[1])
   if i == index then
-    redis.call('HSET', key, 'c', math.max((tonumber(r[3]) or 0) - cost, 0))
+    redis.call('HSET', key, 'c', math.max((tonumber(r[3]) or 0) + delta, 0))
     tg_forget(key)
   elseif i == index + 1 then
-    redis.call('HSET', key, 'p', math.max((tonumber(r[2]) or 0) - cost, 0))
+    redis.call('HSET', key, 'p', math.max((tonumber(r[2]) or 0) + delta, 0))
     tg_forget(key)
   end
 end
 
--- Debit `cost` more units in the window of `now` (the instant the request was admitted), or in
--- the previous count when the window has moved on by one (mirrors sw_refund with the sign
--- reversed): the real cost of a request reported after its response (`cost_from`).
+-- Give back `cost` units counted at `now` (mirrors `refund` in src/limiter/algorithm).
+local function sw_refund(key, now, limit, w, cost)
+  sw_adjust(key, now, w, -cost)
+end
+
+-- Debit `cost` more units at `now` (`cost_from`; mirrors `debit` in src/limiter/algorithm).
 local function sw_debit(key, now, limit, w, cost)
-  local index = tg_index(now, w)
-  local r = tg_read('HMGET', key, 'i', 'p', 'c', 'q')
-  if not r or not r[1] or r[4] ~= tg_shape('s', w) then
-    return
-  end
-  local i = tonumber(r[1])
-  if i == index then
-    redis.call('HSET', key, 'c', (tonumber(r[3]) or 0) + cost)
-    tg_forget(key)
-  elseif i == index + 1 then
-    redis.call('HSET', key, 'p', (tonumber(r[2]) or 0) + cost)
-    tg_forget(key)
-  end
+  sw_adjust(key, now, w, cost)
 end

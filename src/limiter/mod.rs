@@ -586,20 +586,12 @@ impl Limiter {
     /// Give back what an admitted request spent (a leaky-bucket client that left while waiting,
     /// a request rejected by another limit's failure policy), each in the store that spent it.
     pub async fn refund(&self, spent: &[(LimitCheck, u64, Source)]) {
-        let pick = |src: Source| -> Vec<(LimitCheck, u64)> {
-            spent
-                .iter()
-                .filter(|(_, _, s)| *s == src)
-                .map(|(c, at, _)| (c.clone(), *at))
-                .collect()
-        };
-        let store = pick(Source::Store);
+        let (store, local) = by_source(spent);
         if !store.is_empty() {
             if let Ok(Err(e)) = tokio::time::timeout(self.timeout, self.store.refund(&store)).await {
                 tracing::warn!(error = %e, "refund failed; the units stay spent until their window passes");
             }
         }
-        let local = pick(Source::Local);
         if !local.is_empty() {
             self.local.refund_spent(&local);
         }
@@ -624,20 +616,12 @@ impl Limiter {
         if !refunds.is_empty() {
             self.refund(&refunds).await;
         }
-        let pick = |src: Source| -> Vec<(LimitCheck, u64)> {
-            debits
-                .iter()
-                .filter(|(_, _, s)| *s == src)
-                .map(|(c, at, _)| (c.clone(), *at))
-                .collect()
-        };
-        let store = pick(Source::Store);
+        let (store, local) = by_source(&debits);
         if !store.is_empty() {
             if let Ok(Err(e)) = tokio::time::timeout(self.timeout, self.store.debit(&store)).await {
                 tracing::warn!(error = %e, "debit of a reported cost failed; the request spent only its estimate");
             }
         }
-        let local = pick(Source::Local);
         if !local.is_empty() {
             self.local.debit_spent(&local);
         }
@@ -661,6 +645,22 @@ impl Limiter {
             Backend::Redis(r) => r.heal().await,
         }
     }
+}
+
+/// Split `(check, at, source)` entries into the primary store's and this node's local ones
+/// (the failure-policy sources spent nothing and are dropped).
+type AtList = Vec<(LimitCheck, u64)>;
+fn by_source(spent: &[(LimitCheck, u64, Source)]) -> (AtList, AtList) {
+    let mut store = Vec::new();
+    let mut local = Vec::new();
+    for (c, at, s) in spent {
+        match s {
+            Source::Store => store.push((c.clone(), *at)),
+            Source::Local => local.push((c.clone(), *at)),
+            _ => {}
+        }
+    }
+    (store, local)
 }
 
 /// An allowed outcome that reports nothing spent.

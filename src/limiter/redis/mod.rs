@@ -283,6 +283,24 @@ impl RedisStore {
         inner.topo.load().open_shards().count()
     }
 
+    /// Run `mode` (refund or debit) on what admitted checks spent: one call per slot, at the
+    /// `now` that slot's check used, concurrently.
+    async fn at_spent(&self, mode: Mode, spent: &[(LimitCheck, u64)]) -> Result<(), StoreError> {
+        if spent.is_empty() {
+            return Ok(());
+        }
+        let groups = group_by_tag(spent.iter().map(|(c, _)| &c.key));
+        let inner = &self.inner;
+        let calls = groups.iter().map(|g| {
+            let at = g.first().map(|&i| spent[i].1);
+            inner.call(mode, at, g.iter().map(|&i| &spent[i].0), peeked)
+        });
+        for r in futures_util::future::join_all(calls).await {
+            r?;
+        }
+        Ok(())
+    }
+
     /// Number of shards whose breaker is open now.
     pub fn open_breakers(&self) -> usize {
         self.inner.topo.load().open_shards().count()
@@ -309,19 +327,7 @@ impl Store for RedisStore {
     /// Refund each slot's spending at the `now` its check used, so window units come off the
     /// window they were counted in.
     async fn refund(&self, spent: &[(LimitCheck, u64)]) -> Result<(), StoreError> {
-        if spent.is_empty() {
-            return Ok(());
-        }
-        let groups = group_by_tag(spent.iter().map(|(c, _)| &c.key));
-        let inner = &self.inner;
-        let calls = groups.iter().map(|g| {
-            let at = g.first().map(|&i| spent[i].1);
-            inner.call(Mode::Refund, at, g.iter().map(|&i| &spent[i].0), peeked)
-        });
-        for r in futures_util::future::join_all(calls).await {
-            r?;
-        }
-        Ok(())
+        self.at_spent(Mode::Refund, spent).await
     }
 
     async fn peek(&self, checks: &[LimitCheck]) -> Result<Vec<Option<Outcome>>, StoreError> {
@@ -350,19 +356,7 @@ impl Store for RedisStore {
     /// Debit each slot's checks at the `now` its check used, like a refund with the sign
     /// reversed.
     async fn debit(&self, spent: &[(LimitCheck, u64)]) -> Result<(), StoreError> {
-        if spent.is_empty() {
-            return Ok(());
-        }
-        let groups = group_by_tag(spent.iter().map(|(c, _)| &c.key));
-        let inner = &self.inner;
-        let calls = groups.iter().map(|g| {
-            let at = g.first().map(|&i| spent[i].1);
-            inner.call(Mode::Debit, at, g.iter().map(|&i| &spent[i].0), peeked)
-        });
-        for r in futures_util::future::join_all(calls).await {
-            r?;
-        }
-        Ok(())
+        self.at_spent(Mode::Debit, spent).await
     }
 
     async fn renew(&self, held: &[LimitCheck]) -> Result<(), StoreError> {
