@@ -15,6 +15,7 @@
 //! | [`server`] | composition root: binds listeners, starts admin, file watcher and store probe, owns shutdown |
 //! | [`state`] | the shared state (config, snapshot handle, limiter, metrics; private fields), reload |
 //! | [`proxy`] | the request path: plan (`proxy::plan`, one `RequestPlan` per request) → check → forward / respond |
+//! | [`background`] | low-priority threads for reloads and for freeing replaced snapshots, so neither competes with requests |
 //! | [`activity`] | what the admin dashboard shows over time: per-second rule rates, most limited hashes, store and reload history |
 //! | [`admin`] | admin listener: health, readiness, status, metrics, rules, reload, explain, counters; token auth |
 //! | [`config`] | raw serde structs, validation into typed config, the file watcher; errors and parsing in a leaf |
@@ -31,6 +32,7 @@
 #![warn(missing_docs, unreachable_pub)]
 
 pub mod activity;
+pub mod background;
 pub mod admin;
 pub mod clock;
 pub mod config;

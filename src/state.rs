@@ -430,12 +430,12 @@ impl State {
         let why = why.as_str();
         let _guard = self.reload_lock.lock().await;
         self.check_config_file();
-        // Parse, validate, compile and compare on a blocking thread: a large registry takes
-        // seconds, and the runtime's workers serve requests meanwhile. The JWT keys (public key
+        // Parse, validate, compile and compare on a low-priority thread: a large registry takes
+        // seconds, and the runtime's workers serve requests meanwhile (`background`). The JWT keys (public key
         // / JWKS files) reload with the rules: all or nothing.
         let (config, metrics, old) = (self.config.clone(), self.metrics.clone(), self.snapshot.load_full());
         let rules_file = self.config.rules_file.clone();
-        let loaded = tokio::task::spawn_blocking(move || {
+        let loaded = crate::background::run("reload", move || {
             let snap = load_snapshot(&config, &metrics)?;
             let jwt = match &config.identity.jwt {
                 Some(k) => Some(k.prepare()?),
@@ -453,7 +453,7 @@ impl State {
             Ok((snap, jwt, rules, keys, changed, old_rules))
         })
         .await
-        .unwrap_or_else(|e| Err(ConfigError::file(&rules_file, format!("the reload task failed: {e}"))));
+        .unwrap_or_else(|e| Err(ConfigError::file(&rules_file, e.to_string())));
         match loaded {
             Ok((snap, jwt, rules, keys, changed, old_rules)) => {
                 if let (Some(keys), Some(v)) = (&self.config.identity.jwt, jwt) {
@@ -478,8 +478,9 @@ impl State {
                 self.runtime
                     .store(Arc::new(RuntimeOverrides::compile(stored, &snap.rules)));
                 let previous = self.snapshot.swap(Arc::new(snap));
-                // Freeing a large snapshot takes a while too: not on a request thread.
-                tokio::task::spawn_blocking(move || drop(previous));
+                // Freeing a large snapshot takes a while too: not on a request thread, and not
+                // by a request that happened to hold the last reference.
+                crate::background::reclaim(previous);
                 if let Some(d) = &self.limiter.deny {
                     // Limits may have changed: cached denials may no longer be true.
                     d.clear();

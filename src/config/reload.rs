@@ -90,10 +90,21 @@ fn stat(f: &Path) -> Option<(SystemTime, u64, u64)> {
     Some((m.modified().ok()?, m.len(), ino))
 }
 
-/// `look` on a blocking thread, so a large file never stalls the runtime that serves requests.
+/// `look` off the runtime: on a blocking thread while only metadata is read, and on a
+/// low-priority thread when a changed file must be hashed, so a large file never takes CPU from
+/// the requests.
 async fn look_off_runtime(files: &[PathBuf], last: &Seen) -> Seen {
     let (f, l) = (files.to_vec(), last.clone());
-    tokio::task::spawn_blocking(move || look(&f, &l))
+    let stats_only = tokio::task::spawn_blocking(move || {
+        let stats: Vec<_> = f.iter().map(|f| stat(f)).collect();
+        (!l.stats.is_empty() && stats == l.stats).then_some(l)
+    })
+    .await;
+    if let Ok(Some(same)) = stats_only {
+        return same;
+    }
+    let (f, l) = (files.to_vec(), last.clone());
+    crate::background::run("look", move || look(&f, &l))
         .await
         .unwrap_or_else(|_| last.clone())
 }
