@@ -151,6 +151,7 @@ fn bench_memory_store(c: &mut Criterion) {
                 shadow: false,
                 holder: 0,
                 penalty: None,
+                lease: None,
             })
             .collect();
         let mut i = 0usize;

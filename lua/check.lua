@@ -18,7 +18,13 @@
 --   - with flag 2, 2 more: the penalty's base and max in microseconds;
 --   - with flag 4 (fixed and sliding window only), 2 more: the calendar unit (1 day, 2 week
 --     from Monday, 3 month) and the UTC offset in seconds (-64800 .. 64800): windows are then
---     the clock's days, weeks or months (tg_index / tg_start in common.lua).
+--     the clock's days, weeks or months (tg_index / tg_start in common.lua);
+--   - with flag 8 (token bucket, fixed and sliding window only; check mode), 2 more: a LEASE
+--     for the calling gateway: `want` units (1 .. 10^12) and `extra` (0 .. 10^12). When the
+--     request is admitted and spent, the script grants g = min(want, floor(r / 2) - extra)
+--     units, r being what remains after the request, and spends g + extra more at once (extra
+--     makes a token-bucket lease count as spent at its expiry; see src/limiter/lease.rs). The
+--     reply's allowed code is then 5 and its delay slot carries g. No grant when g < 1.
 -- Penalty box (flag 2): a string at the penalty key, "<until_us>:<len_us>", expiring at until.
 --   While until > now the limit denies without being evaluated (allowed code 3) and, when
 --   max > base, each such request doubles the penalty from now (len = min(2 len, max)). A
@@ -44,7 +50,7 @@
 --   integers, which for the gateway's Redis client was the costliest part of a batched request.
 --   allowed is 1 or 0; 2 in a peek where the key does not exist; 3 when the key is in its penalty
 --   box (retry_after_us = the time left); 4 when this denial started or escalated a penalty
---   (retry_after_us at least the penalty). One 5-tuple per LIMIT (a penalty key adds none).
+--   (retry_after_us at least the penalty); 5 when admitted with a lease (delay slot = units). One 5-tuple per LIMIT (a penalty key adds none).
 -- peek: as a cost-0 check with cost forced to 0, writing nothing (state of another shape is
 --   converted in the reply only).
 -- Every limit argument is checked before anything runs: whole numbers, limit 1..10^12,
@@ -87,6 +93,8 @@ end
 local ALGO, LIMIT, INTERVAL, COST, SHADOW, MEMBER, KEY, PKEY, PBASE, PMAX = {}, {}, {}, {}, {}, {}, {}, {}, {}, {}
 -- Calendar alignment of limit i (unit 0 = none; see tg_cal in common.lua).
 local CALU, CALO = {}, {}
+-- Lease wanted by limit i and its extra units (nil without flag 8).
+local LWANT, LEXTRA = {}, {}
 local nlimits, nkeys = 0, 0
 
 -- Parse the limit whose arguments start after ARGV[b]; returns the index after its last
@@ -100,7 +108,7 @@ local function parse_limit(b)
   local flags = tg_num(ARGV[b + 5])
   if not tg_whole(code, 1, 6) or not tg_whole(limit, 1, TG_MAX_UNITS)
     or not tg_whole(interval, 1, TG_MAX_SPAN) or not tg_whole(cost, 0, TG_MAX_UNITS)
-    or not tg_whole(flags, 0, 7) then
+    or not tg_whole(flags, 0, 15) then
     return nil
   end
   if (code == 1 or code == 2) and limit * interval > TG_MAX_SPAN then
@@ -133,12 +141,21 @@ local function parse_limit(b)
     b = b + 2
   end
   CALU[i], CALO[i] = 0, 0
-  if flags >= 4 then
+  if flags % 8 >= 4 then
     local unit, off = tg_num(ARGV[b + 1]), tg_num(ARGV[b + 2])
     if (code ~= 3 and code ~= 5) or not tg_whole(unit, 1, 3) or not tg_whole(off, -64800, 64800) then
       return nil
     end
     CALU[i], CALO[i] = unit, off
+    b = b + 2
+  end
+  if flags >= 8 then
+    local want, extra = tg_num(ARGV[b + 1]), tg_num(ARGV[b + 2])
+    if (code ~= 1 and code ~= 3 and code ~= 5) or not tg_whole(want, 1, TG_MAX_UNITS)
+      or not tg_whole(extra, 0, TG_MAX_UNITS) then
+      return nil
+    end
+    LWANT[i], LEXTRA[i] = want, extra
     b = b + 2
   end
   nlimits, nkeys = i, k
@@ -229,8 +246,9 @@ if mode == 'check' then
   if b ~= argc or nkeys ~= #KEYS then
     return redis.error_reply('ERR tollgate: bad arguments (want R, then n and the limits per request)')
   end
-  -- Each request in turn, exactly as if it were a call of its own.
-  local admitted = {}
+  -- Each request in turn, exactly as if it were a call of its own. ROFF[i]: where limit i's
+  -- 5-tuple starts in the reply.
+  local admitted, ROFF = {}, {}
   local o = 1
   for r = 1, requests do
     local k0, m = FIRST[r], COUNT[r]
@@ -246,6 +264,7 @@ if mode == 'check' then
       reply[o + 3] = reset
       reply[o + 4] = retry
       reply[o + 5] = delay
+      ROFF[i] = o
       o = o + 5
     end
     if not blocked then
@@ -253,7 +272,19 @@ if mode == 'check' then
       for i = k0 + 1, k0 + m do
         if admitted[i] then
           tg_cal(CALU[i], CALO[i])
-          ALGO[i].spend(KEYS[KEY[i]], now, LIMIT[i], INTERVAL[i], COST[i], MEMBER[i])
+          local key = KEYS[KEY[i]]
+          ALGO[i].spend(key, now, LIMIT[i], INTERVAL[i], COST[i], MEMBER[i])
+          if LWANT[i] then
+            -- The lease: at most half of what the request left, spent now so no other gateway
+            -- can spend it.
+            local _, r = ALGO[i].eval(key, now, LIMIT[i], INTERVAL[i], 0)
+            local g = math.min(LWANT[i], math.floor(r / 2) - LEXTRA[i])
+            if g >= 1 then
+              ALGO[i].spend(key, now, LIMIT[i], INTERVAL[i], g + LEXTRA[i], MEMBER[i])
+              reply[ROFF[i] + 1] = 5
+              reply[ROFF[i] + 5] = g
+            end
+          end
         end
       end
     end

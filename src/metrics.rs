@@ -213,6 +213,8 @@ pub struct Metrics {
     /// Keys the memory store tracks (the primary store when memory, else the `failure: local`
     /// fallback), refreshed at each scrape.
     pub memory_store_keys: Gauge,
+    /// Leases of hot keys: taken, returned, unused units returned, requests decided locally.
+    pub leases: crate::limiter::lease::LeaseMetrics,
     /// Process resident memory, refreshed at each scrape (Linux).
     pub process_resident_memory: Gauge,
     /// Process open file descriptors, refreshed at each scrape (Linux).
@@ -283,6 +285,15 @@ impl Metrics {
         );
         let memory_evicted = evictions.get_or_create(&KindLabels { kind: "live".into() }).clone();
         let memory_evicted_denying = evictions.get_or_create(&KindLabels { kind: "denying".into() }).clone();
+        let leases = crate::limiter::lease::LeaseMetrics::default();
+        for (name, help, c) in [
+            ("leases_taken", "Leases of hot keys granted to this node by the store", &leases.taken),
+            ("leases_returned", "Leases this node ended (expired, replaced, reload, shutdown)", &leases.returned),
+            ("lease_units_unused", "Units of ended leases given back to the store unused", &leases.unused),
+            ("lease_decisions", "Requests this node decided from its leases, without a store call", &leases.local),
+        ] {
+            registry.register(name, help, c.clone());
+        }
         let deny_cache_hits = Counter::default();
         registry.register(
             "deny_cache_hits",
@@ -450,6 +461,7 @@ impl Metrics {
             deny_cache_hits,
             memory_evicted,
             memory_evicted_denying,
+            leases,
             upstream_status,
             upstream_latency,
             reload_ok,

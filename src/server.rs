@@ -78,6 +78,7 @@ pub async fn start_with(gw: Arc<State>) -> Result<Running, StartError> {
     spawn_health_check(&gw, rx.clone());
     spawn_probe(&gw, rx.clone());
     spawn_slot_renewal(&gw, rx.clone());
+    spawn_lease_sweep(&gw, rx.clone());
     spawn_override_refresh(&gw, rx.clone());
     let mut files = vec![gw.config().rules_file.clone()];
     files.extend(gw.config().keys_file.clone());
@@ -260,6 +261,8 @@ pub async fn serve_with(
             let _ = kill.send(true);
         }
     }
+    // Nothing is admitted any more: give every lease's unused units back to the fleet.
+    gw.limiter().return_leases(true).await;
 }
 
 /// Serve one connection (plain or TLS) with hyper's HTTP/1.1 or HTTP/2 connection, until it
@@ -404,6 +407,27 @@ fn spawn_slot_renewal(gw: &Arc<State>, mut stop: watch::Receiver<bool>) {
                 _ = stop.changed() => return,
             }
             gw.limiter().renew_held().await;
+        }
+    });
+}
+
+/// End expired leases and give their unused units back, every half lease time to live (so a
+/// lease's units are back in the store at most 1.5 × ttl after it was taken).
+fn spawn_lease_sweep(gw: &Arc<State>, mut stop: watch::Receiver<bool>) {
+    let Some(cfg) = gw.config().store.leases else {
+        return;
+    };
+    let gw = gw.clone();
+    tokio::spawn(async move {
+        let every = std::time::Duration::from_micros(cfg.ttl_us.get() / 2);
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stop.changed() => return,
+            }
+            gw.limiter().return_leases(false).await;
         }
     });
 }

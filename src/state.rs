@@ -339,6 +339,9 @@ impl State {
             clock: clock.clone(),
             held: Default::default(),
             next_holder: std::sync::atomic::AtomicU64::new(crate::limiter::random_holder_start()),
+            leases: sc
+                .leases
+                .map(|cfg| crate::limiter::lease::Leases::new(cfg, metrics.leases.clone())),
         };
         let upstream = crate::http::upstream::Upstream::new(&config.upstream, &metrics)?;
         let access = crate::proxy::access::Sampler::new(config.access_log);
@@ -485,6 +488,8 @@ impl State {
                     // Limits may have changed: cached denials may no longer be true.
                     d.clear();
                 }
+                // Leases were taken under the old limits: give them back.
+                self.limiter.return_leases(true).await;
                 self.metrics.reload_ok.inc();
                 self.activity.reloaded(crate::activity::ReloadEvent {
                     at: unix_secs(SystemTime::now()),

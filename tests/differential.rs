@@ -204,6 +204,7 @@ async fn run(store: &RedisStore, plan: &Plan, label: &str) -> Stats {
                         shadow: rng.gen_bool(0.2),
                         holder: step as u64 + 1,
                         penalty: penalties[j],
+                        lease: None,
                     }
                 })
                 .collect();

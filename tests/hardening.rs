@@ -1067,6 +1067,7 @@ fn rotation_child() {
                     shadow: false,
                     holder: 0,
                     penalty: None,
+                    lease: None,
                 };
                 let o = store.check_at(std::slice::from_ref(&check), now);
                 assert!(o[0].allowed, "a fresh /64 was denied at {i}");
@@ -1088,6 +1089,7 @@ fn rotation_child() {
                     shadow: false,
                     holder: 0,
                     penalty: None,
+                    lease: None,
                 };
                 deny.insert(&check, now + 3_600_000_000);
                 if i % 100_000 == 0 {

@@ -37,6 +37,7 @@ fn lc(key: &str, algorithm: Algorithm, limit: u64, period_us: u64, cost: u64) ->
         shadow: false,
         holder: 0,
         penalty: None,
+        lease: None,
     }
 }
 

@@ -209,6 +209,7 @@ pub async fn limited(gw: &State, hash: &str) -> Response<ProxyBody> {
                 shadow: r.shadow,
                 holder: 0,
                 penalty: r.penalty,
+                lease: None,
             });
             owners.push((l.rule.clone(), crate::describe::quota(q)));
         }

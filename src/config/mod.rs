@@ -5,6 +5,7 @@
 
 pub mod admin;
 pub mod error;
+pub mod leases;
 pub mod net;
 pub mod raw;
 pub mod reload;
@@ -173,6 +174,8 @@ pub struct StoreConfig {
     pub replicated: bool,
     /// Redis password and TLS roots.
     pub auth: StoreAuth,
+    /// Leases for hot keys (`store.leases`); `None` on the memory store or when disabled.
+    pub leases: Option<crate::limiter::lease::LeaseConfig>,
 }
 
 /// `limits:`, validated.
@@ -451,6 +454,7 @@ impl GatewayConfig {
         };
         let auth = net::store_auth(f, dir, s, if kind == StoreKind::Memory { &[] } else { &urls })?;
         let store = StoreConfig {
+            leases: leases::leases(f, &s.leases, kind)?,
             auth,
             kind,
             urls,

@@ -91,6 +91,20 @@ pub struct RawHealthCheck {
     pub timeout: Option<Spanned<String>>,
 }
 
+/// `store.leases:`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawLeases {
+    /// On by default for Redis stores.
+    pub enabled: Option<bool>,
+    /// `50/s`: a key seen less often never gets a lease.
+    pub min_rate: Option<Spanned<String>>,
+    /// Longest life of a lease.
+    pub ttl: Option<Spanned<String>>,
+    /// Most of a limit one lease may hold.
+    pub max_share: Option<Spanned<f64>>,
+}
+
 /// `store.tls:`.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -148,6 +162,8 @@ pub struct RawStore {
     pub concurrency_ttl: Option<Spanned<String>>,
     /// `none` (default) or `replicated`: writes wait for a replica.
     pub durability: Option<Spanned<String>>,
+    /// Leases for hot keys.
+    pub leases: Option<Spanned<RawLeases>>,
     /// Name of an env var holding the Redis password.
     pub password_env: Option<Spanned<String>>,
     /// TLS to Redis (`rediss://` URLs).
@@ -296,6 +312,8 @@ pub struct RawRule {
     pub shadow: bool,
     /// Penalty box: `10m`, or `{base: 1m, max: 1h}` to double on every breach during one.
     pub penalty: Option<Spanned<RawPenalty>>,
+    /// `lease: false` keeps this rule's keys out of leases (`store.leases`).
+    pub lease: Option<bool>,
     /// Only responses with these statuses spend quota.
     pub count_when: Option<Spanned<RawCountWhen>>,
     /// The real cost comes from a response header (or trailer).

@@ -214,6 +214,9 @@ pub struct Outcome {
     pub penalty_us: u64,
     /// This check's denial put the key in the penalty box (or, escalating, doubled its time).
     pub penalty_started: bool,
+    /// Units the store spent for this node's lease along with the request (0: none asked or
+    /// none granted).
+    pub leased: u64,
 }
 
 /// The state one limit keeps in the memory store.
@@ -364,6 +367,7 @@ fn bucket_eval(q: &Quota, state: &Option<State>, now: u64, cost: u64) -> Outcome
             at_us: now,
             penalty_us: 0,
             penalty_started: false,
+            leased: 0,
         }
     } else {
         Outcome {
@@ -375,6 +379,7 @@ fn bucket_eval(q: &Quota, state: &Option<State>, now: u64, cost: u64) -> Outcome
             at_us: now,
             penalty_us: 0,
             penalty_started: false,
+            leased: 0,
         }
     }
 }
@@ -397,6 +402,7 @@ fn fixed_eval(q: &Quota, state: &Option<State>, now: u64, cost: u64) -> Outcome 
             at_us: now,
             penalty_us: 0,
             penalty_started: false,
+            leased: 0,
         }
     } else {
         Outcome {
@@ -408,6 +414,7 @@ fn fixed_eval(q: &Quota, state: &Option<State>, now: u64, cost: u64) -> Outcome 
             at_us: now,
             penalty_us: 0,
             penalty_started: false,
+            leased: 0,
         }
     }
 }
@@ -440,6 +447,7 @@ fn log_eval(q: &Quota, state: &Option<State>, now: u64, cost: u64) -> Outcome {
             at_us: now,
             penalty_us: 0,
             penalty_started: false,
+            leased: 0,
         }
     } else {
         // The (count + cost - limit)-th oldest entry must leave the window first.
@@ -454,6 +462,7 @@ fn log_eval(q: &Quota, state: &Option<State>, now: u64, cost: u64) -> Outcome {
             at_us: now,
             penalty_us: 0,
             penalty_started: false,
+            leased: 0,
         }
     }
 }
@@ -505,6 +514,7 @@ fn sliding_eval(q: &Quota, state: &mut Option<State>, now: u64, cost: u64) -> Ou
             at_us: now,
             penalty_us: 0,
             penalty_started: false,
+            leased: 0,
         }
     } else {
         let retry = if curr + cost <= limit {
@@ -527,6 +537,7 @@ fn sliding_eval(q: &Quota, state: &mut Option<State>, now: u64, cost: u64) -> Ou
             at_us: now,
             penalty_us: 0,
             penalty_started: false,
+            leased: 0,
         }
     }
 }

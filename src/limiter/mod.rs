@@ -9,6 +9,7 @@ pub mod algorithm;
 pub mod breaker;
 pub mod deny_cache;
 pub mod keys;
+pub mod lease;
 pub mod memory;
 pub mod redis;
 
@@ -62,6 +63,8 @@ pub struct LimitCheck {
     pub holder: u64,
     /// The rule's penalty box, if it has one.
     pub penalty: Option<Penalty>,
+    /// A lease this node asks for in the same call (set by the limiter for hot keys only).
+    pub lease: Option<lease::LeaseAsk>,
 }
 
 impl LimitCheck {
@@ -74,6 +77,7 @@ impl LimitCheck {
             shadow: false,
             holder: 0,
             penalty: None,
+            lease: None,
         }
     }
 
@@ -126,6 +130,11 @@ impl AsRef<LimitCheck> for LimitCheck {
 pub trait PolicedCheck: AsRef<LimitCheck> + Sync {
     /// The failure policy of the rule this limit belongs to.
     fn policy(&self) -> FailurePolicy;
+
+    /// True when this limit may be decided from a lease ([`lease`] says which may not).
+    fn leasable(&self) -> bool {
+        false
+    }
 }
 
 /// Why a store could not answer. Any of these is a *store failure*; the rule's `failure`
@@ -337,6 +346,8 @@ pub enum Source {
     FailClosed,
     /// The store failed and this node's memory store decided.
     Local,
+    /// This node decided from its leases (quota the store already spent for it).
+    Lease,
 }
 
 /// The limiter's answer for one request: one outcome per check, plus how it was reached.
@@ -363,7 +374,9 @@ impl Verdict {
         self.outcomes
             .iter()
             .zip(checks.iter().map(AsRef::as_ref))
-            .filter(|((o, s), c)| o.allowed && c.cost > 0 && matches!(s, Source::Store | Source::Local))
+            .filter(|((o, s), c)| {
+                o.allowed && c.cost > 0 && matches!(s, Source::Store | Source::Local | Source::Lease)
+            })
             .map(|((o, s), c)| (c.clone(), o.at_us, *s))
             .collect()
     }
@@ -399,6 +412,9 @@ pub struct Limiter {
     /// gateways sharing one Redis never meet (64 bits: two nodes' ranges would have to overlap
     /// within the requests in flight).
     pub next_holder: std::sync::atomic::AtomicU64,
+    /// This node's leases of hot keys (`store.leases`); `None` on the memory store or when
+    /// leases are off.
+    pub leases: Option<lease::Leases>,
 }
 
 /// A random 64-bit start for [`Limiter::next_holder`].
@@ -495,14 +511,42 @@ impl Limiter {
                 }
             }
         }
-        let checked = if self.store.is_memory() {
-            self.store.check(checks).await
-        } else {
-            match tokio::time::timeout(self.timeout.saturating_mul(2), self.store.check(checks)).await {
-                Ok(c) => c,
-                Err(_) => Checked::all_failed(checks.len(), StoreError::Timeout),
+        let mut asked: Option<Vec<LimitCheck>> = None;
+        if let Some(leases) = &self.leases {
+            if let Some(outcomes) = leases.decide(checks, now) {
+                return Verdict {
+                    outcomes: outcomes.into_iter().map(|o| (o, Source::Lease)).collect(),
+                    store_error: None,
+                };
             }
+            let (back, asks) = leases.prepare(checks, now);
+            if !back.is_empty() {
+                // Before the check, so the store never denies it for this node's own unused units.
+                self.give_back(&back).await;
+            }
+            if asks.iter().any(Option::is_some) {
+                asked = Some(
+                    checks
+                        .iter()
+                        .zip(asks)
+                        .map(|(c, a)| LimitCheck {
+                            lease: a,
+                            ..c.as_ref().clone()
+                        })
+                        .collect(),
+                );
+            }
+        }
+        let checked = match &asked {
+            Some(a) => self.store_check(a).await,
+            None => self.store_check(checks).await,
         };
+        if let (Some(leases), Some(a)) = (&self.leases, &asked) {
+            let replaced = leases.granted(a, &checked.outcomes, now);
+            if !replaced.is_empty() {
+                self.give_back(&replaced).await;
+            }
+        }
         if let Some(deny) = &self.deny {
             for (i, (o, c)) in checked
                 .outcomes
@@ -529,6 +573,40 @@ impl Limiter {
             self.on_failure(checks, &checked.failed, &mut verdict).await;
         }
         verdict
+    }
+
+    /// One call to the primary store, within twice the store deadline.
+    async fn store_check<C: AsRef<LimitCheck> + Sync>(&self, checks: &[C]) -> Checked {
+        if self.store.is_memory() {
+            return self.store.check(checks).await;
+        }
+        match tokio::time::timeout(self.timeout.saturating_mul(2), self.store.check(checks)).await {
+            Ok(c) => c,
+            Err(_) => Checked::all_failed(checks.len(), StoreError::Timeout),
+        }
+    }
+
+    /// Give leased units back to the primary store (each `(limit, at)` with its unused units as
+    /// the cost, in the window they were spent in).
+    async fn give_back(&self, back: &[lease::Return]) {
+        match tokio::time::timeout(self.timeout.saturating_mul(2), self.store.refund(back)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, leases = back.len(), "returning unused lease units failed; they stay spent until their window passes or their bucket refills")
+            }
+            Err(_) => tracing::warn!(leases = back.len(), "returning unused lease units timed out"),
+        }
+    }
+
+    /// End the leases that expired (every lease with `all`: a reload or shutdown) and give
+    /// their unused units back. Called every half lease time to live by the server.
+    pub async fn return_leases(&self, all: bool) {
+        if let Some(leases) = &self.leases {
+            let back = leases.take_back(self.clock.now_us(), all);
+            if !back.is_empty() {
+                self.give_back(&back).await;
+            }
+        }
     }
 
     /// Decide the checks the store could not (each by its rule's failure policy). The local
@@ -586,6 +664,11 @@ impl Limiter {
     /// Give back what an admitted request spent (a leaky-bucket client that left while waiting,
     /// a request rejected by another limit's failure policy), each in the store that spent it.
     pub async fn refund(&self, spent: &[(LimitCheck, u64, Source)]) {
+        if let Some(leases) = &self.leases {
+            for (c, at, _) in spent.iter().filter(|(_, _, s)| *s == Source::Lease) {
+                leases.unspend(&c.key, *at, c.cost);
+            }
+        }
         let (store, local) = by_source(spent);
         if !store.is_empty() {
             if let Ok(Err(e)) = tokio::time::timeout(self.timeout, self.store.refund(&store)).await {

@@ -29,6 +29,8 @@ pub struct PlannedCheck {
     pub rule: u32,
     /// Where the limits came from.
     pub from: LimitsFrom,
+    /// This limit may be decided from a lease (its rule allows it and its algorithm takes them).
+    pub leasable: bool,
 }
 
 /// Where a planned check's limits came from, for `/explain`.
@@ -55,6 +57,10 @@ impl AsRef<LimitCheck> for PlannedCheck {
 impl PolicedCheck for PlannedCheck {
     fn policy(&self) -> FailurePolicy {
         self.policy
+    }
+
+    fn leasable(&self) -> bool {
+        self.leasable
     }
 }
 
@@ -147,6 +153,7 @@ pub fn rule_checks<'v>(
 ) {
     let rule = &snap.rules.rules[ri as usize];
     let planned = |check: LimitCheck, from: LimitsFrom| PlannedCheck {
+        leasable: rule.lease && crate::limiter::lease::algorithm_leases(check.quota.algorithm),
         check,
         policy: rule.failure,
         rule: ri,
@@ -159,6 +166,7 @@ pub fn rule_checks<'v>(
         shadow: rule.shadow,
         holder: 0,
         penalty: rule.penalty,
+        lease: None,
     };
     let file_limits = || {
         let limits = rule.limits_for_id(who);

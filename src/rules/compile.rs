@@ -624,6 +624,11 @@ impl RuleSet {
                 cost,
                 failure,
                 shadow: r.shadow,
+                lease: r.lease.unwrap_or(true)
+                    && !r.shadow
+                    && penalty.is_none()
+                    && count_when.is_none()
+                    && cost_from.is_none(),
                 penalty,
                 count_when,
                 cost_from,

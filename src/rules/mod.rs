@@ -161,6 +161,9 @@ pub struct Rule {
     pub shadow: bool,
     /// Penalty box: after this rule denies a key, the key stays denied for this long.
     pub penalty: Option<Penalty>,
+    /// Its limits may be decided from this node's leases (`lease: false` opts out; shadow rules,
+    /// penalty boxes and rules that settle after the response never lease).
+    pub lease: bool,
     /// Only responses whose status matches spend quota (the reservation is refunded otherwise).
     pub count_when: Option<StatusMatch>,
     /// The real cost comes from the response: reserve `cost`, then settle the difference.

@@ -19,6 +19,7 @@ fn check(key: &str, limit: u64, shadow: bool) -> LimitCheck {
         shadow,
         holder: 0,
         penalty: None,
+        lease: None,
     }
 }
 
@@ -118,6 +119,7 @@ fn on(key: &str, q: Quota, cost: u64) -> LimitCheck {
         shadow: false,
         holder: 0,
         penalty: None,
+        lease: None,
     }
 }
 

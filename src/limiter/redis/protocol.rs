@@ -62,11 +62,13 @@ fn script_head(sha: Option<&str>) -> Cmd {
 }
 
 /// Append the script arguments of one limit: code, limit, interval, cost, flags (1 shadow,
-/// 2 penalty box, 4 calendar window), then the holder for a concurrency slot, the penalty's
-/// base and max, and the calendar unit and UTC offset.
+/// 2 penalty box, 4 calendar window, 8 lease), then the holder for a concurrency slot, the
+/// penalty's base and max, the calendar unit and UTC offset, and the lease wanted and its extra.
 fn limit_args(cmd: &mut Cmd, c: &LimitCheck) {
-    let flags =
-        u8::from(c.shadow) | if c.penalty.is_some() { 2 } else { 0 } | if c.quota.calendar.is_some() { 4 } else { 0 };
+    let flags = u8::from(c.shadow)
+        | if c.penalty.is_some() { 2 } else { 0 }
+        | if c.quota.calendar.is_some() { 4 } else { 0 }
+        | if c.lease.is_some() { 8 } else { 0 };
     cmd.arg(c.quota.algorithm.code())
         .arg(c.quota.limit.get())
         .arg(c.quota.interval_us.get())
@@ -80,6 +82,9 @@ fn limit_args(cmd: &mut Cmd, c: &LimitCheck) {
     }
     if let Some(cal) = c.quota.calendar {
         cmd.arg(cal.unit.code()).arg(cal.offset_s);
+    }
+    if let Some(l) = c.lease {
+        cmd.arg(l.want).arg(l.extra);
     }
 }
 
@@ -196,19 +201,22 @@ pub(super) fn parse_packed<T>(value: Value, n: usize, map: fn(u64, Outcome) -> T
     for _ in 0..n {
         let allowed = next();
         let (remaining, reset_us, retry_after_us, delay_us) = (next(), next(), next(), next());
-        // 3: in the penalty box; 4: this denial started (or lengthened) a penalty.
+        // 3: in the penalty box; 4: this denial started (or lengthened) a penalty; 5: admitted
+        // with a lease, whose units come in the delay slot (leased limits have no delay).
         let penalty = allowed == 3 || allowed == 4;
+        let leased = if allowed == 5 { delay_us } else { 0 };
         out.push(map(
             allowed,
             Outcome {
-                allowed: allowed == 1,
+                allowed: allowed == 1 || allowed == 5,
                 remaining,
                 reset_us,
                 retry_after_us,
-                delay_us,
+                delay_us: delay_us - leased,
                 at_us: now,
                 penalty_us: if penalty { retry_after_us } else { 0 },
                 penalty_started: allowed == 4,
+                leased,
             },
         ));
     }

@@ -21,6 +21,7 @@ fn check(key: &str, algorithm: Algorithm, shadow: bool) -> LimitCheck {
         shadow,
         holder: 0,
         penalty: None,
+        lease: None,
     }
 }
 

@@ -1,0 +1,382 @@
+//! Leases: hot keys decided on this node without a Redis call per request (DESIGN §10).
+//!
+//! A lease is quota that Redis has already **spent** on this node's behalf. The check that
+//! takes it spends the request's own cost plus the lease in one script call, so no other node
+//! can spend those units; this node then admits from the lease locally and gives back what it
+//! did not use when the lease ends (expiry, reload, shutdown). The fleet therefore never admits
+//! more than the limit; the price is under-admission, at most the unused part of each node's
+//! live lease.
+//!
+//! Why each algorithm stays exact:
+//! - **Fixed and sliding window**: the lease's units are counted in the window of the call that
+//!   took them, and the lease ends no later than that window (measured from when the call was
+//!   *sent*, so never after Redis's window ends). Units used inside the window they were counted
+//!   in are exactly what a per-request call would have counted.
+//! - **Token bucket**: a unit spent early and used later would let the bucket refill meanwhile
+//!   (Redis sees the units gone; the bucket's clamp at capacity no longer wastes that refill), so
+//!   the script also spends `extra = ttl / interval` units: the lease is accounted as if spent at
+//!   its expiry, the latest instant it can be used, and granted only when it fits at the instant
+//!   it is taken. A return gives back only the unused units, never `extra`.
+//!
+//! Sliding log, leaky bucket and concurrency never take leases: their exactness rests on
+//! per-request timestamps, spacing or holders. Nor do shadow limits, limits with a penalty box
+//! (a penalty must reach every node at once) and rules that settle after the response.
+//!
+//! # Concurrency
+//! Both tables are behind `parking_lot` mutexes held only to read or update a few integers,
+//! never across an `.await`: the heat table is striped (one mutex per slot) so concurrent
+//! requests for different keys never meet; the lease table has one mutex, taken once per
+//! request that has leasable limits.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hash, Hasher};
+use std::num::{NonZeroU32, NonZeroU64};
+
+use parking_lot::Mutex;
+use prometheus_client::metrics::counter::Counter;
+
+use super::algorithm::{calendar, Algorithm, Outcome, Quota};
+use super::{LimitCheck, PolicedCheck, StoreKey};
+
+/// `store.leases`, validated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseConfig {
+    /// A key this node sees less often than this many times a second never gets a lease.
+    pub min_rate: NonZeroU32,
+    /// Longest life of a lease, microseconds.
+    pub ttl_us: NonZeroU64,
+    /// Most of a limit one lease may hold, in millionths (0.1 is 100,000).
+    pub max_share_ppm: NonZeroU32,
+}
+
+impl Default for LeaseConfig {
+    fn default() -> Self {
+        LeaseConfig {
+            min_rate: NonZeroU32::new(50).unwrap_or(NonZeroU32::MIN),
+            ttl_us: NonZeroU64::new(250_000).unwrap_or(NonZeroU64::MIN),
+            max_share_ppm: NonZeroU32::new(100_000).unwrap_or(NonZeroU32::MIN),
+        }
+    }
+}
+
+/// What a check asks the script to lease along with the request: up to `want` more units,
+/// capped by the script at half of what remains after the request, plus `extra` units spent and
+/// never returned (token bucket only, see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LeaseAsk {
+    /// Units wanted for this node's lease (≥ 1).
+    pub want: u64,
+    /// Units spent on top of a granted lease and never returned.
+    pub extra: u64,
+}
+
+/// True when limits of this algorithm may be leased.
+pub fn algorithm_leases(a: Algorithm) -> bool {
+    matches!(a, Algorithm::TokenBucket | Algorithm::FixedWindow | Algorithm::SlidingWindow)
+}
+
+/// Counters the leases keep (resolved once, at start-up).
+#[derive(Debug, Clone, Default)]
+pub struct LeaseMetrics {
+    /// Leases granted by the store.
+    pub taken: Counter,
+    /// Leases given back (expired, replaced, reloaded, shut down).
+    pub returned: Counter,
+    /// Units given back unused.
+    pub unused: Counter,
+    /// Requests decided on this node from its leases.
+    pub local: Counter,
+}
+
+/// One live lease of this node.
+#[derive(Debug, Clone)]
+struct Lease {
+    /// The limit it was taken for; a request with another quota (a reload, an override) does
+    /// not use it.
+    quota: Quota,
+    /// The store's clock when it was taken: a return gives the units back in that window.
+    at_us: u64,
+    /// Units not used yet.
+    left: u64,
+    /// Units granted.
+    granted: u64,
+    /// This node's clock when the lease ends (from when the taking call was sent).
+    expires_us: u64,
+    /// This node's clock when the taking call was sent.
+    since_us: u64,
+    /// `remaining` the store reported when the lease was taken (an estimate afterwards).
+    remaining: u64,
+    /// `reset_us` the store reported when the lease was taken.
+    reset_us: u64,
+}
+
+/// Heat of one key: requests this node saw in the current and the previous second.
+#[derive(Debug, Clone, Copy, Default)]
+struct Heat {
+    /// Hash of the key counted here (0: empty).
+    tag: u64,
+    /// The second `cur` counts.
+    sec: u64,
+    /// Requests in second `sec`.
+    cur: u32,
+    /// Requests in second `sec - 1`.
+    prev: u32,
+}
+
+/// Number of heat slots. Keys that share a slot compete for it; a hot key keeps its slot
+/// against cold ones (a slot changes hands only when its key saw fewer than 2 requests in two
+/// seconds), so 100,000 rotating cold keys cost one slot update each and never get a lease.
+const HEAT_SLOTS: usize = 8192;
+
+/// A unit to give back to the store: the limit (its `cost` the units) and the store instant
+/// the units were spent at.
+pub type Return = (LimitCheck, u64);
+
+/// This node's leases and the heat of its keys. See the module docs.
+pub struct Leases {
+    /// The configuration.
+    cfg: LeaseConfig,
+    /// Requests seen per key, by hash slot (striped: one mutex per slot).
+    heat: Box<[Mutex<Heat>]>,
+    /// Live leases by limit key.
+    live: Mutex<HashMap<StoreKey, Lease, foldhash::fast::FixedState>>,
+    /// Hasher for the heat slots.
+    hasher: foldhash::fast::FixedState,
+    /// Counters.
+    metrics: LeaseMetrics,
+}
+
+impl std::fmt::Debug for Leases {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Leases")
+            .field("cfg", &self.cfg)
+            .field("live", &self.live.lock().len())
+            .finish()
+    }
+}
+
+impl Leases {
+    /// Empty tables with `cfg`, counting into `metrics`.
+    pub fn new(cfg: LeaseConfig, metrics: LeaseMetrics) -> Self {
+        Leases {
+            cfg,
+            heat: (0..HEAT_SLOTS).map(|_| Mutex::new(Heat::default())).collect(),
+            live: Mutex::new(HashMap::with_hasher(foldhash::fast::FixedState::default())),
+            hasher: foldhash::fast::FixedState::with_seed(0x7011_6a7e),
+            metrics,
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> LeaseConfig {
+        self.cfg
+    }
+
+    /// Count one request for `key` at `now_us`; the key's rate as requests in the last full
+    /// second (or this one, when already higher).
+    fn note(&self, key: &StoreKey, now_us: u64) -> u32 {
+        let mut h = self.hasher.build_hasher();
+        key.hash(&mut h);
+        let tag = h.finish() | 1;
+        let sec = now_us / 1_000_000;
+        let Some(slot) = self.heat.get((tag as usize) % HEAT_SLOTS) else {
+            return 0;
+        };
+        let mut s = slot.lock();
+        // Roll the slot forward to this second.
+        if s.sec != sec {
+            s.prev = if s.sec + 1 == sec { s.cur } else { 0 };
+            s.cur = 0;
+            s.sec = sec;
+        }
+        if s.tag != tag {
+            if s.cur + s.prev >= 2 {
+                return 0; // another key is using this slot and is not cold
+            }
+            *s = Heat {
+                tag,
+                sec,
+                cur: 0,
+                prev: 0,
+            };
+        }
+        s.cur = s.cur.saturating_add(1);
+        s.cur.max(s.prev)
+    }
+
+    /// Decide the request from this node's leases, or `None` when any of its limits is not
+    /// covered by a live lease (then nothing was spent). All or nothing across its limits.
+    pub fn decide<C: PolicedCheck>(&self, checks: &[C], now_us: u64) -> Option<Vec<Outcome>> {
+        if checks.is_empty() || !checks.iter().all(PolicedCheck::leasable) {
+            return None;
+        }
+        let mut live = self.live.lock();
+        for (i, c) in checks.iter().map(AsRef::as_ref).enumerate() {
+            // A key listed twice would need its costs summed: rare, so the store decides it.
+            if checks[..i].iter().any(|d| d.as_ref().key == c.key) {
+                return None;
+            }
+            match live.get(&c.key) {
+                Some(l) if l.quota == c.quota && now_us < l.expires_us && l.left >= c.cost => {}
+                _ => return None,
+            }
+        }
+        let mut out = Vec::with_capacity(checks.len());
+        for c in checks.iter().map(AsRef::as_ref) {
+            if let Some(l) = live.get_mut(&c.key) {
+                l.left -= c.cost;
+                let used = l.granted - l.left;
+                out.push(Outcome {
+                    allowed: true,
+                    remaining: l.remaining.saturating_sub(used),
+                    reset_us: l.reset_us.saturating_sub(now_us.saturating_sub(l.since_us)),
+                    at_us: l.at_us,
+                    ..Outcome::default()
+                });
+            }
+        }
+        drop(live);
+        self.metrics.local.inc();
+        Some(out)
+    }
+
+    /// Before a request goes to the store: count its keys' heat, take back the leases it cannot
+    /// use (expired, too small for its cost, for another quota) so the store never denies it
+    /// because of this node's own unused units, and say which limits should ask for a lease in
+    /// the same call. Returns the units to give back first, and the asks (one per check; `None`
+    /// everywhere when the request should not lease at all).
+    pub fn prepare<C: PolicedCheck>(&self, checks: &[C], now_us: u64) -> (Vec<Return>, Vec<Option<LeaseAsk>>) {
+        let mut back = Vec::new();
+        let mut asks = vec![None; checks.len()];
+        let every_leasable = !checks.is_empty() && checks.iter().all(PolicedCheck::leasable);
+        let rates: Vec<u32> = checks
+            .iter()
+            .map(|c| if c.leasable() { self.note(&c.as_ref().key, now_us) } else { 0 })
+            .collect();
+        let mut live = self.live.lock();
+        for (i, c) in checks.iter().map(AsRef::as_ref).enumerate() {
+            if !checks[i].leasable() {
+                continue;
+            }
+            if let Some(l) = live.get(&c.key) {
+                if l.quota == c.quota && now_us < l.expires_us && l.left >= c.cost {
+                    continue; // still good: another limit of this request was not covered
+                }
+                if let Some(l) = live.remove(&c.key) {
+                    self.ended(&l);
+                    if l.left > 0 {
+                        back.push((LimitCheck::new(c.key.clone(), l.quota, l.left), l.at_us));
+                    }
+                }
+            }
+            // Only a request whose every limit may lease takes leases: a lease that can never
+            // decide a request alone would only park quota.
+            if every_leasable && rates[i] >= self.cfg.min_rate.get() {
+                asks[i] = self.ask(&c.quota, c.cost, rates[i]);
+            }
+        }
+        (back, asks)
+    }
+
+    /// The lease to ask for a limit `q` seen `rate` times a second with requests of `cost`:
+    /// about rate × ttl, at most `max_share` of the limit, at least the cost.
+    fn ask(&self, q: &Quota, cost: u64, rate: u32) -> Option<LeaseAsk> {
+        let ttl = self.cfg.ttl_us.get();
+        let by_rate = (u64::from(rate) * ttl / 1_000_000).max(1) * cost.max(1);
+        let cap = q.limit.get() / 1_000_000 * u64::from(self.cfg.max_share_ppm.get())
+            + q.limit.get() % 1_000_000 * u64::from(self.cfg.max_share_ppm.get()) / 1_000_000;
+        let want = by_rate.max(cost).min(cap);
+        if want == 0 || want < cost {
+            return None;
+        }
+        let extra = match q.algorithm {
+            Algorithm::TokenBucket => ttl.div_ceil(q.interval_us.get()),
+            _ => 0,
+        };
+        Some(LeaseAsk { want, extra })
+    }
+
+    /// Record the leases the store granted with a request: `checks[i]` asked and `outcomes[i]`
+    /// says how many units it got. `sent_us` is this node's clock when the call was sent.
+    /// Returns the units of leases these replace (two calls for one key raced), to give back.
+    pub fn granted(&self, checks: &[LimitCheck], outcomes: &[Outcome], sent_us: u64) -> Vec<Return> {
+        let mut back = Vec::new();
+        let mut live = self.live.lock();
+        for (c, o) in checks.iter().zip(outcomes) {
+            if c.lease.is_none() || o.leased == 0 || !o.allowed {
+                continue;
+            }
+            let life = self.cfg.ttl_us.get().min(window_left(&c.quota, o.at_us));
+            let lease = Lease {
+                quota: c.quota,
+                at_us: o.at_us,
+                left: o.leased,
+                granted: o.leased,
+                expires_us: sent_us.saturating_add(life),
+                since_us: sent_us,
+                remaining: o.remaining,
+                reset_us: o.reset_us,
+            };
+            self.metrics.taken.inc();
+            if let Some(old) = live.insert(c.key.clone(), lease) {
+                self.ended(&old);
+                if old.left > 0 {
+                    back.push((LimitCheck::new(c.key.clone(), old.quota, old.left), old.at_us));
+                }
+            }
+        }
+        back
+    }
+
+    /// Give `cost` units back to the lease they were taken from (a locally admitted request
+    /// that did not go through after all), if it is still live.
+    pub fn unspend(&self, key: &StoreKey, at_us: u64, cost: u64) {
+        if let Some(l) = self.live.lock().get_mut(key) {
+            if l.at_us == at_us {
+                l.left = (l.left + cost).min(l.granted);
+            }
+        }
+    }
+
+    /// End the leases that expired by `now_us` (all of them with `all`): the units to give back.
+    pub fn take_back(&self, now_us: u64, all: bool) -> Vec<Return> {
+        let mut live = self.live.lock();
+        let mut back = Vec::new();
+        live.retain(|k, l| {
+            if !all && now_us < l.expires_us {
+                return true;
+            }
+            self.ended(l);
+            if l.left > 0 {
+                back.push((LimitCheck::new(k.clone(), l.quota, l.left), l.at_us));
+            }
+            false
+        });
+        back
+    }
+
+    /// How many leases are live.
+    pub fn live(&self) -> usize {
+        self.live.lock().len()
+    }
+
+    /// Count the end of lease `l`.
+    fn ended(&self, l: &Lease) {
+        self.metrics.returned.inc();
+        self.metrics.unused.inc_by(l.left);
+    }
+}
+
+/// Microseconds from `at_us` to the end of the window `q` counts `at_us` in (a lease of a window
+/// limit must end with it); unbounded for a token bucket.
+fn window_left(q: &Quota, at_us: u64) -> u64 {
+    match q.algorithm {
+        Algorithm::FixedWindow | Algorithm::SlidingWindow => {
+            calendar::start(q, calendar::index(q, at_us) + 1).saturating_sub(at_us)
+        }
+        _ => u64::MAX,
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,207 @@
+//! The lease tables alone: local decisions, expiry, heat, sizing. The store side (grants,
+//! returns, the fleet never over-admitting) is tested against real Redis in tests/leases.rs.
+
+use super::*;
+use crate::limiter::FailurePolicy;
+
+/// A planned check as the limiter sees it.
+struct C(LimitCheck, bool);
+
+impl AsRef<LimitCheck> for C {
+    fn as_ref(&self) -> &LimitCheck {
+        &self.0
+    }
+}
+
+impl PolicedCheck for C {
+    fn policy(&self) -> FailurePolicy {
+        FailurePolicy::Open
+    }
+    fn leasable(&self) -> bool {
+        self.1
+    }
+}
+
+fn nz(n: u64) -> NonZeroU64 {
+    NonZeroU64::new(n).unwrap()
+}
+
+fn window(limit: u64) -> Quota {
+    Quota::window(Algorithm::FixedWindow, nz(limit), nz(60_000_000))
+}
+
+fn check(key: &str, q: Quota, cost: u64) -> C {
+    C(LimitCheck::new(StoreKey(key.into()), q, cost), true)
+}
+
+fn leases() -> Leases {
+    Leases::new(
+        LeaseConfig {
+            min_rate: NonZeroU32::new(10).unwrap(),
+            ..LeaseConfig::default()
+        },
+        LeaseMetrics::default(),
+    )
+}
+
+/// Grant `units` on `c` as the store would: the outcome of a check at store time `at`.
+fn grant(l: &Leases, c: &C, units: u64, at: u64, sent: u64) -> Vec<Return> {
+    let mut asked = c.0.clone();
+    asked.lease = Some(LeaseAsk { want: units, extra: 0 });
+    let o = Outcome {
+        allowed: true,
+        remaining: 500,
+        reset_us: 30_000_000,
+        at_us: at,
+        leased: units,
+        ..Outcome::default()
+    };
+    l.granted(&[asked], &[o], sent)
+}
+
+#[test]
+fn a_lease_decides_until_its_units_run_out() {
+    let l = leases();
+    let c = check("k", window(1000), 2);
+    assert!(l.decide(std::slice::from_ref(&c), 1_000).is_none(), "no lease yet");
+    assert!(grant(&l, &c, 5, 60_000_001, 1_000).is_empty());
+    let a = l.decide(std::slice::from_ref(&c), 2_000).unwrap();
+    assert!(a[0].allowed);
+    assert_eq!(a[0].at_us, 60_000_001, "refunds must name the window the units were spent in");
+    assert_eq!(a[0].remaining, 498, "remaining is the store's figure minus local spending");
+    assert!(l.decide(std::slice::from_ref(&c), 3_000).is_some());
+    // 1 unit left, the request costs 2: the store decides it, and the lease is given back.
+    assert!(l.decide(std::slice::from_ref(&c), 4_000).is_none());
+    let (back, _) = l.prepare(std::slice::from_ref(&c), 4_000);
+    assert_eq!(back.len(), 1);
+    assert_eq!((back[0].0.cost, back[0].1), (1, 60_000_001));
+    assert_eq!(l.live(), 0);
+}
+
+#[test]
+fn all_or_nothing_across_a_requests_limits() {
+    let l = leases();
+    let (a, b) = (check("a", window(1000), 1), check("b", window(1000), 1));
+    grant(&l, &a, 10, 60_000_000, 0);
+    let both = [a, b];
+    assert!(l.decide(&both, 10).is_none(), "b has no lease: the store decides");
+    // Nothing was spent from a's lease by the refused local decision.
+    let back = l.take_back(u64::MAX, true);
+    assert_eq!(back[0].0.cost, 10);
+}
+
+#[test]
+fn limits_that_may_not_lease_are_never_decided_locally() {
+    let l = leases();
+    let mut c = check("k", window(1000), 1);
+    grant(&l, &c, 10, 60_000_000, 0);
+    c.1 = false;
+    assert!(l.decide(std::slice::from_ref(&c), 10).is_none());
+}
+
+#[test]
+fn a_lease_ends_at_its_ttl_and_its_unused_units_go_back() {
+    let l = leases();
+    let c = check("k", window(1000), 1);
+    grant(&l, &c, 10, 60_000_000, 1_000);
+    assert!(l.decide(std::slice::from_ref(&c), 1_000 + 249_999).is_some());
+    assert!(l.decide(std::slice::from_ref(&c), 1_000 + 250_000).is_none(), "expired at ttl");
+    assert!(l.take_back(1_000 + 249_999, false).is_empty(), "not expired yet");
+    let back = l.take_back(1_000 + 250_000, false);
+    assert_eq!(back.len(), 1);
+    assert_eq!(back[0].0.cost, 9);
+    assert_eq!(l.metrics.unused.get(), 9);
+    assert_eq!(l.metrics.returned.get(), 1);
+}
+
+#[test]
+fn a_window_lease_ends_with_its_window() {
+    let l = leases();
+    let c = check("k", window(1000), 1);
+    // Taken 100 ms before the window (60 s, epoch-aligned) ends: it lives 100 ms, not 250.
+    grant(&l, &c, 10, 120_000_000 - 100_000, 5_000);
+    assert!(l.decide(std::slice::from_ref(&c), 5_000 + 99_999).is_some());
+    assert!(l.decide(std::slice::from_ref(&c), 5_000 + 100_000).is_none());
+}
+
+#[test]
+fn another_quota_does_not_use_the_lease() {
+    let l = leases();
+    grant(&l, &check("k", window(1000), 1), 10, 60_000_000, 0);
+    let other = check("k", window(2000), 1);
+    assert!(l.decide(std::slice::from_ref(&other), 10).is_none());
+    let (back, _) = l.prepare(std::slice::from_ref(&other), 10);
+    assert_eq!(back[0].0.quota, window(1000), "given back under the quota it was taken for");
+}
+
+#[test]
+fn only_keys_seen_at_min_rate_ask_and_asks_are_capped() {
+    let l = leases();
+    let c = check("hot", window(1000), 1);
+    for i in 0..9 {
+        let (_, asks) = l.prepare(std::slice::from_ref(&c), 1_000_000 + i);
+        assert!(asks[0].is_none(), "cold after {} requests", i + 1);
+    }
+    let (_, asks) = l.prepare(std::slice::from_ref(&c), 1_000_000 + 10);
+    let ask = asks[0].unwrap();
+    // 10/s × 250 ms = 2.5, at least 1 per request's cost; at most 10 % of 1000.
+    assert_eq!(ask, LeaseAsk { want: 2, extra: 0 });
+    for i in 0..1000 {
+        l.prepare(std::slice::from_ref(&c), 1_000_000 + 11 + i);
+    }
+    let (_, asks) = l.prepare(std::slice::from_ref(&c), 1_500_000);
+    assert_eq!(asks[0].unwrap().want, 100, "capped at max_share of the limit");
+}
+
+#[test]
+fn a_request_with_a_limit_that_may_not_lease_asks_for_none() {
+    let l = leases();
+    let hot = check("hot", window(1000), 1);
+    let mut cold = check("other", window(1000), 1);
+    cold.1 = false;
+    let both = [hot, cold];
+    for i in 0..50 {
+        let (_, asks) = l.prepare(&both, 1_000_000 + i);
+        assert!(asks.iter().all(Option::is_none));
+    }
+}
+
+#[test]
+fn token_bucket_leases_carry_the_refill_of_their_life_as_extra() {
+    let l = leases();
+    // 100 tokens, one every 10 ms: a 250 ms lease also spends the 25 tokens refilled meanwhile.
+    let q = Quota::bucket(Algorithm::TokenBucket, nz(1000), nz(10_000));
+    assert_eq!(l.ask(&q, 1, 400).unwrap(), LeaseAsk { want: 100, extra: 25 });
+    assert!(l.ask(&q, 1, 0).is_some_and(|a| a.want == 1));
+    // A limit too small for a 10 % share gets no lease.
+    assert!(l.ask(&window(5), 1, 1000).is_none());
+}
+
+#[test]
+fn cold_rotating_keys_do_not_push_a_hot_key_out_of_its_heat_slot() {
+    let l = leases();
+    let hot = StoreKey("hot".into());
+    let mut rate = 0;
+    for i in 0..200_000u64 {
+        let now = 5_000_000 + i * 5; // 1 s of traffic: 200k requests
+        if i % 100 == 0 {
+            rate = l.note(&hot, now); // 2,000 requests a second for the hot key
+        } else {
+            l.note(&StoreKey(format!("cold-{i}")), now);
+        }
+    }
+    assert!(rate >= 1_900, "the hot key's rate was lost to cold keys: {rate}");
+    // And no cold key ever looks hot.
+    assert!(l.note(&StoreKey("cold-3".into()), 6_000_000) < 10);
+}
+
+#[test]
+fn units_of_a_request_that_did_not_go_through_return_to_the_lease() {
+    let l = leases();
+    let c = check("k", window(1000), 3);
+    grant(&l, &c, 3, 60_000_000, 0);
+    assert!(l.decide(std::slice::from_ref(&c), 10).is_some());
+    assert!(l.decide(std::slice::from_ref(&c), 11).is_none(), "spent");
+    l.unspend(&c.0.key, 60_000_000, 3);
+    assert!(l.decide(std::slice::from_ref(&c), 12).is_some(), "given back to the lease");
+}
