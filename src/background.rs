@@ -13,8 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use thread_priority::{
-    set_thread_priority_and_policy, thread_native_id, NormalThreadSchedulePolicy, ThreadPriority,
-    ThreadSchedulePolicy,
+    set_thread_priority_and_policy, thread_native_id, NormalThreadSchedulePolicy, ThreadPriority, ThreadSchedulePolicy,
 };
 
 /// Why a background job gave no result.
@@ -90,7 +89,10 @@ mod tests {
         let stat = std::fs::read_to_string("/proc/thread-self/stat").unwrap_or_default();
         // Fields after the command name (which ends with ')'): state is field 3, nice field 19.
         let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
-        rest.split_whitespace().nth(16).and_then(|n| n.parse().ok()).unwrap_or(0)
+        rest.split_whitespace()
+            .nth(16)
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
     }
 
     #[cfg(target_os = "linux")]

@@ -32,8 +32,8 @@
 #![warn(missing_docs, unreachable_pub)]
 
 pub mod activity;
-pub mod background;
 pub mod admin;
+pub mod background;
 pub mod clock;
 pub mod config;
 pub mod demo;

@@ -287,10 +287,26 @@ impl Metrics {
         let memory_evicted_denying = evictions.get_or_create(&KindLabels { kind: "denying".into() }).clone();
         let leases = crate::limiter::lease::LeaseMetrics::default();
         for (name, help, c) in [
-            ("leases_taken", "Leases of hot keys granted to this node by the store", &leases.taken),
-            ("leases_returned", "Leases this node ended (expired, replaced, reload, shutdown)", &leases.returned),
-            ("lease_units_unused", "Units of ended leases given back to the store unused", &leases.unused),
-            ("lease_decisions", "Requests this node decided from its leases, without a store call", &leases.local),
+            (
+                "leases_taken",
+                "Leases of hot keys granted to this node by the store",
+                &leases.taken,
+            ),
+            (
+                "leases_returned",
+                "Leases this node ended (expired, replaced, reload, shutdown)",
+                &leases.returned,
+            ),
+            (
+                "lease_units_unused",
+                "Units of ended leases given back to the store unused",
+                &leases.unused,
+            ),
+            (
+                "lease_decisions",
+                "Requests this node decided from its leases, without a store call",
+                &leases.local,
+            ),
         ] {
             registry.register(name, help, c.clone());
         }

@@ -11,7 +11,11 @@ use crate::limiter::lease::LeaseConfig;
 
 /// The leases a store takes: `None` on the memory store (one node has nothing to lease) or with
 /// `enabled: false`. On by default for Redis and Redis Cluster.
-pub fn leases(file: &Path, raw: &Option<Spanned<RawLeases>>, kind: StoreKind) -> Result<Option<LeaseConfig>, ConfigError> {
+pub fn leases(
+    file: &Path,
+    raw: &Option<Spanned<RawLeases>>,
+    kind: StoreKind,
+) -> Result<Option<LeaseConfig>, ConfigError> {
     let mut cfg = LeaseConfig::default();
     let Some(raw) = raw else {
         return Ok((kind != StoreKind::Memory).then_some(cfg));
@@ -21,16 +25,16 @@ pub fn leases(file: &Path, raw: &Option<Spanned<RawLeases>>, kind: StoreKind) ->
         let interval = crate::rules::parse_rate(&m.value)
             .map_err(|e| ConfigError::at(file, &m.referenced, format!("store.leases.min_rate: {e}")))?;
         let per_s = 1_000_000 / interval.get();
-        cfg.min_rate = u32::try_from(per_s)
-            .ok()
-            .and_then(NonZeroU32::new)
-            .ok_or_else(|| {
-                ConfigError::at(
-                    file,
-                    &m.referenced,
-                    format!("store.leases.min_rate: {:?} must be between 1/s and 4294967295/s", m.value),
-                )
-            })?;
+        cfg.min_rate = u32::try_from(per_s).ok().and_then(NonZeroU32::new).ok_or_else(|| {
+            ConfigError::at(
+                file,
+                &m.referenced,
+                format!(
+                    "store.leases.min_rate: {:?} must be between 1/s and 4294967295/s",
+                    m.value
+                ),
+            )
+        })?;
     }
     if let Some(t) = &r.ttl {
         let d = duration(file, t)?;
@@ -50,7 +54,10 @@ pub fn leases(file: &Path, raw: &Option<Spanned<RawLeases>>, kind: StoreKind) ->
             return Err(ConfigError::at(
                 file,
                 &s.referenced,
-                format!("store.leases.max_share: {} must be more than 0 and at most 0.5", s.value),
+                format!(
+                    "store.leases.max_share: {} must be more than 0 and at most 0.5",
+                    s.value
+                ),
             ));
         }
         cfg.max_share_ppm = NonZeroU32::new(ppm as u32).unwrap_or(cfg.max_share_ppm);

@@ -29,11 +29,14 @@
 //! request that has leasable limits.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasher, Hash, Hasher};
+use std::hash::BuildHasher;
 use std::num::{NonZeroU32, NonZeroU64};
+
+use std::sync::Arc;
 
 use parking_lot::Mutex;
 use prometheus_client::metrics::counter::Counter;
+use tokio::sync::Notify;
 
 use super::algorithm::{calendar, Algorithm, Outcome, Quota};
 use super::{LimitCheck, PolicedCheck, StoreKey};
@@ -72,7 +75,10 @@ pub struct LeaseAsk {
 
 /// True when limits of this algorithm may be leased.
 pub fn algorithm_leases(a: Algorithm) -> bool {
-    matches!(a, Algorithm::TokenBucket | Algorithm::FixedWindow | Algorithm::SlidingWindow)
+    matches!(
+        a,
+        Algorithm::TokenBucket | Algorithm::FixedWindow | Algorithm::SlidingWindow
+    )
 }
 
 /// Counters the leases keep (resolved once, at start-up).
@@ -140,6 +146,10 @@ pub struct Leases {
     heat: Box<[Mutex<Heat>]>,
     /// Live leases by limit key.
     live: Mutex<HashMap<StoreKey, Lease, foldhash::fast::FixedState>>,
+    /// Keys whose lease is being asked for right now, with what wakes the requests waiting for
+    /// it. One ask per key at a time: without this, every request that arrives while the ask
+    /// is in flight would ask too, and each grant would replace (and return) the one before.
+    asking: Mutex<HashMap<StoreKey, Arc<Notify>, foldhash::fast::FixedState>>,
     /// Hasher for the heat slots.
     hasher: foldhash::fast::FixedState,
     /// Counters.
@@ -155,6 +165,51 @@ impl std::fmt::Debug for Leases {
     }
 }
 
+/// What [`Leases::prepare`] found for a request about to go to the store.
+pub struct Prepared<'a> {
+    /// Units of leases this request cannot use, to give back before its check.
+    pub back: Vec<Return>,
+    /// Per check: the lease to ask for in the same call.
+    pub asks: Vec<Option<LeaseAsk>>,
+    /// Another request is asking for a lease of this key: wait for it ([`Leases::wait`]), then
+    /// try [`Leases::decide`] again.
+    pub wait: Option<(StoreKey, Arc<Notify>)>,
+    /// The asks this request owns; they end (and wake the waiters) when it is dropped, however
+    /// the request ends.
+    pub asking: Asking<'a>,
+}
+
+/// The keys one request is asking leases for. Dropping it ends the asks and wakes the requests
+/// waiting for them, so a request that fails, times out or is dropped never leaves a key
+/// waiting.
+pub struct Asking<'a> {
+    /// The tables.
+    leases: &'a Leases,
+    /// Keys this request asks for.
+    keys: Vec<StoreKey>,
+}
+
+impl Asking<'_> {
+    /// End the asks now.
+    pub fn done(&mut self) {
+        if self.keys.is_empty() {
+            return;
+        }
+        let mut asking = self.leases.asking.lock();
+        for k in self.keys.drain(..) {
+            if let Some(n) = asking.remove(&k) {
+                n.notify_waiters();
+            }
+        }
+    }
+}
+
+impl Drop for Asking<'_> {
+    fn drop(&mut self) {
+        self.done();
+    }
+}
+
 impl Leases {
     /// Empty tables with `cfg`, counting into `metrics`.
     pub fn new(cfg: LeaseConfig, metrics: LeaseMetrics) -> Self {
@@ -162,6 +217,7 @@ impl Leases {
             cfg,
             heat: (0..HEAT_SLOTS).map(|_| Mutex::new(Heat::default())).collect(),
             live: Mutex::new(HashMap::with_hasher(foldhash::fast::FixedState::default())),
+            asking: Mutex::new(HashMap::with_hasher(foldhash::fast::FixedState::default())),
             hasher: foldhash::fast::FixedState::with_seed(0x7011_6a7e),
             metrics,
         }
@@ -175,9 +231,7 @@ impl Leases {
     /// Count one request for `key` at `now_us`; the key's rate as requests in the last full
     /// second (or this one, when already higher).
     fn note(&self, key: &StoreKey, now_us: u64) -> u32 {
-        let mut h = self.hasher.build_hasher();
-        key.hash(&mut h);
-        let tag = h.finish() | 1;
+        let tag = self.tag(key);
         let sec = now_us / 1_000_000;
         let Some(slot) = self.heat.get((tag as usize) % HEAT_SLOTS) else {
             return 0;
@@ -204,11 +258,31 @@ impl Leases {
         s.cur.max(s.prev)
     }
 
+    /// The heat tag of `key` (never 0, which marks an empty slot).
+    fn tag(&self, key: &StoreKey) -> u64 {
+        self.hasher.hash_one(key) | 1
+    }
+
+    /// The rate `note` last measured for `key` (0 when another key holds its slot).
+    fn rate(&self, key: &StoreKey, now_us: u64) -> u32 {
+        let tag = self.tag(key);
+        let sec = now_us / 1_000_000;
+        match self.heat.get((tag as usize) % HEAT_SLOTS).map(|s| *s.lock()) {
+            Some(s) if s.tag == tag && s.sec == sec => s.cur.max(s.prev),
+            Some(s) if s.tag == tag && s.sec + 1 == sec => s.cur,
+            _ => 0,
+        }
+    }
+
     /// Decide the request from this node's leases, or `None` when any of its limits is not
     /// covered by a live lease (then nothing was spent). All or nothing across its limits.
     pub fn decide<C: PolicedCheck>(&self, checks: &[C], now_us: u64) -> Option<Vec<Outcome>> {
         if checks.is_empty() || !checks.iter().all(PolicedCheck::leasable) {
             return None;
+        }
+        // Every request counts toward its keys' heat, local or not: the heat sizes the leases.
+        for c in checks {
+            self.note(&c.as_ref().key, now_us);
         }
         let mut live = self.live.lock();
         for (i, c) in checks.iter().map(AsRef::as_ref).enumerate() {
@@ -243,15 +317,28 @@ impl Leases {
     /// Before a request goes to the store: count its keys' heat, take back the leases it cannot
     /// use (expired, too small for its cost, for another quota) so the store never denies it
     /// because of this node's own unused units, and say which limits should ask for a lease in
-    /// the same call. Returns the units to give back first, and the asks (one per check; `None`
-    /// everywhere when the request should not lease at all).
-    pub fn prepare<C: PolicedCheck>(&self, checks: &[C], now_us: u64) -> (Vec<Return>, Vec<Option<LeaseAsk>>) {
-        let mut back = Vec::new();
-        let mut asks = vec![None; checks.len()];
+    /// the same call. When another request is already asking for one of its keys, the answer
+    /// says what to wait for instead (with `may_wait`), after which the request should try
+    /// [`Leases::decide`] again.
+    pub fn prepare<C: PolicedCheck>(&self, checks: &[C], now_us: u64, may_wait: bool) -> Prepared<'_> {
+        let mut p = Prepared {
+            back: Vec::new(),
+            asks: vec![None; checks.len()],
+            wait: None,
+            asking: Asking {
+                leases: self,
+                keys: Vec::new(),
+            },
+        };
         let every_leasable = !checks.is_empty() && checks.iter().all(PolicedCheck::leasable);
+        // `decide` counted a request whose every limit may lease; count the others here.
         let rates: Vec<u32> = checks
             .iter()
-            .map(|c| if c.leasable() { self.note(&c.as_ref().key, now_us) } else { 0 })
+            .map(|c| match (c.leasable(), every_leasable) {
+                (false, _) => 0,
+                (true, true) => self.rate(&c.as_ref().key, now_us),
+                (true, false) => self.note(&c.as_ref().key, now_us),
+            })
             .collect();
         let mut live = self.live.lock();
         for (i, c) in checks.iter().map(AsRef::as_ref).enumerate() {
@@ -265,17 +352,53 @@ impl Leases {
                 if let Some(l) = live.remove(&c.key) {
                     self.ended(&l);
                     if l.left > 0 {
-                        back.push((LimitCheck::new(c.key.clone(), l.quota, l.left), l.at_us));
+                        p.back.push((LimitCheck::new(c.key.clone(), l.quota, l.left), l.at_us));
                     }
                 }
             }
             // Only a request whose every limit may lease takes leases: a lease that can never
             // decide a request alone would only park quota.
             if every_leasable && rates[i] >= self.cfg.min_rate.get() {
-                asks[i] = self.ask(&c.quota, c.cost, rates[i]);
+                p.asks[i] = self.ask(&c.quota, c.cost, rates[i]);
             }
         }
-        (back, asks)
+        drop(live);
+        if p.asks.iter().any(Option::is_some) {
+            let mut asking = self.asking.lock();
+            for (c, a) in checks.iter().map(AsRef::as_ref).zip(p.asks.iter_mut()) {
+                if a.is_none() {
+                    continue;
+                }
+                if let Some(n) = asking.get(&c.key) {
+                    // Someone else is asking for this key: no second ask; wait for theirs.
+                    *a = None;
+                    if may_wait && p.wait.is_none() {
+                        p.wait = Some((c.key.clone(), n.clone()));
+                    }
+                } else {
+                    asking.insert(c.key.clone(), Arc::new(Notify::new()));
+                    p.asking.keys.push(c.key.clone());
+                }
+            }
+        }
+        if p.wait.is_some() {
+            // The request waits instead of going to the store: it asks for nothing itself.
+            p.asks.iter_mut().for_each(|a| *a = None);
+            p.asking.done();
+        }
+        p
+    }
+
+    /// Wait (at most `timeout`) until the ask for `key` that `n` belongs to has been answered.
+    pub async fn wait(&self, key: &StoreKey, n: &Notify, timeout: std::time::Duration) {
+        let notified = n.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        // Answered between `prepare` and now: nothing to wait for.
+        if !self.asking.lock().contains_key(key) {
+            return;
+        }
+        let _ = tokio::time::timeout(timeout, notified).await;
     }
 
     /// The lease to ask for a limit `q` seen `rate` times a second with requests of `cost`:

@@ -374,9 +374,7 @@ impl Verdict {
         self.outcomes
             .iter()
             .zip(checks.iter().map(AsRef::as_ref))
-            .filter(|((o, s), c)| {
-                o.allowed && c.cost > 0 && matches!(s, Source::Store | Source::Local | Source::Lease)
-            })
+            .filter(|((o, s), c)| o.allowed && c.cost > 0 && matches!(s, Source::Store | Source::Local | Source::Lease))
             .map(|((o, s), c)| (c.clone(), o.at_us, *s))
             .collect()
     }
@@ -512,23 +510,31 @@ impl Limiter {
             }
         }
         let mut asked: Option<Vec<LimitCheck>> = None;
+        let mut asking = None;
         if let Some(leases) = &self.leases {
             if let Some(outcomes) = leases.decide(checks, now) {
-                return Verdict {
-                    outcomes: outcomes.into_iter().map(|o| (o, Source::Lease)).collect(),
-                    store_error: None,
-                };
+                return lease_verdict(outcomes);
             }
-            let (back, asks) = leases.prepare(checks, now);
-            if !back.is_empty() {
+            let mut prep = leases.prepare(checks, now, true);
+            if let Some((key, n)) = prep.wait.take() {
+                // Another request is asking for this key's lease: its grant will most likely
+                // decide this one too.
+                leases.wait(&key, &n, self.timeout).await;
+                let now = self.clock.now_us();
+                if let Some(outcomes) = leases.decide(checks, now) {
+                    return lease_verdict(outcomes);
+                }
+                prep = leases.prepare(checks, now, false);
+            }
+            if !prep.back.is_empty() {
                 // Before the check, so the store never denies it for this node's own unused units.
-                self.give_back(&back).await;
+                self.give_back(&prep.back).await;
             }
-            if asks.iter().any(Option::is_some) {
+            if prep.asks.iter().any(Option::is_some) {
                 asked = Some(
                     checks
                         .iter()
-                        .zip(asks)
+                        .zip(prep.asks)
                         .map(|(c, a)| LimitCheck {
                             lease: a,
                             ..c.as_ref().clone()
@@ -536,6 +542,7 @@ impl Limiter {
                         .collect(),
                 );
             }
+            asking = Some(prep.asking);
         }
         let checked = match &asked {
             Some(a) => self.store_check(a).await,
@@ -543,6 +550,8 @@ impl Limiter {
         };
         if let (Some(leases), Some(a)) = (&self.leases, &asked) {
             let replaced = leases.granted(a, &checked.outcomes, now);
+            // The asks are answered: wake the requests waiting for them.
+            drop(asking);
             if !replaced.is_empty() {
                 self.give_back(&replaced).await;
             }
@@ -744,6 +753,14 @@ fn by_source(spent: &[(LimitCheck, u64, Source)]) -> (AtList, AtList) {
         }
     }
     (store, local)
+}
+
+/// A verdict decided from this node's leases.
+fn lease_verdict(outcomes: Vec<Outcome>) -> Verdict {
+    Verdict {
+        outcomes: outcomes.into_iter().map(|o| (o, Source::Lease)).collect(),
+        store_error: None,
+    }
 }
 
 /// An allowed outcome that reports nothing spent.

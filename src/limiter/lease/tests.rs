@@ -59,6 +59,13 @@ fn grant(l: &Leases, c: &C, units: u64, at: u64, sent: u64) -> Vec<Return> {
     l.granted(&[asked], &[o], sent)
 }
 
+/// One request for `c` at `now` as the limiter makes it (local decision first), up to the asks
+/// it would send.
+fn seen(l: &Leases, c: &C, now: u64) -> Vec<Option<LeaseAsk>> {
+    assert!(l.decide(std::slice::from_ref(c), now).is_none());
+    l.prepare(std::slice::from_ref(c), now, false).asks
+}
+
 #[test]
 fn a_lease_decides_until_its_units_run_out() {
     let l = leases();
@@ -67,12 +74,18 @@ fn a_lease_decides_until_its_units_run_out() {
     assert!(grant(&l, &c, 5, 60_000_001, 1_000).is_empty());
     let a = l.decide(std::slice::from_ref(&c), 2_000).unwrap();
     assert!(a[0].allowed);
-    assert_eq!(a[0].at_us, 60_000_001, "refunds must name the window the units were spent in");
-    assert_eq!(a[0].remaining, 498, "remaining is the store's figure minus local spending");
+    assert_eq!(
+        a[0].at_us, 60_000_001,
+        "refunds must name the window the units were spent in"
+    );
+    assert_eq!(
+        a[0].remaining, 498,
+        "remaining is the store's figure minus local spending"
+    );
     assert!(l.decide(std::slice::from_ref(&c), 3_000).is_some());
     // 1 unit left, the request costs 2: the store decides it, and the lease is given back.
     assert!(l.decide(std::slice::from_ref(&c), 4_000).is_none());
-    let (back, _) = l.prepare(std::slice::from_ref(&c), 4_000);
+    let back = l.prepare(std::slice::from_ref(&c), 4_000, false).back;
     assert_eq!(back.len(), 1);
     assert_eq!((back[0].0.cost, back[0].1), (1, 60_000_001));
     assert_eq!(l.live(), 0);
@@ -105,7 +118,10 @@ fn a_lease_ends_at_its_ttl_and_its_unused_units_go_back() {
     let c = check("k", window(1000), 1);
     grant(&l, &c, 10, 60_000_000, 1_000);
     assert!(l.decide(std::slice::from_ref(&c), 1_000 + 249_999).is_some());
-    assert!(l.decide(std::slice::from_ref(&c), 1_000 + 250_000).is_none(), "expired at ttl");
+    assert!(
+        l.decide(std::slice::from_ref(&c), 1_000 + 250_000).is_none(),
+        "expired at ttl"
+    );
     assert!(l.take_back(1_000 + 249_999, false).is_empty(), "not expired yet");
     let back = l.take_back(1_000 + 250_000, false);
     assert_eq!(back.len(), 1);
@@ -130,8 +146,12 @@ fn another_quota_does_not_use_the_lease() {
     grant(&l, &check("k", window(1000), 1), 10, 60_000_000, 0);
     let other = check("k", window(2000), 1);
     assert!(l.decide(std::slice::from_ref(&other), 10).is_none());
-    let (back, _) = l.prepare(std::slice::from_ref(&other), 10);
-    assert_eq!(back[0].0.quota, window(1000), "given back under the quota it was taken for");
+    let back = l.prepare(std::slice::from_ref(&other), 10, false).back;
+    assert_eq!(
+        back[0].0.quota,
+        window(1000),
+        "given back under the quota it was taken for"
+    );
 }
 
 #[test]
@@ -139,18 +159,23 @@ fn only_keys_seen_at_min_rate_ask_and_asks_are_capped() {
     let l = leases();
     let c = check("hot", window(1000), 1);
     for i in 0..9 {
-        let (_, asks) = l.prepare(std::slice::from_ref(&c), 1_000_000 + i);
-        assert!(asks[0].is_none(), "cold after {} requests", i + 1);
+        assert!(
+            seen(&l, &c, 1_000_000 + i)[0].is_none(),
+            "cold after {} requests",
+            i + 1
+        );
     }
-    let (_, asks) = l.prepare(std::slice::from_ref(&c), 1_000_000 + 10);
-    let ask = asks[0].unwrap();
+    let ask = seen(&l, &c, 1_000_000 + 10)[0].unwrap();
     // 10/s × 250 ms = 2.5, at least 1 per request's cost; at most 10 % of 1000.
     assert_eq!(ask, LeaseAsk { want: 2, extra: 0 });
     for i in 0..1000 {
-        l.prepare(std::slice::from_ref(&c), 1_000_000 + 11 + i);
+        seen(&l, &c, 1_000_000 + 11 + i);
     }
-    let (_, asks) = l.prepare(std::slice::from_ref(&c), 1_500_000);
-    assert_eq!(asks[0].unwrap().want, 100, "capped at max_share of the limit");
+    assert_eq!(
+        seen(&l, &c, 1_500_000)[0].unwrap().want,
+        100,
+        "capped at max_share of the limit"
+    );
 }
 
 #[test]
@@ -161,7 +186,7 @@ fn a_request_with_a_limit_that_may_not_lease_asks_for_none() {
     cold.1 = false;
     let both = [hot, cold];
     for i in 0..50 {
-        let (_, asks) = l.prepare(&both, 1_000_000 + i);
+        let asks = l.prepare(&both, 1_000_000 + i, false).asks;
         assert!(asks.iter().all(Option::is_none));
     }
 }
@@ -203,5 +228,40 @@ fn units_of_a_request_that_did_not_go_through_return_to_the_lease() {
     assert!(l.decide(std::slice::from_ref(&c), 10).is_some());
     assert!(l.decide(std::slice::from_ref(&c), 11).is_none(), "spent");
     l.unspend(&c.0.key, 60_000_000, 3);
-    assert!(l.decide(std::slice::from_ref(&c), 12).is_some(), "given back to the lease");
+    assert!(
+        l.decide(std::slice::from_ref(&c), 12).is_some(),
+        "given back to the lease"
+    );
+}
+
+#[tokio::test]
+async fn one_ask_per_key_at_a_time_and_the_others_wait_for_it() {
+    let l = leases();
+    let c = check("k", window(1000), 1);
+    for i in 0..20 {
+        seen(&l, &c, 1_000_000 + i);
+    }
+    let first = l.prepare(std::slice::from_ref(&c), 1_000_100, true);
+    assert!(first.asks[0].is_some() && first.wait.is_none());
+    let second = l.prepare(std::slice::from_ref(&c), 1_000_101, true);
+    assert!(
+        second.asks[0].is_none(),
+        "a second ask for a key already being asked for"
+    );
+    let (key, n) = second.wait.clone().unwrap();
+    // The first request's answer arrives (its asks end when it is dropped): the waiter wakes
+    // long before its 10 s timeout.
+    let waiter = async {
+        let t = std::time::Instant::now();
+        l.wait(&key, &n, std::time::Duration::from_secs(10)).await;
+        t.elapsed()
+    };
+    let answer = async {
+        tokio::task::yield_now().await;
+        drop(first);
+    };
+    let (waited, ()) = tokio::join!(waiter, answer);
+    assert!(waited < std::time::Duration::from_secs(5), "waited {waited:?}");
+    // With the ask over, the next request may ask again.
+    assert!(l.prepare(std::slice::from_ref(&c), 1_000_102, true).asks[0].is_some());
 }

@@ -1,0 +1,417 @@
+//! Issue #14, leases for hot keys (DESIGN §10), against real Redis: the script's grants on a
+//! standalone server, and three gateways sharing one hot key on a real 6-node cluster — the
+//! fleet never admits more than the limit, admits at least the limit minus every node's largest
+//! lease, and makes at most 0.1 Redis calls per request at steady state (`INFO commandstats`).
+//! The last test drives three limiters over one Redis with leases on and off and holds both to
+//! the limit on the same request sequences.
+
+mod support;
+
+use std::num::{NonZeroU32, NonZeroU64};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use support::*;
+use tollgate::clock::SystemClock;
+use tollgate::limiter::lease::{LeaseAsk, LeaseConfig, LeaseMetrics, Leases};
+use tollgate::limiter::memory::MemoryStore;
+use tollgate::limiter::redis::{RedisMode, RedisStore};
+use tollgate::limiter::{Algorithm, Backend, FailurePolicy, LimitCheck, Limiter, PolicedCheck, Quota, Store, StoreKey};
+
+fn nz(v: u64) -> NonZeroU64 {
+    NonZeroU64::new(v).unwrap()
+}
+
+fn store_yaml(kind: &str, urls: &[String], leases: &str) -> String {
+    let list: Vec<String> = urls.iter().map(|u| format!("\"{u}\"")).collect();
+    format!(
+        "store:\n  kind: {kind}\n  urls: [{}]\n  timeout: 300ms\n  probe_interval: 100ms\n{leases}identity:\n  trusted_proxies: [127.0.0.1/32]\n",
+        list.join(", ")
+    )
+}
+
+/// Leases for any key seen 20 times a second, living 250 ms, at most 10 % of a limit.
+const LEASES: &str = "  leases: { min_rate: 20/s, ttl: 250ms, max_share: 0.1 }\n";
+
+/// `total` requests from client `ip`, spread round-robin over `gws` by `conc` concurrent
+/// clients: (admitted, denied). Anything but 200, 429 or 503 (a check past the store's
+/// deadline, with `failure: closed`) fails the test.
+async fn hammer(gws: &[TestGateway], ip: &str, total: usize, conc: usize) -> (usize, usize) {
+    let c = client();
+    let next = Arc::new(AtomicUsize::new(0));
+    let (ok, no) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let urls: Arc<Vec<String>> = Arc::new(gws.iter().map(|g| format!("{}/hot", g.url)).collect());
+    let mut tasks = Vec::new();
+    for _ in 0..conc {
+        let (c, next, ok, no, urls, ip) = (
+            c.clone(),
+            next.clone(),
+            ok.clone(),
+            no.clone(),
+            urls.clone(),
+            ip.to_owned(),
+        );
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let n = next.fetch_add(1, Ordering::Relaxed);
+                if n >= total {
+                    return;
+                }
+                let r = c
+                    .get(&urls[n % urls.len()])
+                    .header("X-Forwarded-For", &ip)
+                    .send()
+                    .await
+                    .unwrap();
+                match r.status().as_u16() {
+                    200 => ok.fetch_add(1, Ordering::Relaxed),
+                    429 | 503 => no.fetch_add(1, Ordering::Relaxed),
+                    s => panic!("unexpected status {s}: {}", r.text().await.unwrap_or_default()),
+                };
+                let _ = r.bytes().await;
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    (ok.load(Ordering::Relaxed), no.load(Ordering::Relaxed))
+}
+
+async fn three(upstream: &str, store: &str, rules: &str) -> Vec<TestGateway> {
+    let mut v = Vec::new();
+    for _ in 0..3 {
+        v.push(gateway(upstream, store, rules, None).await);
+    }
+    v
+}
+
+/// Sum of a metric over the gateways.
+async fn fleet_metric(gws: &[TestGateway], name: &str) -> f64 {
+    let c = client();
+    let mut sum = 0.0;
+    for g in gws {
+        sum += metric_value(&c, &g.admin, name).await;
+    }
+    sum
+}
+
+/// One hot key, three gateways on a 6-node cluster, requests until the limit is long gone:
+/// never more than the limit, never less than the limit minus 3 × the largest lease (10 % of
+/// it), and leases decided requests locally.
+async fn hot_key_never_over_admits(
+    cluster: &RedisCluster,
+    ip: &str,
+    rule: &str,
+    limit: usize,
+    slack: impl Fn(Duration) -> usize,
+) {
+    let up = echo().await;
+    // Fail closed: a check that passes the store deadline on this busy machine must not be
+    // admitted unchecked (fail open would, by design, and count as over-admission here).
+    let rules = format!("rules:\n  - {{ name: hot, match: {{ path: \"/**\" }}, key: ip, failure: closed, {rule} }}\n");
+    let gws = three(
+        &format!("http://{up}"),
+        &store_yaml("redis_cluster", &cluster.seed_urls(), LEASES),
+        &rules,
+    )
+    .await;
+    let started = Instant::now();
+    let (ok, no) = hammer(&gws, ip, limit * 4, 24).await;
+    let allowed_now = limit + slack(started.elapsed());
+    let largest_lease = limit / 10;
+    println!(
+        "{rule}: admitted {ok} of {} (limit {limit}, at most {allowed_now}), denied {no}",
+        ok + no
+    );
+    assert!(
+        ok <= allowed_now,
+        "{rule}: the fleet admitted {ok}, over the limit {allowed_now}"
+    );
+    assert!(
+        ok >= limit - 3 * largest_lease,
+        "{rule}: admitted {ok}, below limit - nodes × largest lease = {}",
+        limit - 3 * largest_lease
+    );
+    let local = fleet_metric(&gws, "tollgate_lease_decisions_total").await;
+    let taken = fleet_metric(&gws, "tollgate_leases_taken_total").await;
+    println!("{rule}: {local} requests decided from {taken} leases");
+    assert!(
+        taken >= 1.0 && local >= 1.0,
+        "{rule}: no lease was ever used ({taken} taken, {local} local)"
+    );
+    for g in gws {
+        g.stop().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_fleet_never_over_admits_a_hot_key_under_leases() {
+    let cluster = RedisCluster::start();
+    // A day's window: a run never crosses it (the counters are fresh per cluster).
+    hot_key_never_over_admits(
+        &cluster,
+        "10.14.1.1",
+        "algorithm: fixed_window, limit: 600, window: 24h",
+        600,
+        |_| 0,
+    )
+    .await;
+    hot_key_never_over_admits(
+        &cluster,
+        "10.14.1.2",
+        "algorithm: sliding_window, limit: 601, window: 24h",
+        601,
+        |_| 0,
+    )
+    .await;
+    // 600 tokens refilled at 1/s: at most the capacity plus what refilled during the run.
+    hot_key_never_over_admits(
+        &cluster,
+        "10.14.1.3",
+        "algorithm: token_bucket, capacity: 602, rate: 1/s",
+        602,
+        |d| d.as_secs() as usize + 1,
+    )
+    .await;
+}
+
+/// The sum of the script calls (`EVALSHA`, `EVAL`, `FCALL`) every master has served.
+fn script_calls(cluster: &RedisCluster) -> u64 {
+    let mut calls = 0;
+    for port in cluster.masters() {
+        let stats = redis_cli(port, &["INFO", "commandstats"]);
+        for line in stats.lines() {
+            let Some((name, rest)) = line.split_once(':') else {
+                continue;
+            };
+            if matches!(
+                name,
+                "cmdstat_evalsha" | "cmdstat_eval" | "cmdstat_fcall" | "cmdstat_fcall_ro"
+            ) {
+                let n = rest
+                    .split(',')
+                    .find_map(|kv| kv.strip_prefix("calls="))
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .unwrap_or(0);
+                calls += n;
+            }
+        }
+    }
+    calls
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_key_costs_at_most_a_tenth_of_a_redis_call_per_request() {
+    let cluster = RedisCluster::start();
+    let up = echo().await;
+    let rules = "rules:\n  - { name: hot, match: { path: \"/**\" }, key: ip, limit: 1000000000, window: 24h }\n";
+    let gws = three(
+        &format!("http://{up}"),
+        &store_yaml("redis_cluster", &cluster.seed_urls(), LEASES),
+        rules,
+    )
+    .await;
+    // Warm up: the key gets hot and every gateway takes its first lease.
+    let (ok, _) = hammer(&gws, "10.14.0.2", 1500, 16).await;
+    assert_eq!(ok, 1500);
+    let before = script_calls(&cluster);
+    let n = 6000;
+    let (ok, _) = hammer(&gws, "10.14.0.2", n, 16).await;
+    let calls = script_calls(&cluster) - before;
+    let per_request = calls as f64 / n as f64;
+    println!("steady state: {calls} script calls for {n} requests = {per_request:.4} per request");
+    for m in [
+        "tollgate_leases_taken_total",
+        "tollgate_lease_decisions_total",
+        "tollgate_leases_returned_total",
+        "tollgate_lease_units_unused_total",
+    ] {
+        println!("{m} {}", fleet_metric(&gws, m).await);
+    }
+    assert_eq!(ok, n);
+    assert!(
+        per_request <= 0.1,
+        "{per_request:.4} Redis calls per request (target ≤ 0.1)"
+    );
+    // And without leases every request is a call (the measurement can see calls).
+    let off = three(
+        &format!("http://{up}"),
+        &store_yaml("redis_cluster", &cluster.seed_urls(), "  leases: { enabled: false }\n"),
+        rules,
+    )
+    .await;
+    let before = script_calls(&cluster);
+    hammer(&off, "10.14.0.3", 600, 1).await;
+    let calls = script_calls(&cluster) - before;
+    assert!(
+        calls >= 590,
+        "without leases 600 sequential requests made only {calls} calls"
+    );
+    for g in gws.into_iter().chain(off) {
+        g.stop().await;
+    }
+}
+
+#[tokio::test]
+async fn the_script_grants_at_most_half_of_what_remains_and_spends_it() {
+    let server = RedisServer::start();
+    let store = RedisStore::connect(RedisMode::Single, &[server.url()], Duration::from_millis(300), 3)
+        .await
+        .unwrap();
+    let window = Quota::window(Algorithm::FixedWindow, nz(100), nz(86_400_000_000));
+    let mut c = LimitCheck::new(StoreKey("tollgate:{lease-fw}:r:0".into()), window, 1);
+    c.lease = Some(LeaseAsk { want: 1000, extra: 0 });
+    let o = store.check(std::slice::from_ref(&c)).await.into_result().unwrap();
+    assert!(o[0].allowed);
+    assert_eq!(o[0].remaining, 99, "remaining is reported before the lease");
+    assert_eq!(o[0].leased, 49, "half of the 99 left, not the 1000 wanted");
+    let plain = LimitCheck::new(c.key.clone(), window, 0);
+    let peek = store.peek(std::slice::from_ref(&plain)).await.unwrap();
+    assert_eq!(peek[0].unwrap().remaining, 50, "the lease is spent in Redis at once");
+    // Returning 20 unused units gives them back in the window they were spent in.
+    store
+        .refund(&[(LimitCheck::new(c.key.clone(), window, 20), o[0].at_us)])
+        .await
+        .unwrap();
+    assert_eq!(
+        store.peek(std::slice::from_ref(&plain)).await.unwrap()[0]
+            .unwrap()
+            .remaining,
+        70
+    );
+    // A request whose own cost leaves less than 2 gets no lease.
+    let mut big = c.clone();
+    big.cost = 69;
+    let o = store.check(std::slice::from_ref(&big)).await.into_result().unwrap();
+    assert!(o[0].allowed);
+    assert_eq!(o[0].leased, 0);
+
+    // Token bucket: 100 tokens, one a second; a 250 ms lease also spends 1 unit of refill.
+    let bucket = Quota::bucket(Algorithm::TokenBucket, nz(100), nz(1_000_000));
+    let mut t = LimitCheck::new(StoreKey("tollgate:{lease-tb}:r:0".into()), bucket, 1);
+    t.lease = Some(LeaseAsk { want: 30, extra: 1 });
+    let o = store.check(std::slice::from_ref(&t)).await.into_result().unwrap();
+    assert_eq!(o[0].leased, 30);
+    let plain = LimitCheck::new(t.key.clone(), bucket, 0);
+    assert_eq!(
+        store.peek(std::slice::from_ref(&plain)).await.unwrap()[0]
+            .unwrap()
+            .remaining,
+        100 - 1 - 30 - 1
+    );
+    // Sliding log and leaky bucket refuse a lease argument outright.
+    let log = Quota::window(Algorithm::SlidingLog, nz(100), nz(60_000_000));
+    let mut l = LimitCheck::new(StoreKey("tollgate:{lease-sl}:r:0".into()), log, 1);
+    l.lease = Some(LeaseAsk { want: 10, extra: 0 });
+    assert!(store.check(std::slice::from_ref(&l)).await.into_result().is_err());
+}
+
+/// A limit planned for a request, as the proxy hands it to the limiter.
+struct Planned(LimitCheck);
+
+impl AsRef<LimitCheck> for Planned {
+    fn as_ref(&self) -> &LimitCheck {
+        &self.0
+    }
+}
+
+impl PolicedCheck for Planned {
+    fn policy(&self) -> FailurePolicy {
+        FailurePolicy::Closed
+    }
+    fn leasable(&self) -> bool {
+        true
+    }
+}
+
+/// A limiter on `url` (one node of a fleet), with leases or without.
+async fn node(url: &str, leases: bool) -> Limiter {
+    let clock = Arc::new(SystemClock);
+    let store = RedisStore::connect(RedisMode::Single, &[url.to_owned()], Duration::from_millis(300), 3)
+        .await
+        .unwrap();
+    Limiter {
+        store: Backend::Redis(Arc::new(store)),
+        local: Arc::new(MemoryStore::new(clock.clone(), 1000)),
+        deny: None,
+        timeout: Duration::from_millis(300),
+        clock,
+        held: Default::default(),
+        next_holder: std::sync::atomic::AtomicU64::new(1),
+        leases: leases.then(|| {
+            Leases::new(
+                LeaseConfig {
+                    min_rate: NonZeroU32::new(5).unwrap(),
+                    ttl_us: nz(100_000),
+                    max_share_ppm: NonZeroU32::new(200_000).unwrap(),
+                },
+                LeaseMetrics::default(),
+            )
+        }),
+    }
+}
+
+/// The same pseudo-random request sequences (node, cost) through three limiters, leases on and
+/// off, for each algorithm that leases: whatever the sequence, neither admits more than the
+/// limit (the differential property "leases on or off never changes whether a sequence
+/// over-admits", with "never" on both sides).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_on_or_off_never_over_admit_the_same_sequences() {
+    let server = RedisServer::start();
+    let quotas = [
+        Quota::window(Algorithm::FixedWindow, nz(150), nz(86_400_000_000)),
+        Quota::window(Algorithm::SlidingWindow, nz(150), nz(86_400_000_000)),
+        Quota::bucket(Algorithm::TokenBucket, nz(150), nz(10_000_000)),
+    ];
+    let mut lease_decisions = 0;
+    for seed in 0..3u64 {
+        for (qi, q) in quotas.iter().enumerate() {
+            for leases in [false, true] {
+                let nodes = [
+                    node(&server.url(), leases).await,
+                    node(&server.url(), leases).await,
+                    node(&server.url(), leases).await,
+                ];
+                let key = StoreKey(format!("tollgate:{{seq-{seed}-{qi}-{leases}}}:r:0"));
+                let mut rng = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                let started = Instant::now();
+                let mut admitted = 0;
+                for _ in 0..600 {
+                    rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    let (n, cost) = ((rng >> 33) as usize % 3, 1 + (rng >> 40) % 3);
+                    let check = Planned(LimitCheck::new(key.clone(), *q, cost));
+                    let v = nodes[n].check(std::slice::from_ref(&check)).await;
+                    if v.outcomes[0].0.allowed {
+                        admitted += cost;
+                    }
+                    if v.outcomes[0].1 == tollgate::limiter::Source::Lease {
+                        lease_decisions += 1;
+                    }
+                }
+                for n in &nodes {
+                    n.return_leases(true).await;
+                }
+                // Buckets refill one unit every 10 s: at most one more during a run.
+                let limit = q.limit.get() + started.elapsed().as_secs() / 10 + 1;
+                let limit = if q.algorithm == Algorithm::TokenBucket {
+                    limit
+                } else {
+                    q.limit.get()
+                };
+                assert!(
+                    admitted <= limit,
+                    "{:?} seed {seed}, leases {leases}: admitted {admitted} > {limit}",
+                    q.algorithm
+                );
+                assert!(
+                    admitted >= q.limit.get() / 2,
+                    "{:?}: admitted only {admitted}",
+                    q.algorithm
+                );
+            }
+        }
+    }
+    assert!(lease_decisions > 100, "leases decided only {lease_decisions} requests");
+}
