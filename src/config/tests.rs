@@ -276,3 +276,61 @@ fn insecure_skip_verify_is_a_note_and_the_password_never_prints() {
     let s = Secret("hunter2".into());
     assert!(!format!("{s:?}").contains("hunter2"));
 }
+
+#[test]
+fn leases_are_on_for_redis_off_for_memory_and_validated_with_positions() {
+    let env = EnvOverrides::default();
+    let up = "upstream: { url: http://127.0.0.1:8081 }\n";
+    let memory = compile(up, &env).unwrap();
+    assert_eq!(memory.store.leases, None, "one node has nothing to lease");
+    let redis = compile(
+        &format!("{up}store: {{ kind: redis, urls: [redis://127.0.0.1:6379] }}\n"),
+        &env,
+    )
+    .unwrap();
+    assert_eq!(redis.store.leases, Some(crate::limiter::lease::LeaseConfig::default()));
+    let tuned = compile(
+        &format!("{up}store: {{ kind: redis_cluster, urls: [redis://127.0.0.1:7000], leases: {{ min_rate: 10/s, ttl: 1s, max_share: 0.25 }} }}\n"),
+        &env,
+    )
+    .unwrap()
+    .store
+    .leases
+    .unwrap();
+    assert_eq!(
+        (tuned.min_rate.get(), tuned.ttl_us.get(), tuned.max_share_ppm.get()),
+        (10, 1_000_000, 250_000)
+    );
+    let off = compile(
+        &format!("{up}store: {{ kind: redis, urls: [redis://127.0.0.1:6379], leases: {{ enabled: false }} }}\n"),
+        &env,
+    )
+    .unwrap();
+    assert_eq!(off.store.leases, None);
+    for (leases, want) in [
+        ("{ ttl: 1ms }", "store.leases.ttl: \"1ms\" must be between 10ms and 10s"),
+        (
+            "{ max_share: 0.6 }",
+            "store.leases.max_share: 0.6 must be more than 0 and at most 0.5",
+        ),
+        ("{ max_share: 0 }", "store.leases.max_share: 0 must be more than 0"),
+        (
+            "{ min_rate: 1/m }",
+            "store.leases.min_rate: \"1/m\" must be between 1/s",
+        ),
+        ("{ min_rate: fast }", "store.leases.min_rate: rate \"fast\""),
+        ("{ sizes: 3 }", "sizes"),
+    ] {
+        let e = compile(
+            &format!("{up}store: {{ kind: redis, urls: [redis://127.0.0.1:6379], leases: {leases} }}\n"),
+            &env,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains(want), "{leases}: {e}");
+        assert!(
+            e.starts_with("/etc/tollgate/gateway.yaml:2:"),
+            "{leases}: no position in {e}"
+        );
+    }
+}

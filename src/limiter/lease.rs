@@ -116,6 +116,13 @@ struct Lease {
     reset_us: u64,
 }
 
+impl Lease {
+    /// True while the lease may decide requests: from when its call was sent until it expires.
+    fn live_at(&self, now_us: u64) -> bool {
+        self.since_us <= now_us && now_us < self.expires_us
+    }
+}
+
 /// Heat of one key: requests this node saw in the current and the previous second.
 #[derive(Debug, Clone, Copy, Default)]
 struct Heat {
@@ -291,7 +298,8 @@ impl Leases {
                 return None;
             }
             match live.get(&c.key) {
-                Some(l) if l.quota == c.quota && now_us < l.expires_us && l.left >= c.cost => {}
+                // A clock that stepped back before the lease began ends it: its window may be over.
+                Some(l) if l.quota == c.quota && l.live_at(now_us) && l.left >= c.cost => {}
                 _ => return None,
             }
         }
@@ -321,9 +329,11 @@ impl Leases {
     /// says what to wait for instead (with `may_wait`), after which the request should try
     /// [`Leases::decide`] again.
     pub fn prepare<C: PolicedCheck>(&self, checks: &[C], now_us: u64, may_wait: bool) -> Prepared<'_> {
+        // Nothing is allocated unless a lease is given back or asked for (the common case of
+        // a cold key is a heat update and one map lookup).
         let mut p = Prepared {
             back: Vec::new(),
-            asks: vec![None; checks.len()],
+            asks: Vec::new(),
             wait: None,
             asking: Asking {
                 leases: self,
@@ -331,22 +341,19 @@ impl Leases {
             },
         };
         let every_leasable = !checks.is_empty() && checks.iter().all(PolicedCheck::leasable);
-        // `decide` counted a request whose every limit may lease; count the others here.
-        let rates: Vec<u32> = checks
-            .iter()
-            .map(|c| match (c.leasable(), every_leasable) {
-                (false, _) => 0,
-                (true, true) => self.rate(&c.as_ref().key, now_us),
-                (true, false) => self.note(&c.as_ref().key, now_us),
-            })
-            .collect();
         let mut live = self.live.lock();
         for (i, c) in checks.iter().map(AsRef::as_ref).enumerate() {
             if !checks[i].leasable() {
                 continue;
             }
+            // `decide` counted a request whose every limit may lease; count the others here.
+            let rate = if every_leasable {
+                self.rate(&c.key, now_us)
+            } else {
+                self.note(&c.key, now_us)
+            };
             if let Some(l) = live.get(&c.key) {
-                if l.quota == c.quota && now_us < l.expires_us && l.left >= c.cost {
+                if l.quota == c.quota && l.live_at(now_us) && l.left >= c.cost {
                     continue; // still good: another limit of this request was not covered
                 }
                 if let Some(l) = live.remove(&c.key) {
@@ -358,8 +365,11 @@ impl Leases {
             }
             // Only a request whose every limit may lease takes leases: a lease that can never
             // decide a request alone would only park quota.
-            if every_leasable && rates[i] >= self.cfg.min_rate.get() {
-                p.asks[i] = self.ask(&c.quota, c.cost, rates[i]);
+            if every_leasable && rate >= self.cfg.min_rate.get() {
+                if let Some(a) = self.ask(&c.quota, c.cost, rate) {
+                    p.asks.resize(checks.len(), None);
+                    p.asks[i] = Some(a);
+                }
             }
         }
         drop(live);
@@ -466,7 +476,7 @@ impl Leases {
         let mut live = self.live.lock();
         let mut back = Vec::new();
         live.retain(|k, l| {
-            if !all && now_us < l.expires_us {
+            if !all && l.live_at(now_us) {
                 return true;
             }
             self.ended(l);
