@@ -215,3 +215,27 @@ fn trie_selection_equals_brute_force() {
     }
     assert!(n > 10_000);
 }
+
+#[test]
+fn rules_lease_unless_they_opt_out_or_cannot() {
+    let set = rules(
+        r#"rules:
+  - { name: plain, match: { path: "/a" }, key: ip, limit: 10, window: 1m }
+  - { name: opted-out, match: { path: "/b" }, key: ip, limit: 10, window: 1m, lease: false }
+  - { name: shadow, match: { path: "/c" }, key: ip, limit: 10, window: 1m, shadow: true }
+  - { name: boxed, match: { path: "/d" }, key: ip, limit: 10, window: 1m, penalty: 1m }
+  - { name: counted, match: { path: "/e" }, key: ip, limit: 10, window: 1m, count_when: { status: [200] } }
+"#,
+    );
+    let lease: Vec<(&str, bool)> = set.rules.iter().map(|r| (&*r.name, r.lease)).collect();
+    assert_eq!(
+        lease,
+        [
+            ("plain", true),
+            ("opted-out", false),
+            ("shadow", false),
+            ("boxed", false),
+            ("counted", false)
+        ]
+    );
+}
