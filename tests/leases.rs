@@ -415,3 +415,46 @@ async fn leases_on_or_off_never_over_admit_the_same_sequences() {
     }
     assert!(lease_decisions > 100, "leases decided only {lease_decisions} requests");
 }
+
+/// The count Redis holds for the fixed-window rule `hot` (0 when the key does not exist).
+fn stored_count(server: &RedisServer) -> u64 {
+    let keys = server.cli(&["KEYS", "*:hot:0"]);
+    let Some(key) = keys.lines().next().filter(|k| !k.is_empty()) else {
+        return 0;
+    };
+    server.cli(&["HGET", key, "c"]).trim().parse().unwrap_or(0)
+}
+
+/// Leased units are spent in Redis ahead of use; a reload and a shutdown give the unused ones
+/// back, so the count then equals exactly what was admitted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unused_lease_units_go_back_on_reload_and_on_shutdown() {
+    let server = RedisServer::start();
+    let up = echo().await;
+    // A long ttl, so the leases are still live when the reload and the shutdown come.
+    let store = store_yaml(
+        "redis",
+        &[server.url()],
+        "  leases: { min_rate: 5/s, ttl: 10s, max_share: 0.1 }\n",
+    );
+    let rules = "rules:\n  - { name: hot, match: { path: \"/**\" }, key: ip, limit: 100000, window: 24h }\n";
+    let gw = gateway(&format!("http://{up}"), &store, rules, None).await;
+    let gws = [gw];
+    let (ok, _) = hammer(&gws, "10.14.9.9", 400, 4).await;
+    assert_eq!(ok, 400);
+    let parked = stored_count(&server);
+    assert!(
+        parked > 400,
+        "a live lease should hold units beyond the 400 admitted, Redis has {parked}"
+    );
+    let c = client();
+    let r = c.post(format!("{}/reload", gws[0].admin)).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(stored_count(&server), 400, "the reload gave the unused units back");
+    let (ok, _) = hammer(&gws, "10.14.9.9", 300, 4).await;
+    assert_eq!(ok, 300);
+    assert!(stored_count(&server) > 700);
+    let [gw] = gws;
+    gw.stop().await;
+    assert_eq!(stored_count(&server), 700, "the shutdown gave the unused units back");
+}
