@@ -1,0 +1,89 @@
+//! Concurrency slots held by running requests, and the settlement of a request's real cost:
+//! the parts of [`Limiter`] that act after a request was admitted.
+
+use super::{by_source, LimitCheck, Limiter, Source, Store};
+
+impl Limiter {
+    /// A fresh holder id for one request's concurrency slots (never 0).
+    pub fn holder(&self) -> u64 {
+        match self.next_holder.fetch_add(1, std::sync::atomic::Ordering::Relaxed) {
+            0 => self.next_holder.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            h => h,
+        }
+    }
+
+    /// Remember the slots a request took (the concurrency checks it spent), so
+    /// [`Limiter::renew_held`] keeps them alive until [`Limiter::release`].
+    pub fn hold(&self, holder: u64, slots: Vec<(LimitCheck, Source)>) {
+        self.held.lock().insert(holder, slots);
+    }
+
+    /// The request `holder` ended: forget its slots and free them in the stores that hold them.
+    pub async fn release(&self, holder: u64) {
+        let slots = self.held.lock().remove(&holder);
+        if let Some(slots) = slots {
+            let spent: Vec<(LimitCheck, u64, Source)> = slots.into_iter().map(|(c, s)| (c, 0, s)).collect();
+            self.refund(&spent).await;
+        }
+    }
+
+    /// Renew every slot held by a running request (call every third of the slot time to
+    /// live): in the primary store and, for slots taken during an outage, this node's.
+    pub async fn renew_held(&self) {
+        let (store, local): (Vec<LimitCheck>, Vec<LimitCheck>) = {
+            let held = self.held.lock();
+            let all = held.values().flatten();
+            (
+                all.clone()
+                    .filter(|(_, s)| *s == Source::Store)
+                    .map(|(c, _)| c.clone())
+                    .collect(),
+                all.filter(|(_, s)| *s == Source::Local)
+                    .map(|(c, _)| c.clone())
+                    .collect(),
+            )
+        };
+        if !store.is_empty() {
+            match tokio::time::timeout(self.timeout.saturating_mul(2), self.store.renew(&store)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, slots = store.len(), "renewing concurrency slots failed; they expire after store.concurrency_ttl unless a later renewal succeeds")
+                }
+                Err(_) => tracing::warn!(slots = store.len(), "renewing concurrency slots timed out"),
+            }
+        }
+        if !local.is_empty() {
+            self.local.renew_slots(&local);
+        }
+    }
+
+    /// Settle what admitted checks reserved against the real cost `actual` (units per check):
+    /// refund the difference when it is smaller, debit it when it is larger, each in the store
+    /// and window that spent it.
+    pub async fn settle(&self, spent: &[(LimitCheck, u64, Source)], actual: u64) {
+        let mut refunds = Vec::new();
+        let mut debits: Vec<(LimitCheck, u64, Source)> = Vec::new();
+        for (c, at, src) in spent {
+            let mut d = c.clone();
+            if actual < c.cost {
+                d.cost = c.cost - actual;
+                refunds.push((d, *at, *src));
+            } else if actual > c.cost {
+                d.cost = actual - c.cost;
+                debits.push((d, *at, *src));
+            }
+        }
+        if !refunds.is_empty() {
+            self.refund(&refunds).await;
+        }
+        let (store, local) = by_source(&debits);
+        if !store.is_empty() {
+            if let Ok(Err(e)) = tokio::time::timeout(self.timeout, self.store.debit(&store)).await {
+                tracing::warn!(error = %e, "debit of a reported cost failed; the request spent only its estimate");
+            }
+        }
+        if !local.is_empty() {
+            self.local.debit_spent(&local);
+        }
+    }
+}
