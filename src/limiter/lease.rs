@@ -322,9 +322,9 @@ impl Leases {
         Some(out)
     }
 
-    /// Before a request goes to the store: count its keys' heat, take back the leases it cannot
-    /// use (expired, too small for its cost, for another quota) so the store never denies it
-    /// because of this node's own unused units, and say which limits should ask for a lease in
+    /// Before a request goes to the store: count its keys' heat, end the leases of its keys (it
+    /// could not be decided from them) and give their units back first, so the store never
+    /// denies it because of this node's own unused units, and say which limits should ask for a lease in
     /// the same call. When another request is already asking for one of its keys, the answer
     /// says what to wait for instead (with `may_wait`), after which the request should try
     /// [`Leases::decide`] again.
@@ -352,15 +352,13 @@ impl Leases {
             } else {
                 self.note(&c.key, now_us)
             };
-            if let Some(l) = live.get(&c.key) {
-                if l.quota == c.quota && l.live_at(now_us) && l.left >= c.cost {
-                    continue; // still good: another limit of this request was not covered
-                }
-                if let Some(l) = live.remove(&c.key) {
-                    self.ended(&l);
-                    if l.left > 0 {
-                        p.back.push((LimitCheck::new(c.key.clone(), l.quota, l.left), l.at_us));
-                    }
+            // This request goes to the store: any lease of its keys goes back first, even one
+            // that could still cover it (another of its limits was not covered), so the store
+            // never denies it for units this very node holds unused.
+            if let Some(l) = live.remove(&c.key) {
+                self.ended(&l);
+                if l.left > 0 {
+                    p.back.push((LimitCheck::new(c.key.clone(), l.quota, l.left), l.at_us));
                 }
             }
             // Only a request whose every limit may lease takes leases: a lease that can never

@@ -266,3 +266,18 @@ async fn one_ask_per_key_at_a_time_and_the_others_wait_for_it() {
     // With the ask over, the next request may ask again.
     assert!(first_ask(&l.prepare(std::slice::from_ref(&c), 1_000_102, true)).is_some());
 }
+
+#[test]
+fn a_request_going_to_the_store_takes_its_keys_leases_back_first() {
+    let l = leases();
+    let (a, b) = (check("a", window(1000), 1), check("b", window(1000), 1));
+    grant(&l, &a, 10, 60_000_000, 0);
+    // a's lease could cover a, but b has none: the request goes to the store, and a's 10 unused
+    // units go back before it, so the store never denies it for them.
+    let both = [a, b];
+    assert!(l.decide(&both, 10).is_none());
+    let back = l.prepare(&both, 10, false).back;
+    assert_eq!(back.len(), 1);
+    assert_eq!((back[0].0.key.as_str(), back[0].0.cost), ("a", 10));
+    assert_eq!(l.live(), 0);
+}
