@@ -15,10 +15,12 @@
 //! concurrent streams. A request takes the connection with the fewest open streams; a new
 //! connection is made only when every one carries [`H2_STREAMS_PER_CONNECTION`] streams, and
 //! requests that arrive while it is being made wait for that one connection rather than each
-//! making its own (streams past a server's own `MAX_CONCURRENT_STREAMS` wait in hyper's queue). A connection that received
-//! GOAWAY or closed leaves the set: its streams in flight finish, a request that reached it
-//! unwritten is sent on another (a new one if needed). Trailers and streaming bodies pass through
-//! in both directions: bodies are relayed frame by frame.
+//! making its own (streams past a server's own `MAX_CONCURRENT_STREAMS` wait in hyper's
+//! queue). A connection that received GOAWAY or closed leaves the set: its streams in flight
+//! finish, a request that reached it unwritten is sent on another (a new one if needed).
+//! Trailers and streaming bodies pass through in both directions: bodies are relayed frame by
+//! frame. Under `auto`, a TLS target's first connections are made the HTTP/2 way (once for all
+//! waiting requests) until ALPN says it speaks HTTP/1.1 only.
 //!
 //! # Balancing and ejection (DESIGN.md §11)
 //! Power of two choices: two random targets that are in, the one with fewer requests in flight
