@@ -205,8 +205,9 @@ fn check(config: &std::path::Path) -> ExitCode {
             println!("  admin  {} ({access})", cfg.admin_listen);
             let targets: Vec<String> = cfg.upstream.targets.iter().map(|t| t.url.to_string()).collect();
             println!(
-                "  upstream {} (connect timeout {}, request timeout {})",
+                "  upstream {} ({}, connect timeout {}, request timeout {})",
                 targets.join(", "),
+                cfg.upstream.protocol.as_str(),
                 humantime::format_duration(cfg.upstream.connect_timeout),
                 humantime::format_duration(cfg.upstream.request_timeout)
             );

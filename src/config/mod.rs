@@ -12,7 +12,9 @@ pub mod reload;
 
 pub use crate::identity::IdentityConfig;
 pub use error::{duration, parse_file, parse_str, ConfigError};
-pub use net::{AccessLog, ClientAuth, HealthCheck, ListenerTls, Secret, StoreAuth, Target, UpstreamTls};
+pub use net::{
+    AccessLog, ClientAuth, HealthCheck, ListenerTls, Secret, StoreAuth, Target, UpstreamProtocol, UpstreamTls,
+};
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -131,6 +133,8 @@ pub struct UpstreamConfig {
     pub authority: http::uri::Authority,
     /// Every instance of the upstream (`upstream.url` is one target); at least one.
     pub targets: Vec<Target>,
+    /// What the connections to the targets speak (`upstream.protocol`).
+    pub protocol: UpstreamProtocol,
     /// TLS to `https://` targets.
     pub tls: UpstreamTls,
     /// Consecutive failures (connect errors, 5xx answers) that eject a target.
@@ -353,6 +357,7 @@ impl GatewayConfig {
             scheme,
             authority,
             targets: net.targets,
+            protocol: net.protocol,
             tls: net.tls,
             eject_after: net.eject_after,
             eject_for: net.eject_for,

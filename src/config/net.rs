@@ -1,5 +1,5 @@
 //! The network parts of `gateway.yaml` (DESIGN.md §11): TLS on the proxy listener, the upstream
-//! targets with their TLS, ejection and health check, the store's TLS and password, and the
+//! targets with their protocol, TLS, ejection and health check, the store's TLS and password, and the
 //! access log. Certificates and keys are parsed here already, so `tollgate check` refuses a file
 //! that `run` could not load, with the line and column of the field that names it.
 
@@ -33,6 +33,35 @@ pub struct ListenerTls {
     pub client_ca_file: Option<PathBuf>,
     /// Whether a client certificate is required (only with `client_ca_file`).
     pub client_auth: ClientAuth,
+}
+
+/// `upstream.protocol`: what the connections to the targets speak.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum UpstreamProtocol {
+    /// HTTP/1.1, one request at a time per pooled connection (the default).
+    #[default]
+    Http1,
+    /// HTTP/2 without TLS (prior knowledge), on `http://` targets: a few shared connections
+    /// carry many concurrent streams.
+    H2c,
+    /// HTTP/2 over TLS, agreed by ALPN, on `https://` targets; a target that does not agree to
+    /// `h2` fails the connection.
+    H2,
+    /// Whatever ALPN agrees on `https://` targets (h2 preferred, else HTTP/1.1); HTTP/1.1 on
+    /// `http://` targets.
+    Auto,
+}
+
+impl UpstreamProtocol {
+    /// The name used in the config.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UpstreamProtocol::Http1 => "http1",
+            UpstreamProtocol::H2c => "h2c",
+            UpstreamProtocol::H2 => "h2",
+            UpstreamProtocol::Auto => "auto",
+        }
+    }
 }
 
 /// `upstream.tls:`, validated.
@@ -246,10 +275,12 @@ fn target(f: &Path, s: &Spanned<String>) -> Result<Target, ConfigError> {
     Ok(Target { url, tls, host, addr })
 }
 
-/// The upstream's targets, TLS, ejection and health check.
+/// The upstream's targets, protocol, TLS, ejection and health check.
 pub struct UpstreamNet {
     /// At least one.
     pub targets: Vec<Target>,
+    /// What the connections speak.
+    pub protocol: UpstreamProtocol,
     /// TLS settings for `https://` targets.
     pub tls: UpstreamTls,
     /// Consecutive failures that eject a target.
@@ -301,6 +332,7 @@ pub fn upstream(
         }
         (None, None) => return Err(ConfigError::at(f, &raw.referenced, "upstream: needs url or targets")),
     };
+    let protocol = protocol(f, &u.protocol, &targets)?;
     let mut tls = UpstreamTls::default();
     if let Some(t) = &u.tls {
         let tv = &t.value;
@@ -369,11 +401,52 @@ pub fn upstream(
     };
     Ok(UpstreamNet {
         targets,
+        protocol,
         tls,
         eject_after: at_least(f, &u.eject_after, "upstream.eject_after", 1, 3)?,
         eject_for: positive_duration(f, &u.eject_for, "upstream.eject_for", Duration::from_secs(10))?,
         health_check,
     })
+}
+
+/// `upstream.protocol`, checked against the targets' schemes: `h2` needs `https://` targets
+/// (ALPN is part of TLS), `h2c` needs `http://` ones.
+fn protocol(f: &Path, raw: &Option<Spanned<String>>, targets: &[Target]) -> Result<UpstreamProtocol, ConfigError> {
+    let Some(p) = raw else {
+        return Ok(UpstreamProtocol::Http1);
+    };
+    let protocol = match p.value.as_str() {
+        "http1" => UpstreamProtocol::Http1,
+        "h2c" => UpstreamProtocol::H2c,
+        "h2" => UpstreamProtocol::H2,
+        "auto" => UpstreamProtocol::Auto,
+        other => {
+            return Err(ConfigError::at(
+                f,
+                &p.referenced,
+                format!("upstream.protocol: unknown value {other:?} (http1 | h2c | h2 | auto)"),
+            ))
+        }
+    };
+    let mismatch = match protocol {
+        UpstreamProtocol::H2 => targets.iter().find(|t| !t.tls).map(|t| {
+            format!(
+                "upstream.protocol: h2 is HTTP/2 over TLS, but {} is http:// (use h2c for HTTP/2 without TLS)",
+                t.url
+            )
+        }),
+        UpstreamProtocol::H2c => targets.iter().find(|t| t.tls).map(|t| {
+            format!(
+                "upstream.protocol: h2c is HTTP/2 without TLS, but {} is https:// (use h2 or auto)",
+                t.url
+            )
+        }),
+        UpstreamProtocol::Http1 | UpstreamProtocol::Auto => None,
+    };
+    match mismatch {
+        Some(m) => Err(ConfigError::at(f, &p.referenced, m)),
+        None => Ok(protocol),
+    }
 }
 
 /// `store.password_env` and `store.tls`. A named variable that is unset or empty refuses to

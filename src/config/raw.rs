@@ -121,6 +121,8 @@ pub struct RawUpstream {
     pub url: Option<Spanned<String>>,
     /// Several instances of the same API.
     pub targets: Option<Spanned<Vec<Spanned<String>>>>,
+    /// http1 | h2c | h2 | auto: what the connections to the targets speak.
+    pub protocol: Option<Spanned<String>>,
     /// TLS to `https://` targets.
     pub tls: Option<Spanned<RawUpstreamTls>>,
     /// Consecutive failures (connect errors, 5xx) that eject a target.

@@ -334,3 +334,43 @@ fn leases_are_on_for_redis_off_for_memory_and_validated_with_positions() {
         );
     }
 }
+
+#[test]
+fn upstream_protocol_defaults_to_http1_and_must_suit_the_targets() {
+    let p = |yaml: &str| compile(yaml, &EnvOverrides::default()).map(|c| c.upstream.protocol);
+    assert_eq!(p("upstream: { url: http://h:1 }\n").unwrap(), UpstreamProtocol::Http1);
+    assert_eq!(
+        p("upstream: { url: http://h:1, protocol: h2c }\n").unwrap(),
+        UpstreamProtocol::H2c
+    );
+    assert_eq!(
+        p("upstream: { url: \"https://h:1\", protocol: h2 }\n").unwrap(),
+        UpstreamProtocol::H2
+    );
+    assert_eq!(
+        p("upstream: { targets: [http://h:1, \"https://h:2\"], protocol: auto }\n").unwrap(),
+        UpstreamProtocol::Auto
+    );
+    let cases = [
+        (
+            "upstream: { url: http://h:1, protocol: http2 }\n",
+            "gateway.yaml:1:40:",
+            "unknown value",
+        ),
+        (
+            "upstream: { url: http://h:1, protocol: h2 }\n",
+            "gateway.yaml:1:40:",
+            "use h2c",
+        ),
+        (
+            "upstream: { url: \"https://h:1\", protocol: h2c }\n",
+            "gateway.yaml:1:43:",
+            "use h2 or auto",
+        ),
+    ];
+    for (yaml, at, what) in cases {
+        let e = compile(yaml, &EnvOverrides::default()).unwrap_err().to_string();
+        assert!(e.contains(at), "{e} (want {at})");
+        assert!(e.contains(what), "{e} (want {what})");
+    }
+}

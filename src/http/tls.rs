@@ -212,9 +212,10 @@ pub fn server_config(t: &ListenerTls) -> Result<(Arc<ServerConfig>, Arc<CertReso
     Ok((Arc::new(cfg), resolver))
 }
 
-/// The upstream client's rustls config: ALPN http/1.1 (the pool speaks HTTP/1.1), SNI on,
-/// verification against `ca_file` or the webpki roots unless `insecure_skip_verify`.
-pub fn client_config(t: &UpstreamTls) -> Result<Arc<ClientConfig>, TlsError> {
+/// The upstream client's rustls config: ALPN offering `alpn` (`http/1.1`, `h2`, or both as
+/// `upstream.protocol` says), SNI on, verification against `ca_file` or the webpki roots unless
+/// `insecure_skip_verify`.
+pub fn client_config(t: &UpstreamTls, alpn: &[&[u8]]) -> Result<Arc<ClientConfig>, TlsError> {
     let p = provider();
     let builder = ClientConfig::builder_with_provider(p.clone()).with_protocol_versions(VERSIONS)?;
     let builder = if t.insecure_skip_verify {
@@ -234,7 +235,7 @@ pub fn client_config(t: &UpstreamTls) -> Result<Arc<ClientConfig>, TlsError> {
         Some((cert, key)) => builder.with_client_auth_cert(load_certs(cert)?, load_key(key)?)?,
         None => builder.with_no_client_auth(),
     };
-    cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+    cfg.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     Ok(Arc::new(cfg))
 }
 

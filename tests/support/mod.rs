@@ -10,6 +10,8 @@
 //! * [`upstream`](self::upstream): a real upstream that counts the requests it serves at once;
 //! * [`faults`](self::faults): a TCP proxy that adds latency, black-holes or resets traffic to
 //!   one Redis node;
+//! * [`grpc`](self::grpc): a real gRPC server and client (Python grpcio, as subprocesses) and
+//!   the real binary in front of the server;
 //! * [`tls`](self::tls): a test CA made with rcgen, an HTTPS echo upstream, Redis over TLS
 //!   with a password (standalone and cluster);
 //! * [`poll`](self::poll): [`eventually`] and friends, the only way tests wait for something.
@@ -20,6 +22,7 @@
 
 mod faults;
 mod gateway;
+mod grpc;
 mod http;
 mod poll;
 mod redis;
@@ -28,6 +31,7 @@ mod upstream;
 
 pub use self::faults::{FaultProxy, Faults};
 pub use self::gateway::*;
+pub use self::grpc::{grpc_client, grpc_gateway, GrpcServer};
 pub use self::http::*;
 pub use self::poll::*;
 pub use self::redis::{redis_cli, RedisCluster, RedisServer};

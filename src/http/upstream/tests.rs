@@ -10,6 +10,7 @@ fn config(n: usize) -> UpstreamConfig {
         scheme: http::uri::Scheme::HTTP,
         authority: "127.0.0.1:1".parse().unwrap(),
         targets,
+        protocol: crate::config::UpstreamProtocol::Http1,
         tls: UpstreamTls::default(),
         eject_after: 2,
         eject_for: Duration::from_secs(60),
@@ -103,4 +104,30 @@ fn replay_rebuilds_the_request() {
     assert_eq!(req.method(), Method::PUT);
     assert_eq!(req.uri(), "/p?q=1");
     assert_eq!(req.headers()["x-a"], "1");
+}
+
+#[test]
+fn an_http2_request_carries_scheme_and_authority_and_converts_back() {
+    let u = up(1);
+    let mut req = Request::new(crate::http::empty());
+    *req.uri_mut() = Uri::from_static("/pkg.Service/Method?x=1");
+    req.headers_mut()
+        .insert(http::header::HOST, HeaderValue::from_static("api.example:8080"));
+    to_h2(&mut req, &u.targets[0]);
+    assert_eq!(req.uri().to_string(), "http://api.example:8080/pkg.Service/Method?x=1");
+    assert_eq!(req.version(), Version::HTTP_2);
+    assert!(
+        !req.headers().contains_key(http::header::HOST),
+        "HTTP/2 says :authority"
+    );
+    to_h1(&mut req);
+    assert_eq!(req.uri().to_string(), "/pkg.Service/Method?x=1");
+    assert_eq!(req.headers()[http::header::HOST], "api.example:8080");
+    assert_eq!(req.version(), Version::HTTP_11);
+
+    // No Host: the target's authority.
+    let mut req = Request::new(crate::http::empty());
+    *req.uri_mut() = Uri::from_static("/x");
+    to_h2(&mut req, &u.targets[0]);
+    assert_eq!(req.uri().to_string(), "http://127.0.0.1:1/x");
 }
