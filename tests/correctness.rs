@@ -211,10 +211,13 @@ async fn a_transient_denial_is_cached_for_at_most_a_second() {
         "a new client was still locked out after {:?}",
         started.elapsed()
     );
-    // Redis holds what was really spent: the two admitted requests.
+    // Redis holds what was really spent: the two admitted requests, once the gateway's lease of
+    // the hot global key (taken along with the burst, spent in Redis ahead of use) is back,
+    // which the lease sweep does within 1.5 × its 250 ms ttl.
     let glob = keys().key(&keys().global_tag("glob"), "glob", 0);
-    let count: u64 = server.cli(&["HGET", glob.as_str(), "c"]).parse().unwrap();
-    assert_eq!(count, 2);
+    let count = || server.cli(&["HGET", glob.as_str(), "c"]).parse::<u64>().unwrap_or(0);
+    let settled = eventually(Duration::from_secs(3), || async { count() == 2 }).await;
+    assert!(settled, "Redis holds {} units of the global rule, want the 2 admitted", count());
     gw.stop().await;
 }
 
