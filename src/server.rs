@@ -206,38 +206,7 @@ pub async fn serve_with(
         let first_byte = sc.header_read_timeout;
         let tls = tls.clone();
         tokio::spawn(async move {
-            let serve = async {
-                match tls {
-                    None => {
-                        // hyper's header timer starts only with the first request: a client
-                        // that connects and sends nothing would hold its connection (and
-                        // permit) forever.
-                        let is_h2 = tokio::select! {
-                            r = tokio::time::timeout(first_byte, sniff_h2(&stream)) => match r {
-                                Ok(Some(h2)) => h2,
-                                _ => return Ok(()),
-                            },
-                            _ = stop.changed() => return Ok(()),
-                        };
-                        serve_conn(TokioIo::new(stream), is_h2, gw2, peer, &h1, &h2, &mut stop).await
-                    }
-                    Some(acceptor) => {
-                        let s = tokio::select! {
-                            r = tokio::time::timeout(first_byte, acceptor.accept(stream)) => match r {
-                                Ok(Ok(s)) => s,
-                                Ok(Err(e)) => {
-                                    tracing::debug!(error = %e, %peer, "TLS handshake failed");
-                                    return Ok(());
-                                }
-                                Err(_) => return Ok(()),
-                            },
-                            _ = stop.changed() => return Ok(()),
-                        };
-                        let is_h2 = s.get_ref().1.alpn_protocol() == Some(b"h2");
-                        serve_conn(TokioIo::new(s), is_h2, gw2, peer, &h1, &h2, &mut stop).await
-                    }
-                }
-            };
+            let serve = serve_stream(stream, peer, tls, gw2, &h1, &h2, &mut stop, first_byte);
             let result = tokio::select! {
                 r = serve => r,
                 // The grace period passed: drop the connection, whatever it was doing.
@@ -265,7 +234,73 @@ pub async fn serve_with(
     gw.limiter().return_leases(true).await;
 }
 
-/// Serve one connection (plain or TLS) with hyper's HTTP/1.1 or HTTP/2 connection, until it
+/// Serve one accepted connection until it ends: the TLS handshake when `tls` is given, then
+/// HTTP/2 or HTTP/1.1. `first_byte` bounds the wait for a new connection's first bytes (and the
+/// handshake) and, on plain HTTP/1.1, for the next request on an idle keep-alive connection.
+///
+/// Everything that lives only while a connection is busy (the TLS handshake, hyper's
+/// connection) is boxed, so that the task of an idle connection is small.
+#[allow(clippy::too_many_arguments)]
+async fn serve_stream(
+    stream: tokio::net::TcpStream,
+    peer: SocketAddr,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    gw: Arc<State>,
+    h1: &hyper::server::conn::http1::Builder,
+    h2: &hyper::server::conn::http2::Builder<TokioExecutor>,
+    stop: &mut watch::Receiver<bool>,
+    first_byte: Duration,
+) -> Result<(), hyper::Error> {
+    match tls {
+        None => {
+            // hyper's header timer starts only with the first request: a client that connects
+            // and sends nothing would hold its connection (and permit) forever.
+            let is_h2 = tokio::select! {
+                r = tokio::time::timeout(first_byte, sniff_h2(&stream)) => match r {
+                    Ok(Some(h2)) => h2,
+                    _ => return Ok(()),
+                },
+                _ = stop.changed() => return Ok(()),
+            };
+            if is_h2 {
+                Box::pin(serve_conn(TokioIo::new(stream), true, gw, peer, h1, h2, stop)).await
+            } else {
+                serve_h1_parking(stream, gw, peer, h1, stop, first_byte).await
+            }
+        }
+        Some(acceptor) => Box::pin(serve_tls(stream, acceptor, gw, peer, h1, h2, stop, first_byte)).await,
+    }
+}
+
+/// [`serve_stream`] over TLS: the handshake (bounded by `first_byte`), then ALPN picks HTTP/2
+/// or HTTP/1.1.
+#[allow(clippy::too_many_arguments)]
+async fn serve_tls(
+    stream: tokio::net::TcpStream,
+    acceptor: tokio_rustls::TlsAcceptor,
+    gw: Arc<State>,
+    peer: SocketAddr,
+    h1: &hyper::server::conn::http1::Builder,
+    h2: &hyper::server::conn::http2::Builder<TokioExecutor>,
+    stop: &mut watch::Receiver<bool>,
+    first_byte: Duration,
+) -> Result<(), hyper::Error> {
+    let s = tokio::select! {
+        r = tokio::time::timeout(first_byte, acceptor.accept(stream)) => match r {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, %peer, "TLS handshake failed");
+                return Ok(());
+            }
+            Err(_) => return Ok(()),
+        },
+        _ = stop.changed() => return Ok(()),
+    };
+    let is_h2 = s.get_ref().1.alpn_protocol() == Some(b"h2");
+    serve_conn(TokioIo::new(s), is_h2, gw, peer, h1, h2, stop).await
+}
+
+/// Serve one connection (TLS, or h2c) with hyper's HTTP/1.1 or HTTP/2 connection, until it
 /// ends; once `stop` fires it finishes gracefully.
 async fn serve_conn<I>(
     io: I,
@@ -279,16 +314,68 @@ async fn serve_conn<I>(
 where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
 {
-    let svc = service_fn(move |req: hyper::Request<Incoming>| {
-        let gw = gw.clone();
-        async move { Ok::<_, std::convert::Infallible>(gw.handle(req, peer).await) }
-    });
     if is_h2 {
-        let conn = std::pin::pin!(h2.serve_connection(io, svc));
+        // Each stream's future lives in its own task (hyper spawns one per request).
+        let svc = service_fn(move |req: hyper::Request<Incoming>| {
+            let gw = gw.clone();
+            async move { Ok::<_, std::convert::Infallible>(gw.handle(req, peer).await) }
+        });
+        let conn = Box::pin(h2.serve_connection(io, svc));
         until_stopped(conn, stop, |c| c.graceful_shutdown()).await
     } else {
-        let conn = std::pin::pin!(h1.serve_connection(io, svc).with_upgrades());
+        // hyper's HTTP/1 connection allocates room for one service future for its whole life:
+        // boxed, that room is a pointer, and the request handler's state (several KiB) is
+        // allocated only while a request is in flight.
+        let svc = service_fn(move |req: hyper::Request<Incoming>| {
+            let gw = gw.clone();
+            Box::pin(async move { Ok::<_, std::convert::Infallible>(gw.handle(req, peer).await) })
+        });
+        let conn = Box::pin(h1.serve_connection(io, svc).with_upgrades());
         until_stopped(conn, stop, |c| c.graceful_shutdown()).await
+    }
+}
+
+/// Serve a plain HTTP/1.1 connection, dropping hyper's connection (and its buffers) whenever
+/// the client is idle between requests (`crate::http::idle`): the idle connection is the
+/// socket and this task's state only. It is closed when no request starts within
+/// `idle_timeout` (`server.header_read_timeout`, as hyper's header timer did for an idle
+/// connection) or once `stop` fires.
+async fn serve_h1_parking(
+    mut stream: tokio::net::TcpStream,
+    gw: Arc<State>,
+    peer: SocketAddr,
+    h1: &hyper::server::conn::http1::Builder,
+    stop: &mut watch::Receiver<bool>,
+    idle_timeout: Duration,
+) -> Result<(), hyper::Error> {
+    use crate::http::idle::{ConnShared, IdleIo, Tracked};
+    let shared = Arc::new(ConnShared::default());
+    loop {
+        let io = TokioIo::new(IdleIo::new(stream, shared.clone()));
+        let (gw, conn_shared) = (gw.clone(), shared.clone());
+        let svc = service_fn(move |req: hyper::Request<Incoming>| {
+            conn_shared.on_request(&req);
+            let (gw, shared) = (gw.clone(), conn_shared.clone());
+            async move { Ok::<_, std::convert::Infallible>(gw.handle(req, peer).await.map(|b| Tracked::new(b, shared))) }
+        });
+        let conn = Box::pin(h1.serve_connection(io, svc).with_upgrades());
+        let ended = until_stopped(conn, stop, |c| c.graceful_shutdown()).await;
+        // Parked: hyper saw the end of the stream between two requests, with nothing unread.
+        // An error instead means it held bytes it did not get to parse: close.
+        let parked = shared.take_parked();
+        ended?;
+        let Some(s) = parked else { return Ok(()) };
+        if *stop.borrow() {
+            return Ok(());
+        }
+        tokio::select! {
+            r = tokio::time::timeout(idle_timeout, s.readable()) => match r {
+                Ok(Ok(())) => {}
+                _ => return Ok(()),
+            },
+            _ = stop.changed() => return Ok(()),
+        }
+        stream = s;
     }
 }
 
@@ -337,7 +424,7 @@ fn spawn_health_check(gw: &Arc<State>, mut stop: watch::Receiver<bool>) {
 /// Drive `conn` to its end; once `stop` fires, ask it to finish gracefully (`shutdown`: answer
 /// what is in flight, then close) and keep driving it.
 async fn until_stopped<C, T>(
-    mut conn: std::pin::Pin<&mut C>,
+    mut conn: std::pin::Pin<Box<C>>,
     stop: &mut watch::Receiver<bool>,
     shutdown: impl FnOnce(std::pin::Pin<&mut C>),
 ) -> Result<T, hyper::Error>

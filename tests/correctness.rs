@@ -217,7 +217,11 @@ async fn a_transient_denial_is_cached_for_at_most_a_second() {
     let glob = keys().key(&keys().global_tag("glob"), "glob", 0);
     let count = || server.cli(&["HGET", glob.as_str(), "c"]).parse::<u64>().unwrap_or(0);
     let settled = eventually(Duration::from_secs(3), || async { count() == 2 }).await;
-    assert!(settled, "Redis holds {} units of the global rule, want the 2 admitted", count());
+    assert!(
+        settled,
+        "Redis holds {} units of the global rule, want the 2 admitted",
+        count()
+    );
     gw.stop().await;
 }
 

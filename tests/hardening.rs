@@ -870,6 +870,99 @@ async fn slowloris_silent_and_idle_connections_are_cut_off() {
     gw.stop().await;
 }
 
+/// Read from `s` until every one of `needles` has arrived, or `wait` passed.
+async fn read_until(s: &mut TcpStream, needles: &[&str], wait: Duration) -> String {
+    let started = Instant::now();
+    let mut out = Vec::new();
+    let mut buf = [0u8; 8192];
+    loop {
+        let text = String::from_utf8_lossy(&out).into_owned();
+        if needles.iter().all(|n| text.contains(n)) {
+            return text;
+        }
+        match tokio::time::timeout(wait.saturating_sub(started.elapsed()), s.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => out.extend_from_slice(&buf[..n]),
+            _ => return text,
+        }
+    }
+}
+
+/// Between two requests a plain HTTP/1.1 connection gives up hyper's connection and buffers
+/// (`src/http/idle.rs`): requests after a pause, pipelined requests (whole or split), bodies
+/// split across writes, pipelined after a body, and chunked bodies are all still served, in
+/// order, on the same connection.
+#[tokio::test]
+async fn idle_keep_alive_connections_keep_serving_pipelined_split_and_body_requests() {
+    let up = echo().await;
+    let gw = gateway(&format!("http://{up}"), "", OPEN_RULES, None).await;
+    let a = gw.addr();
+    let get = |p: &str| format!("GET /p/{p} HTTP/1.1\r\nHost: x\r\n\r\n");
+    let path = |p: &str| format!("\"path\":\"/p/{p}\"");
+    let pause = Duration::from_millis(50);
+    let wait = Duration::from_secs(5);
+    let mut s = TcpStream::connect(a).await.unwrap();
+
+    // A pause between two requests (the connection parks and is served again).
+    s.write_all(get("a").as_bytes()).await.unwrap();
+    let r = read_until(&mut s, &[&path("a")], wait).await;
+    assert_eq!(status_of(&r), 200, "{r}");
+    tokio::time::sleep(pause).await;
+    s.write_all(get("b").as_bytes()).await.unwrap();
+    let r = read_until(&mut s, &[&path("b")], wait).await;
+    assert_eq!(status_of(&r), 200, "{r}");
+
+    // Two pipelined requests in one write; then one split in the middle of its head.
+    s.write_all(format!("{}{}", get("c"), get("d")).as_bytes())
+        .await
+        .unwrap();
+    let r = read_until(&mut s, &[&path("c"), &path("d")], wait).await;
+    assert_eq!(responses_in(&r), 2, "{r}");
+    assert!(r.find(&path("c")) < r.find(&path("d")), "{r}");
+    let e = get("e");
+    s.write_all(format!("{}{}", get("f"), &e[..20]).as_bytes())
+        .await
+        .unwrap();
+    let r = read_until(&mut s, &[&path("f")], wait).await;
+    assert_eq!(responses_in(&r), 1, "{r}");
+    tokio::time::sleep(pause).await;
+    s.write_all(&e.as_bytes()[20..]).await.unwrap();
+    let r = read_until(&mut s, &[&path("e")], wait).await;
+    assert_eq!(status_of(&r), 200, "{r}");
+
+    // A body after a pause, then a body with a pipelined request behind it.
+    s.write_all(b"POST /p/g HTTP/1.1\r\nHost: x\r\nContent-Length: 11\r\n\r\nhello")
+        .await
+        .unwrap();
+    tokio::time::sleep(pause).await;
+    s.write_all(b" world").await.unwrap();
+    let r = read_until(&mut s, &["hello world"], wait).await;
+    assert_eq!(status_of(&r), 200, "{r}");
+    tokio::time::sleep(pause).await;
+    s.write_all(
+        format!(
+            "POST /p/h HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nbody5{}",
+            get("i")
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let r = read_until(&mut s, &["body5", &path("i")], wait).await;
+    assert_eq!(responses_in(&r), 2, "{r}");
+
+    // A chunked body (not followed by the reader: served without parking), then a GET.
+    s.write_all(b"POST /p/j HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n6\r\nchunky\r\n0\r\n\r\n")
+        .await
+        .unwrap();
+    let r = read_until(&mut s, &["chunky", "\r\n0\r\n\r\n"], wait).await;
+    assert_eq!(status_of(&r), 200, "{r}");
+    tokio::time::sleep(pause).await;
+    s.write_all(get("k").as_bytes()).await.unwrap();
+    let r = read_until(&mut s, &[&path("k")], wait).await;
+    assert_eq!(status_of(&r), 200, "{r}");
+    gw.stop().await;
+}
+
 #[tokio::test]
 async fn connections_over_the_cap_get_503_and_are_closed() {
     let up = echo().await;

@@ -1,10 +1,11 @@
 //! HTTP plumbing: the response body type, the one place errors become responses
 //! ([`respond`]), rate-limit headers ([`headers`]), forwarding helpers ([`forward`]) and the
-//! upstream targets and their pools ([`upstream`]), TLS ([`tls`]) and request ids
-//! ([`request_id`]).
+//! upstream targets and their pools ([`upstream`]), TLS ([`tls`]), request ids
+//! ([`request_id`]) and idle HTTP/1.1 connections without buffers ([`idle`]).
 
 pub mod forward;
 pub mod headers;
+pub mod idle;
 pub mod request_id;
 pub mod respond;
 pub mod tls;
