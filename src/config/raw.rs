@@ -148,6 +148,8 @@ pub struct RawStore {
     pub concurrency_ttl: Option<Spanned<String>>,
     /// `none` (default) or `replicated`: writes wait for a replica.
     pub durability: Option<Spanned<String>>,
+    /// `auto` (default), `functions` or `eval`: how the limit script is run on Redis.
+    pub scripting: Option<Spanned<String>>,
     /// Name of an env var holding the Redis password.
     pub password_env: Option<Spanned<String>>,
     /// TLS to Redis (`rediss://` URLs).
