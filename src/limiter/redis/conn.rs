@@ -63,7 +63,11 @@ impl Conn {
     /// every one of them succeeded or answered an error `fine` accepts. Each node's reply is
     /// inspected: the client's aggregating response policies pass a node's error reply through
     /// as a value.
-    pub(super) async fn query_all_masters(&mut self, cmd: Cmd, fine: fn(&RedisError) -> bool) -> Result<(), RedisError> {
+    pub(super) async fn query_all_masters(
+        &mut self,
+        cmd: Cmd,
+        fine: fn(&RedisError) -> bool,
+    ) -> Result<(), RedisError> {
         let check = |r: Result<Value, RedisError>| match r.and_then(Value::extract_error) {
             Err(e) if !fine(&e) => Err(e),
             _ => Ok(()),
@@ -88,7 +92,10 @@ impl Conn {
     /// Send `cmd` to `target`.
     async fn send(&mut self, cmd: &Cmd, target: &Target) -> Result<Value, RedisError> {
         match target {
-            Target::AllMasters => self.query_all_masters(cmd.clone(), |_| false).await.map(|()| Value::Okay),
+            Target::AllMasters => self
+                .query_all_masters(cmd.clone(), |_| false)
+                .await
+                .map(|()| Value::Okay),
             Target::Node(route) => match self {
                 Conn::Cluster(c) => c.route_command(cmd.clone(), route.clone()).await,
                 Conn::Single(_) => self.query(cmd).await,

@@ -4,7 +4,9 @@
 use std::num::NonZeroU64;
 
 use super::conn::connect_timeout;
-use super::protocol::{check_cmd, checked, function_library, function_name, parse_packed, peeked, script_cmd, Invoke, Mode};
+use super::protocol::{
+    check_cmd, checked, function_library, function_name, parse_packed, peeked, script_cmd, Invoke, Mode,
+};
 use super::slots::one_tag;
 use super::*;
 use redis::Value;
@@ -139,7 +141,10 @@ fn function_library_wraps_the_script_unchanged() {
     let sha = redis::Script::new(SCRIPT_SOURCE).get_hash().to_owned();
     let name = function_name(&sha);
     assert_eq!(name, format!("tollgate_{sha}"));
-    assert!(name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_'), "a valid library name");
+    assert!(
+        name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_'),
+        "a valid library name"
+    );
     let lib = function_library(&name);
     let (first, rest) = lib.split_once('\n').unwrap();
     assert_eq!(first, format!("#!lua name={name}"));
