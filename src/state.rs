@@ -322,6 +322,7 @@ impl State {
                 };
                 let store = RedisStore::connect_with(mode, &sc.urls, sc.timeout, sc.breaker_threshold, auth).await?;
                 store.set_replicated(sc.replicated);
+                store.set_scripting(sc.scripting);
                 Backend::Redis(Arc::new(store))
             }
         };

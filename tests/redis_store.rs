@@ -8,6 +8,7 @@ use std::num::NonZeroU64;
 use std::time::{Duration, Instant};
 
 use support::*;
+use tollgate::config::Scripting;
 use tollgate::limiter::redis::{RedisMode, RedisStore, SCRIPT_SOURCE};
 use tollgate::limiter::{Algorithm, LimitCheck, Quota, Store, StoreError, StoreKey};
 
@@ -108,9 +109,10 @@ async fn until_ok(store: &RedisStore, checks: &[LimitCheck], timeout: Duration) 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn noscript_recovery_after_script_flush_and_restart() {
+async fn eval_path_noscript_recovery_after_script_flush_and_restart() {
     let mut server = RedisServer::start();
     let store = single(&server).await;
+    store.set_scripting(Scripting::Eval);
     let c = [lc("tl:{ns}:r:1s", Algorithm::FixedWindow, 10, 1_000_000, 1)];
     assert!(store.check(&c).await.into_result().unwrap()[0].allowed);
     assert_eq!(server.cli(&["SCRIPT", "EXISTS", store.script_sha()]), "1");
@@ -125,6 +127,13 @@ async fn noscript_recovery_after_script_flush_and_restart() {
         "1",
         "EVAL cached it"
     );
+    assert!(command_calls(server.port(), "evalsha") >= 2);
+    assert_eq!(
+        command_calls(server.port(), "fcall"),
+        0,
+        "store.scripting: eval never calls a function"
+    );
+    assert!(!has_library(server.port(), store.function_name()), "nor loads one");
 
     // A restart loses data and scripts; the connection manager reconnects.
     server.restart();
@@ -132,6 +141,246 @@ async fn noscript_recovery_after_script_flush_and_restart() {
     assert!(o[0].allowed);
     assert_eq!(o[0].remaining, 9, "fresh server, fresh counter");
     assert!(store.probe().await.is_ok());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn functions_path_loads_once_and_recovers_after_function_flush_and_restart() {
+    let mut server = RedisServer::start();
+    let store = single(&server).await; // store.scripting: auto, on Redis 7: functions
+    let name = store.function_name().to_owned();
+    assert_eq!(name, format!("tollgate_{}", store.script_sha()));
+    assert!(!has_library(server.port(), &name));
+    let c = [lc("tl:{fn}:r:1s", Algorithm::FixedWindow, 10, 1_000_000, 1)];
+    assert!(store.check(&c).await.into_result().unwrap()[0].allowed);
+    assert!(has_library(server.port(), &name), "the first call loaded the library");
+    for _ in 0..3 {
+        assert!(store.check(&c).await.into_result().unwrap()[0].allowed);
+    }
+    // The failed first FCALL, then one per check; no script was ever cached.
+    assert_eq!(command_calls(server.port(), "fcall"), 5);
+    assert_eq!(command_calls(server.port(), "function|load"), 1, "loaded once");
+    assert_eq!(
+        command_calls(server.port(), "evalsha") + command_calls(server.port(), "eval"),
+        0
+    );
+    assert_eq!(server.cli(&["SCRIPT", "EXISTS", store.script_sha()]), "0");
+
+    assert_eq!(server.cli(&["FUNCTION", "FLUSH"]), "OK");
+    assert!(!has_library(server.port(), &name));
+    let o = store.check(&c).await.into_result().unwrap();
+    assert!(o[0].allowed);
+    assert_eq!(o[0].remaining, 5, "the count survived the flush");
+    assert!(has_library(server.port(), &name), "reloaded where it was missing");
+    assert_eq!(command_calls(server.port(), "function|load"), 2);
+
+    // Other gateways (of the same version) find the library there: no load.
+    let loads = command_calls(server.port(), "function|load");
+    let stores = [single(&server).await, single(&server).await];
+    for s in &stores {
+        assert!(s.check(&c).await.into_result().unwrap()[0].allowed);
+    }
+    assert_eq!(
+        command_calls(server.port(), "function|load"),
+        loads,
+        "a second gateway finds it loaded"
+    );
+
+    // A restart loses data and functions (no persistence); the call loads it again.
+    server.restart();
+    let o = until_ok(&store, &c, Duration::from_secs(5)).await;
+    assert!(o[0].allowed);
+    assert_eq!(o[0].remaining, 9, "fresh server, fresh counter");
+    assert!(has_library(server.port(), &name));
+    assert!(store.probe().await.is_ok());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_without_functions_is_run_with_evalsha() {
+    // FCALL and FUNCTION answer "unknown command", as on Redis 6.
+    let server = RedisServer::start_without_functions();
+    let store = single(&server).await;
+    let c = [lc("tl:{r6}:r:1s", Algorithm::SlidingWindow, 10, 60_000_000, 1)];
+    for want in [9, 8] {
+        let o = store.check(&c).await.into_result().unwrap();
+        assert!(o[0].allowed);
+        assert_eq!(o[0].remaining, want);
+    }
+    assert_eq!(server.cli(&["SCRIPT", "EXISTS", store.script_sha()]), "1");
+    let evalsha = command_calls(server.port(), "evalsha");
+    assert!(evalsha >= 2, "{evalsha}");
+    // The fallback is for good: later calls go straight to EVALSHA.
+    let batches = store.batch_stats().0;
+    assert!(store.check(&c).await.into_result().unwrap()[0].allowed);
+    assert_eq!(store.batch_stats().0, batches + 1);
+    assert_eq!(command_calls(server.port(), "evalsha"), evalsha + 1);
+    // NOSCRIPT recovery works there as before.
+    assert_eq!(server.cli(&["SCRIPT", "FLUSH"]), "OK");
+    assert_eq!(store.check(&c).await.into_result().unwrap()[0].remaining, 6);
+    assert!(store.probe().await.is_ok());
+
+    // Forced to functions, a server without them fails every check, with the server's answer.
+    let forced = single(&server).await;
+    forced.set_scripting(Scripting::Functions);
+    match forced.check(&c).await.into_result() {
+        Err(StoreError::Script(m)) => assert!(m.contains("unknown command"), "{m}"),
+        other => panic!("expected the server's error, got {other:?}"),
+    }
+    assert_eq!(
+        store.check(&c).await.into_result().unwrap()[0].remaining,
+        5,
+        "nothing spent"
+    );
+}
+
+/// Checks from 8 concurrent tasks over 512 hash tags (every master of a cluster) through the
+/// production path (batched, Redis time) while `flush` runs three times; after each flush,
+/// waits until `loaded` holds again and 200 more checks succeeded. Asserts that no check
+/// failed, and returns how many succeeded.
+async fn no_failed_check_across_flushes(store: RedisStore, flush: impl Fn(), loaded: impl Fn() -> bool) -> u64 {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::{Arc, Mutex};
+    let store = Arc::new(store);
+    let stop = Arc::new(AtomicBool::new(false));
+    let ok = Arc::new(AtomicU64::new(0));
+    let failed = Arc::new(Mutex::new(Vec::<String>::new()));
+    let tasks: Vec<_> = (0..8)
+        .map(|t| {
+            let (store, stop, ok, failed) = (store.clone(), stop.clone(), ok.clone(), failed.clone());
+            tokio::spawn(async move {
+                let mut i = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    i += 1;
+                    let key = format!("tl:{{flush{t}-{}}}:r:1h", i % 64);
+                    let c = [lc(&key, Algorithm::FixedWindow, 1_000_000_000, 3_600_000_000, 1)];
+                    match store.check(&c).await.into_result() {
+                        Ok(o) if o[0].allowed => ok.fetch_add(1, Ordering::Relaxed),
+                        Ok(o) => {
+                            failed.lock().unwrap().push(format!("denied: {o:?}"));
+                            0
+                        }
+                        Err(e) => {
+                            failed.lock().unwrap().push(e.to_string());
+                            0
+                        }
+                    };
+                    // A check that fails at once (an open breaker) never yields by itself.
+                    tokio::task::yield_now().await;
+                }
+            })
+        })
+        .collect();
+    let warm = eventually(Duration::from_secs(10), || {
+        let ok = ok.clone();
+        async move { ok.load(Ordering::Relaxed) >= 200 }
+    })
+    .await;
+    assert!(warm, "the load never got going: {:?}", failed.lock().unwrap());
+    for round in 0..3 {
+        flush();
+        let before = ok.load(Ordering::Relaxed);
+        let back = eventually(Duration::from_secs(10), || {
+            let ok = ok.clone();
+            let loaded = &loaded;
+            async move { ok.load(Ordering::Relaxed) >= before + 200 && loaded() }
+        })
+        .await;
+        assert!(
+            back,
+            "round {round}: not reloaded under load: {:?}",
+            failed.lock().unwrap()
+        );
+    }
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let failed = failed.lock().unwrap();
+    assert!(
+        failed.is_empty(),
+        "{} checks failed across the flushes: {:?}",
+        failed.len(),
+        &failed[..failed.len().min(5)]
+    );
+    ok.load(Ordering::Relaxed)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn function_flush_under_load_fails_no_check() {
+    let server = RedisServer::start();
+    let store = single(&server).await;
+    let name = store.function_name().to_owned();
+    let port = server.port();
+    no_failed_check_across_flushes(
+        store,
+        || assert_eq!(redis_cli(port, &["FUNCTION", "FLUSH"]), "OK"),
+        || has_library(port, &name),
+    )
+    .await;
+    assert!(command_calls(port, "fcall") > 0);
+    assert!(
+        command_calls(port, "function|load") >= 4,
+        "loaded at first, then after each flush"
+    );
+    assert_eq!(command_calls(port, "evalsha") + command_calls(port, "eval"), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn script_flush_under_load_fails_no_check_on_the_eval_path() {
+    let server = RedisServer::start();
+    let store = single(&server).await;
+    store.set_scripting(Scripting::Eval);
+    let sha = store.script_sha().to_owned();
+    let port = server.port();
+    no_failed_check_across_flushes(
+        store,
+        || assert_eq!(redis_cli(port, &["SCRIPT", "FLUSH"]), "OK"),
+        || redis_cli(port, &["SCRIPT", "EXISTS", &sha]) == "1",
+    )
+    .await;
+    assert!(command_calls(port, "eval") >= 3, "EVAL after each NOSCRIPT");
+    assert_eq!(command_calls(port, "fcall"), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_function_flush_under_load_fails_no_check() {
+    let cluster = RedisCluster::start();
+    let store = cluster_store(&cluster).await;
+    let name = store.function_name().to_owned();
+    let masters = cluster.masters();
+    no_failed_check_across_flushes(
+        store,
+        || cluster.function_flush_all(),
+        || masters.iter().all(|&m| has_library(m, &name)),
+    )
+    .await;
+    for &m in &masters {
+        assert!(command_calls(m, "fcall") > 0, "master {m} served FCALLs");
+        assert_eq!(command_calls(m, "evalsha"), 0, "master {m}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_script_flush_under_load_fails_no_check_on_the_eval_path() {
+    let cluster = RedisCluster::start();
+    let store = cluster_store(&cluster).await;
+    store.set_scripting(Scripting::Eval);
+    let sha = store.script_sha().to_owned();
+    let masters = cluster.masters();
+    no_failed_check_across_flushes(
+        store,
+        || cluster.script_flush_all(),
+        || {
+            masters
+                .iter()
+                .all(|&m| redis_cli(m, &["SCRIPT", "EXISTS", &sha]) == "1")
+        },
+    )
+    .await;
+    for &m in &masters {
+        assert!(command_calls(m, "evalsha") > 0, "master {m} served EVALSHAs");
+        assert_eq!(command_calls(m, "fcall"), 0, "master {m}");
+        assert!(!has_library(m, &format!("tollgate_{sha}")), "master {m}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -669,14 +918,31 @@ async fn cluster_checks_across_masters_all_or_nothing_and_moved() {
     assert_eq!(o[0].remaining, 3, "count 2 after the move: the migrated key was used");
     assert_eq!(redis_cli(masters[1], &["HGET", &key(0), "c"]), "2");
 
-    // NOSCRIPT everywhere: EVAL fallback per node, and the probe reloads every master.
-    cluster.script_flush_all();
+    // No function anywhere: reloaded on the node a call finds without it, and the probe
+    // reloads every master.
+    cluster.function_flush_all();
     let o = store
         .check_at(&[limit(1, 5)], Some(NOW + 3))
         .await
         .into_result()
         .unwrap();
     assert_eq!(o[0].remaining, 3);
+    assert!(has_library(cluster.master_for_key(&key(1)), store.function_name()));
+    cluster.function_flush_all();
+    store.probe().await.unwrap();
+    for &m in &masters {
+        assert!(has_library(m, store.function_name()), "master {m}");
+    }
+
+    // The same on the EVALSHA path: NOSCRIPT everywhere, EVAL per node, the probe reloads.
+    store.set_scripting(Scripting::Eval);
+    cluster.script_flush_all();
+    let o = store
+        .check_at(&[limit(1, 5)], Some(NOW + 4))
+        .await
+        .into_result()
+        .unwrap();
+    assert_eq!(o[0].remaining, 2);
     cluster.script_flush_all();
     store.probe().await.unwrap();
     for &m in &masters {
@@ -706,7 +972,11 @@ async fn cluster_killed_master_fails_then_recovers_after_failover() {
         .wait_failover(slot, old, Duration::from_secs(15))
         .expect("a replica took over");
     assert_ne!(new, old);
-    // The promoted replica never saw the script (scripts are not replicated): NOSCRIPT → EVAL.
+    // Function libraries are replicated (unlike cached scripts): the promoted replica has it.
+    assert!(
+        has_library(new, store.function_name()),
+        "the promoted replica has the library"
+    );
     let o = until_ok(&store, &c, Duration::from_secs(10)).await;
     assert!(o[0].allowed);
     eprintln!("failover and recovery took {:?}", started.elapsed());

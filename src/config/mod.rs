@@ -122,6 +122,19 @@ pub enum StoreKind {
     RedisCluster,
 }
 
+/// `store.scripting`: how the limit script is run on Redis (DESIGN §6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Scripting {
+    /// Redis functions (`FCALL`, the library loaded once per node) where the server has
+    /// them (Redis 7+); `EVALSHA` on a server that answers "unknown command" (Redis 6).
+    #[default]
+    Auto,
+    /// Redis functions only: a server without them fails every check (no fallback).
+    Functions,
+    /// `EVALSHA`, with `EVAL` on NOSCRIPT, whatever the server supports (the Redis 6 path).
+    Eval,
+}
+
 /// `upstream:`, validated.
 #[derive(Debug, Clone)]
 pub struct UpstreamConfig {
@@ -176,6 +189,8 @@ pub struct StoreConfig {
     /// `store.durability: replicated`: every Redis write waits (`WAIT 1`) for a replica within
     /// `timeout`, else the check is a store failure.
     pub replicated: bool,
+    /// `store.scripting`: Redis functions, `EVALSHA`, or functions where the server has them.
+    pub scripting: Scripting,
     /// Redis password and TLS roots.
     pub auth: StoreAuth,
     /// Leases for hot keys (`store.leases`); `None` on the memory store or when disabled.
@@ -505,6 +520,28 @@ impl GatewayConfig {
                         format!("store.durability: unknown value {:?} (none | replicated)", d.value),
                     ))
                 }
+            },
+            scripting: match &s.scripting {
+                None => Scripting::Auto,
+                Some(v) if kind == StoreKind::Memory => {
+                    return Err(ConfigError::at(
+                        f,
+                        &v.referenced,
+                        "store.scripting needs a Redis store (kind: redis or redis_cluster)",
+                    ))
+                }
+                Some(v) => match v.value.as_str() {
+                    "auto" => Scripting::Auto,
+                    "functions" => Scripting::Functions,
+                    "eval" => Scripting::Eval,
+                    other => {
+                        return Err(ConfigError::at(
+                            f,
+                            &v.referenced,
+                            format!("store.scripting: unknown value {other:?} (auto | functions | eval)"),
+                        ))
+                    }
+                },
             },
         };
 

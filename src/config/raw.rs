@@ -166,6 +166,8 @@ pub struct RawStore {
     pub durability: Option<Spanned<String>>,
     /// Leases for hot keys.
     pub leases: Option<Spanned<RawLeases>>,
+    /// `auto` (default), `functions` or `eval`: how the limit script is run on Redis.
+    pub scripting: Option<Spanned<String>>,
     /// Name of an env var holding the Redis password.
     pub password_env: Option<Spanned<String>>,
     /// TLS to Redis (`rediss://` URLs).

@@ -374,3 +374,26 @@ fn upstream_protocol_defaults_to_http1_and_must_suit_the_targets() {
         assert!(e.contains(what), "{e} (want {what})");
     }
 }
+
+#[test]
+fn store_scripting_is_auto_by_default_and_takes_three_values() {
+    let u = "upstream: { url: http://127.0.0.1:8081 }\n";
+    let env = EnvOverrides::default();
+    let redis = |extra: &str| format!("{u}store:\n  kind: redis\n  urls: [redis://r:6379]\n{extra}");
+    assert_eq!(compile(&redis(""), &env).unwrap().store.scripting, Scripting::Auto);
+    for (v, want) in [
+        ("auto", Scripting::Auto),
+        ("functions", Scripting::Functions),
+        ("eval", Scripting::Eval),
+    ] {
+        let c = compile(&redis(&format!("  scripting: {v}\n")), &env).unwrap();
+        assert_eq!(c.store.scripting, want, "{v}");
+    }
+    let e = compile(&redis("  scripting: evalsha\n"), &env).unwrap_err().to_string();
+    assert!(e.starts_with("/etc/tollgate/gateway.yaml:5:14:"), "{e}");
+    assert!(e.contains("auto | functions | eval"), "{e}");
+    let e = compile(&format!("{u}store: {{ kind: memory, scripting: eval }}\n"), &env)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("store.scripting needs a Redis store"), "{e}");
+}

@@ -34,7 +34,7 @@ pub use self::gateway::*;
 pub use self::grpc::{grpc_client, grpc_gateway, GrpcServer};
 pub use self::http::*;
 pub use self::poll::*;
-pub use self::redis::{redis_cli, RedisCluster, RedisServer};
+pub use self::redis::{command_calls, has_library, redis_cli, RedisCluster, RedisServer};
 pub use self::tls::*;
 pub use self::upstream::{counting_upstream, CountingUpstream, Instance};
 

@@ -60,6 +60,24 @@ pub fn redis_cli(port: u16, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
 
+/// True when the node on `port` has the function library `name` (`FUNCTION LIST`).
+pub fn has_library(port: u16, name: &str) -> bool {
+    redis_cli(port, &["FUNCTION", "LIST", "LIBRARYNAME", name])
+        .lines()
+        .any(|l| l == name)
+}
+
+/// Calls of `command` (lower case, e.g. `fcall`, `evalsha`) the node on `port` has executed,
+/// from `INFO commandstats` (0 when it never ran it).
+pub fn command_calls(port: u16, command: &str) -> u64 {
+    let want = format!("cmdstat_{command}:calls=");
+    redis_cli(port, &["INFO", "commandstats"])
+        .lines()
+        .find_map(|l| l.strip_prefix(&want))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |n| n.parse().expect("a call count"))
+}
+
 /// Send a signal with `kill -<sig> <pid>`.
 fn signal(pid: u32, sig: &str) {
     let status = Command::new("kill")
@@ -107,20 +125,40 @@ pub struct RedisServer {
     port: u16,
     /// Its working directory (logs).
     dir: TempDir,
+    /// Extra `redis-server` arguments, kept for restarts.
+    extra: Vec<String>,
 }
 
 impl RedisServer {
     /// Start a server and wait until it answers PING.
     pub fn start() -> RedisServer {
+        Self::start_with(&[])
+    }
+
+    /// A server without Redis functions, as Redis 6 is: `FCALL` and `FUNCTION` are disabled
+    /// (`rename-command` to nothing), so both answer "unknown command" like a Redis 6 server.
+    pub fn start_without_functions() -> RedisServer {
+        let s = Self::start_with(&["--rename-command", "FCALL", "", "--rename-command", "FUNCTION", ""]);
+        assert!(
+            s.cli(&["FCALL", "f", "0"]).starts_with("ERR unknown command"),
+            "FCALL is disabled"
+        );
+        s
+    }
+
+    /// Start a server with extra `redis-server` arguments and wait until it answers PING.
+    pub fn start_with(extra: &[&str]) -> RedisServer {
         let dir = tempfile::tempdir().expect("tempdir");
+        let extra: Vec<String> = extra.iter().map(|a| (*a).to_owned()).collect();
         for _ in 0..5 {
             let port = free_port();
-            let mut child = spawn_server(port, dir.path(), &[]);
+            let mut child = spawn_server(port, dir.path(), &extra);
             if wait_ping(&mut child, port, Duration::from_secs(5)) {
                 return RedisServer {
                     child: Some(child),
                     port,
                     dir,
+                    extra,
                 };
             }
             let _ = child.kill();
@@ -177,7 +215,7 @@ impl RedisServer {
         self.kill();
         let (port, dir) = (self.port, self.dir.path().to_owned());
         let child = eventually_some_blocking(Duration::from_secs(10), || {
-            let mut child = spawn_server(port, &dir, &[]);
+            let mut child = spawn_server(port, &dir, &self.extra);
             if wait_ping(&mut child, port, Duration::from_secs(5)) {
                 return Some(child);
             }
@@ -454,6 +492,14 @@ impl RedisCluster {
     pub fn script_flush_all(&self) {
         for p in self.live_ports() {
             redis_cli(p, &["SCRIPT", "FLUSH"]);
+        }
+    }
+
+    /// `FUNCTION FLUSH` on every master (a replica refuses it, and gets its master's flush by
+    /// replication).
+    pub fn function_flush_all(&self) {
+        for p in self.masters() {
+            assert_eq!(redis_cli(p, &["FUNCTION", "FLUSH"]), "OK", "FUNCTION FLUSH on {p}");
         }
     }
 

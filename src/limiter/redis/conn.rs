@@ -21,7 +21,7 @@
 //! task — at most once per [`REBUILD_INTERVAL`], one at a time — and swaps it in. Requests never
 //! wait for a rebuild.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -33,8 +33,9 @@ use redis::cluster_routing::{MultipleNodeRoutingInfo, Route, RoutingInfo, Single
 use redis::io::tcp::TcpSettings;
 use redis::{Cmd, ErrorKind, IntoConnectionInfo, RedisError, ServerErrorKind, Value};
 
-use super::protocol::{check_cmd, checked, parse_packed, script_cmd, Mode};
+use super::protocol::{check_cmd, checked, parse_packed, script_cmd, Invoke, Mode};
 use super::{slots, RedisMode};
+use crate::config::Scripting;
 use crate::limiter::{LimitCheck, Outcome, StoreError};
 
 /// Minimum time between two connection rebuilds.
@@ -59,24 +60,76 @@ impl Conn {
     }
 
     /// Send one command to every master (the server itself when standalone); `Ok` only if
-    /// every one of them succeeded. Each node's reply is inspected: the client's aggregating
-    /// response policies pass a node's error reply through as a value.
-    pub(super) async fn query_all_masters(&mut self, cmd: Cmd) -> Result<(), RedisError> {
+    /// every one of them succeeded or answered an error `fine` accepts. Each node's reply is
+    /// inspected: the client's aggregating response policies pass a node's error reply through
+    /// as a value.
+    pub(super) async fn query_all_masters(
+        &mut self,
+        cmd: Cmd,
+        fine: fn(&RedisError) -> bool,
+    ) -> Result<(), RedisError> {
+        let check = |r: Result<Value, RedisError>| match r.and_then(Value::extract_error) {
+            Err(e) if !fine(&e) => Err(e),
+            _ => Ok(()),
+        };
         match self {
-            Conn::Single(c) => cmd.query_async::<Value>(c).await.map(|_| ()),
+            Conn::Single(c) => check(cmd.query_async::<Value>(c).await),
             Conn::Cluster(c) => {
                 let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
                 match c.route_command(cmd, routing).await? {
                     Value::Map(replies) => {
                         for (_, reply) in replies {
-                            reply.extract_error()?;
+                            check(Ok(reply))?;
                         }
                         Ok(())
                     }
-                    other => other.extract_error().map(|_| ()),
+                    other => check(Ok(other)),
                 }
             }
         }
+    }
+
+    /// Send `cmd` to `target`.
+    async fn send(&mut self, cmd: &Cmd, target: &Target) -> Result<Value, RedisError> {
+        match target {
+            Target::AllMasters => self
+                .query_all_masters(cmd.clone(), |_| false)
+                .await
+                .map(|()| Value::Okay),
+            Target::Node(route) => match self {
+                Conn::Cluster(c) => c.route_command(cmd.clone(), route.clone()).await,
+                Conn::Single(_) => self.query(cmd).await,
+            },
+            Target::ByKey => self.query(cmd).await,
+        }
+    }
+}
+
+/// Where a script call goes.
+#[derive(Debug, Clone)]
+pub(super) enum Target {
+    /// Routed by the command's first key in a cluster; the one server when standalone.
+    ByKey,
+    /// One cluster node (the server itself when standalone).
+    Node(RoutingInfo),
+    /// Every master (the server itself when standalone); the reply is `Okay` when every one of
+    /// them succeeded.
+    AllMasters,
+}
+
+/// `Inner::path`: Redis functions, falling back to `EVALSHA` on "unknown command".
+const PATH_AUTO: u8 = 0;
+/// `Inner::path`: Redis functions only.
+const PATH_FUNCTIONS: u8 = 1;
+/// `Inner::path`: `EVALSHA`, `EVAL` on NOSCRIPT.
+const PATH_EVAL: u8 = 2;
+
+/// The `Inner::path` value that starts `scripting`.
+pub(super) fn path_of(scripting: Scripting) -> u8 {
+    match scripting {
+        Scripting::Auto => PATH_AUTO,
+        Scripting::Functions => PATH_FUNCTIONS,
+        Scripting::Eval => PATH_EVAL,
     }
 }
 
@@ -94,6 +147,13 @@ pub(super) struct Inner {
     pub(super) conn: ArcSwapOption<Conn>,
     /// SHA1 of [`SCRIPT_SOURCE`], for EVALSHA.
     pub(super) sha: String,
+    /// Name of the Redis function (and of its library) that runs the script, for FCALL.
+    pub(super) function: String,
+    /// The function library (`FUNCTION LOAD`), loaded on a node when a call finds it missing.
+    pub(super) library: String,
+    /// How calls are sent now (`store.scripting`): `PATH_AUTO` until a server answers
+    /// "unknown command" to FCALL (Redis 6), then `PATH_EVAL` for good; or a forced path.
+    pub(super) path: AtomicU8,
     /// When the last rebuild started, in milliseconds since `epoch` (0 = never).
     pub(super) last_rebuild_ms: AtomicU64,
     /// A rebuild task is running (single flight).
@@ -122,7 +182,8 @@ pub(super) struct Inner {
 }
 
 /// Where a script call with keys goes in a cluster: the master of its first key's slot (the
-/// 4th argument: `EVALSHA sha numkeys key ...`); `None` for a keyless call.
+/// 4th argument: `EVALSHA sha numkeys key ...`, `FCALL name numkeys key ...`); `None` for a
+/// keyless call.
 fn first_key_route(cmd: &Cmd) -> Option<RoutingInfo> {
     let key = cmd.args_iter().nth(3).and_then(|a| match a {
         redis::Arg::Simple(b) => std::str::from_utf8(b).ok(),
@@ -169,6 +230,36 @@ fn is_health_error(e: &RedisError) -> bool {
 /// True for a NOSCRIPT reply.
 pub(super) fn is_noscript(e: &RedisError) -> bool {
     e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) || e.code() == Some("NOSCRIPT")
+}
+
+/// The detail of an `ERR` reply (Redis answers these with the generic code), else `""`.
+fn err_detail(e: &RedisError) -> &str {
+    match e.code() {
+        Some("ERR") => e.detail().unwrap_or(""),
+        _ => "",
+    }
+}
+
+/// True for the reply of FCALL naming a function the node does not have (a fresh node,
+/// `FUNCTION FLUSH`, a restart without persistence): `ERR Function not found`.
+pub(super) fn is_function_missing(e: &RedisError) -> bool {
+    err_detail(e).eq_ignore_ascii_case("Function not found")
+}
+
+/// True for the reply of `FUNCTION LOAD` (without `REPLACE`) when the library is already
+/// there: a concurrent call loaded it first. Same name, same source (see
+/// `protocol::function_name`), so that is success.
+fn is_library_loaded(e: &RedisError) -> bool {
+    let d = err_detail(e);
+    d.starts_with("Library '") && d.ends_with("' already exists")
+}
+
+/// True for the reply of a server that does not know a command (FCALL and FUNCTION on
+/// Redis 6): `ERR unknown command 'FCALL', with args beginning with: ...`.
+pub(super) fn is_unknown_command(e: &RedisError) -> bool {
+    err_detail(e)
+        .get(..15)
+        .is_some_and(|d| d.eq_ignore_ascii_case("unknown command"))
 }
 
 /// The connection timeout used when (re)connecting: a few call deadlines, within [100ms, 1s].
@@ -344,31 +435,92 @@ impl Inner {
         }
     }
 
-    /// Run the limit script built by `build` (given the SHA for `EVALSHA`, or `None` for
-    /// `EVAL` with the source) and return the raw reply: `EVALSHA` first, `EVAL` on NOSCRIPT.
-    async fn run_script(&self, build: &impl Fn(Option<&str>) -> Cmd) -> Result<Value, RedisError> {
+    /// Run the limit script built by `build` (given how to invoke it) on `target` and return
+    /// the raw reply.
+    ///
+    /// * Functions (`PATH_AUTO`, `PATH_FUNCTIONS`): `FCALL`; on "Function not found", load the
+    ///   library on the node that answered so (the call's own route) and repeat the call once.
+    ///   In `PATH_AUTO`, an "unknown command" (a server without functions: Redis 6) switches the
+    ///   store to `EVALSHA` for good, and this call goes that way.
+    /// * `EVALSHA`, and on NOSCRIPT the same call as `EVAL` with the source (which caches it).
+    pub(super) async fn run_script(
+        &self,
+        build: &impl Fn(Invoke<'_>) -> Cmd,
+        target: &Target,
+    ) -> Result<Value, RedisError> {
         let mut conn = self.conn()?;
-        let cmd = build(Some(&self.sha));
-        match conn.query(&cmd).await {
+        if self.path.load(Ordering::Relaxed) != PATH_EVAL {
+            let cmd = build(Invoke::Fcall(&self.function));
+            match conn.send(&cmd, target).await {
+                Err(e) if is_function_missing(&e) => {
+                    self.load_function(&mut conn, &cmd, target).await?;
+                    return conn.send(&cmd, target).await;
+                }
+                Err(e) if is_unknown_command(&e) && self.fall_back_to_eval(&e) => {}
+                r => return r,
+            }
+        }
+        let cmd = build(Invoke::EvalSha(&self.sha));
+        match conn.send(&cmd, target).await {
             Err(e) if is_noscript(&e) => {
                 drop(cmd);
-                conn.query(&build(None)).await
+                conn.send(&build(Invoke::Eval), target).await
             }
             r => r,
         }
     }
 
+    /// `FUNCTION LOAD` the library where `call` (an FCALL to `target`) found it missing: the
+    /// master of the call's first key in a cluster (the node the call went to), every master
+    /// for a keyless call, the server when standalone. Without `REPLACE`: a node that already
+    /// has the library (another call loaded it meanwhile) answers before compiling anything,
+    /// so a burst of calls that all found it missing costs the node one compilation.
+    async fn load_function(&self, conn: &mut Conn, call: &Cmd, target: &Target) -> Result<(), RedisError> {
+        let mut load = redis::cmd("FUNCTION");
+        load.arg("LOAD").arg(&self.library);
+        let at = match (target, &*conn) {
+            (Target::ByKey, Conn::Cluster(_)) => first_key_route(call).map_or(Target::AllMasters, Target::Node),
+            (t, _) => t.clone(),
+        };
+        let loaded = match at {
+            Target::AllMasters => conn.query_all_masters(load, is_library_loaded).await,
+            at => match conn.send(&load, &at).await {
+                Err(e) if !is_library_loaded(&e) => Err(e),
+                _ => Ok(()),
+            },
+        };
+        if loaded.is_ok() {
+            tracing::info!(function = %self.function, "loaded the limit script's Redis function library on a node that did not have it");
+        }
+        loaded
+    }
+
+    /// In `PATH_AUTO`, switch to `EVALSHA` for good after `e` said the server lacks functions;
+    /// `false` when the path was forced to functions (the error then stands).
+    fn fall_back_to_eval(&self, e: &RedisError) -> bool {
+        match self
+            .path
+            .compare_exchange(PATH_AUTO, PATH_EVAL, Ordering::Relaxed, Ordering::Relaxed)
+        {
+            Ok(_) => {
+                tracing::warn!(error = %e, "Redis has no functions (FCALL: unknown command; Redis < 7): running the limit script with EVALSHA from now on");
+                true
+            }
+            Err(now) => now == PATH_EVAL,
+        }
+    }
+
     /// One script call bounded by the deadline; the raw reply. (Failures are counted by the
     /// caller, against the breaker of the shard it called.)
-    async fn script(&self, write: bool, build: impl Fn(Option<&str>) -> Cmd) -> Result<Value, StoreError> {
+    async fn script(&self, write: bool, build: impl Fn(Invoke<'_>) -> Cmd) -> Result<Value, StoreError> {
         let replicated = write && self.replicated.load(Ordering::Relaxed);
         let call = async {
             let routing = if replicated {
-                first_key_route(&build(Some(&self.sha)))
+                first_key_route(&build(Invoke::EvalSha(&self.sha)))
             } else {
                 None
             };
-            let value = self.run_script(&build).await.map_err(store_err)?;
+            let value = self.run_script(&build, &Target::ByKey).await.map_err(store_err)?;
             if replicated {
                 self.wait_replica(routing).await?;
             }
@@ -415,7 +567,7 @@ impl Inner {
         let n = checks.len();
         let write = mode != Mode::Peek;
         let value = self
-            .script(write, |sha| script_cmd(sha, mode, now, checks.clone()))
+            .script(write, |how| script_cmd(how, mode, now, checks.clone()))
             .await?;
         parse_packed(
             value,
@@ -439,7 +591,7 @@ impl Inner {
         R: Iterator<Item = &'c [LimitCheck]> + Clone,
     {
         let n = requests.clone().map(<[LimitCheck]>::len).sum();
-        let value = self.script(true, |sha| check_cmd(sha, now, requests.clone())).await?;
+        let value = self.script(true, |how| check_cmd(how, now, requests.clone())).await?;
         parse_packed(value, n, checked)
     }
 

@@ -2,16 +2,31 @@
 //!
 //! # The script
 //! Every algorithm lives in `lua/` as a fragment; [`SCRIPT_SOURCE`] concatenates them with
-//! `lua/check.lua`, the dispatcher, into **one** script. One `EVALSHA` therefore checks every
+//! `lua/check.lua`, the dispatcher, into **one** script. One call (`FCALL` or `EVALSHA`) checks every
 //! limit of a request that lives on one Redis Cluster slot (all keys sharing one `{hash tag}`),
 //! whatever their algorithms, atomically: evaluate every key, and spend only if no non-shadow
 //! key denied. Time comes from Redis `TIME` inside the script (tests may pass `now`), so
 //! gateways with skewed clocks agree, and every written key gets its expiry in the same script.
 //!
-//! The script is called by its precomputed SHA1. On `NOSCRIPT` (a fresh or restarted node, a
-//! failover to a replica that never saw the script, `SCRIPT FLUSH`) the same call is repeated
-//! as `EVAL` with the source, which also caches the script on that node; in a cluster the
-//! `EVAL` is routed by key like the `EVALSHA`, so it lands on exactly the node that lacked it.
+//! How it is run (`store.scripting`, [`RedisStore::set_scripting`]):
+//! * **Redis functions** (`auto`, the default, and `functions`): the script is registered as
+//!   the function `tollgate_<SHA1 of the source>` of a library of the same name (see
+//!   `protocol::function_library`) and called with `FCALL`. A call that finds no such function
+//!   (a fresh or restarted node, `FUNCTION FLUSH`, a node added to the cluster) loads the
+//!   library with `FUNCTION LOAD` on the node the call went to (routed by the call's first key,
+//!   like the call; every master for a keyless probe) and repeats the call once. So each node
+//!   is loaded once, on first use, with no set-up per call; and since libraries are replicated,
+//!   a promoted replica already has it. The name pins the source, so loads need no `REPLACE`:
+//!   a node that has it answers "already exists" without compiling, and gateways of different
+//!   versions keep their own libraries side by side.
+//! * **`EVALSHA`** (`eval`, and `auto` once a server answered "unknown command" to `FCALL`, as
+//!   Redis 6 does; `auto` then stays on `EVALSHA` until the process restarts): the script is
+//!   called by its precomputed SHA1. On `NOSCRIPT` (a fresh or restarted node, a failover to a
+//!   replica that never saw the script, `SCRIPT FLUSH`) the same call is repeated as `EVAL`
+//!   with the source, which also caches the script on that node; in a cluster the `EVAL` is
+//!   routed by key like the `EVALSHA`, so it lands on exactly the node that lacked it.
+//!
+//! Both take the same keys and arguments, and run the same source.
 //!
 //! # Several slots: all or nothing with refunds
 //! [`RedisStore::check`] groups the checks by hash tag and sends one script call per group,
@@ -49,13 +64,13 @@
 //! | `slots` | slot of a key, grouping by slot, shards and their breakers |
 //! | `batch` | one call in flight per slot; what queues meanwhile goes out as one batch |
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arc_swap::{ArcSwap, ArcSwapOption};
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
-use redis::{Cmd, IntoConnectionInfo, Value};
+use redis::{Cmd, IntoConnectionInfo};
 
 pub use batch::MAX_BATCH;
 pub use conn::REBUILD_INTERVAL;
@@ -63,11 +78,11 @@ pub use protocol::SCRIPT_SOURCE;
 
 use super::algorithm::{Algorithm, Quota};
 use super::{Checked, LimitCheck, Outcome, Store, StoreError, StoreKey};
-use conn::{is_noscript, open, Conn, Inner};
-use protocol::{peeked, Mode};
+use conn::{open, path_of, Inner, Target};
+use protocol::{keyless_peek, peeked, Mode};
 use slots::group_by_tag;
 
-use crate::config::redact_url;
+use crate::config::{redact_url, Scripting};
 
 /// The key [`Store::probe`] checks (a cost-0 token-bucket check: it admits nothing and expires
 /// within a millisecond). Outside any key prefix so it can never collide with a limit.
@@ -141,6 +156,7 @@ impl RedisStore {
             Err(e) => return Err(e),
         };
         let sha = redis::Script::new(SCRIPT_SOURCE).get_hash().to_owned();
+        let function = protocol::function_name(&sha);
         let inner = Arc::new(Inner {
             mode,
             urls: urls.to_vec(),
@@ -148,6 +164,9 @@ impl RedisStore {
             timeout,
             conn: ArcSwapOption::new(conn),
             sha,
+            library: protocol::function_library(&function),
+            function,
+            path: AtomicU8::new(path_of(Scripting::Auto)),
             last_rebuild_ms: AtomicU64::new(0),
             rebuilding: AtomicBool::new(false),
             rebuilds: AtomicU64::new(0),
@@ -173,6 +192,19 @@ impl RedisStore {
     /// per call for no over-admission when a master dies before replicating.
     pub fn set_replicated(&self, on: bool) {
         self.inner.replicated.store(on, Ordering::Relaxed);
+    }
+
+    /// `store.scripting`: how the limit script is run from now on (see the module docs, "The
+    /// script"). `Auto` (the default) uses Redis functions and switches to `EVALSHA` for good
+    /// the first time a server answers that it has no FCALL.
+    pub fn set_scripting(&self, scripting: Scripting) {
+        self.inner.path.store(path_of(scripting), Ordering::Relaxed);
+    }
+
+    /// The name of the Redis function (and of its library) that `FCALL` calls:
+    /// `tollgate_<SHA1 of SCRIPT_SOURCE>`.
+    pub fn function_name(&self) -> &str {
+        &self.inner.function
     }
 
     /// Standalone or cluster.
@@ -237,37 +269,14 @@ impl RedisStore {
         inner.refresh_topology().await;
         let open: Vec<Arc<slots::Shard>> = inner.topo.load().open_shards().cloned().collect();
         for shard in &open {
-            let mut cmd = redis::cmd("EVALSHA");
-            cmd.arg(&inner.sha).arg(0).arg("peek").arg("");
-            let probe = async {
-                let mut conn = inner.conn()?;
-                match (&mut conn, shard.probe_slot) {
-                    (Conn::Cluster(c), Some(slot)) => {
-                        let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::new(
-                            slot,
-                            SlotAddr::Master,
-                        )));
-                        match c.route_command(cmd.clone(), route.clone()).await {
-                            Err(e) if is_noscript(&e) => {
-                                let mut load = redis::cmd("SCRIPT");
-                                load.arg("LOAD").arg(SCRIPT_SOURCE);
-                                c.route_command(load, route.clone()).await?;
-                                c.route_command(cmd, route).await
-                            }
-                            r => r,
-                        }
-                    }
-                    _ => match conn.query(&cmd).await {
-                        Err(e) if is_noscript(&e) => {
-                            let mut load = redis::cmd("SCRIPT");
-                            load.arg("LOAD").arg(SCRIPT_SOURCE);
-                            conn.query(&load).await?;
-                            conn.query(&cmd).await
-                        }
-                        r => r,
-                    },
-                }
+            // A keyless peek on the shard's master: routing and the script (loaded if missing).
+            let target = match shard.probe_slot {
+                Some(slot) if inner.mode == RedisMode::Cluster => Target::Node(RoutingInfo::SingleNode(
+                    SingleNodeRoutingInfo::SpecificNode(Route::new(slot, SlotAddr::Master)),
+                )),
+                _ => Target::ByKey,
             };
+            let probe = inner.run_script(&keyless_peek, &target);
             match tokio::time::timeout(inner.timeout.max(Duration::from_millis(100)), probe).await {
                 Ok(Ok(_)) => {
                     if shard.breaker.close() {
@@ -402,9 +411,9 @@ impl Store for RedisStore {
         Ok(())
     }
 
-    /// A cost-0 token-bucket check on [`PROBE_KEY`] through the real EVALSHA path (routing,
-    /// script, writes); in a cluster also a keyless run of the script on every master (loading
-    /// it where it is missing), so a frozen or scriptless master fails the probe.
+    /// A cost-0 token-bucket check on [`PROBE_KEY`] through the real script path (routing,
+    /// function or script, writes); in a cluster also a keyless run of the script on every
+    /// master (loading it where it is missing), so a frozen or scriptless master fails the probe.
     async fn probe(&self) -> Result<(), StoreError> {
         let probe = LimitCheck::new(
             StoreKey(PROBE_KEY.to_owned()),
@@ -425,27 +434,8 @@ impl Store for RedisStore {
             return Err(e);
         }
         if self.inner.mode == RedisMode::Cluster {
-            let peek = || {
-                let mut c = redis::cmd("EVALSHA");
-                c.arg(&self.inner.sha).arg(0).arg("peek").arg("");
-                c
-            };
             let inner = &self.inner;
-            let res = tokio::time::timeout(inner.timeout, async {
-                let mut conn = inner.conn()?;
-                match conn.query_all_masters(peek()).await {
-                    Err(e) if is_noscript(&e) => {
-                        let mut load = redis::cmd("SCRIPT");
-                        load.arg("LOAD").arg(SCRIPT_SOURCE);
-                        conn.query_all_masters(load).await?;
-                        conn.query_all_masters(peek()).await
-                    }
-                    r => r,
-                }
-                .map(|()| Value::Okay)
-            })
-            .await;
-            match res {
+            match tokio::time::timeout(inner.timeout, inner.run_script(&keyless_peek, &Target::AllMasters)).await {
                 Ok(r) => r.map(|_| ()).map_err(conn::store_err)?,
                 Err(_) => return Err(StoreError::Timeout),
             }

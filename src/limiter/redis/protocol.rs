@@ -45,20 +45,51 @@ impl Mode {
     }
 }
 
-/// `EVALSHA sha` (or `EVAL source` when `sha` is `None`), before the key count.
-fn script_head(sha: Option<&str>) -> Cmd {
-    match sha {
-        Some(sha) => {
-            let mut c = redis::cmd("EVALSHA");
-            c.arg(sha);
-            c
-        }
-        None => {
-            let mut c = redis::cmd("EVAL");
-            c.arg(SCRIPT_SOURCE);
-            c
-        }
-    }
+/// How one call of the limit script is written: the command and its first argument, before
+/// the key count (`FCALL name`, `EVALSHA sha` and `EVAL source` take the same keys and
+/// arguments after it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Invoke<'a> {
+    /// `FCALL <function>`: the library of [`function_library`] is loaded on the node (Redis 7+).
+    Fcall(&'a str),
+    /// `EVALSHA <sha>`: the script is cached on the node.
+    EvalSha(&'a str),
+    /// `EVAL <source>`: after NOSCRIPT (it caches the script on the node, too).
+    Eval,
+}
+
+/// The command head of `how`, before the key count.
+fn script_head(how: Invoke<'_>) -> Cmd {
+    let (name, first) = match how {
+        Invoke::Fcall(function) => ("FCALL", function),
+        Invoke::EvalSha(sha) => ("EVALSHA", sha),
+        Invoke::Eval => ("EVAL", SCRIPT_SOURCE),
+    };
+    let mut c = redis::cmd(name);
+    c.arg(first);
+    c
+}
+
+/// The name of the function (and of its library) that runs [`SCRIPT_SOURCE`] whose SHA1 is
+/// `sha`: `tollgate_<sha>`. The whole hash is in the name, so a library of that name on a
+/// node holds exactly this source: gateways of different versions each load their own, and a
+/// load never needs `REPLACE` (see [`function_library`]).
+pub(super) fn function_name(sha: &str) -> String {
+    format!("tollgate_{sha}")
+}
+
+/// The Redis function library (`FUNCTION LOAD`) that registers [`SCRIPT_SOURCE`] as the
+/// function `name`. A function gets its keys and arguments as parameters, not as the globals
+/// `KEYS` and `ARGV` of a script: the callback names its parameters `KEYS` and `ARGV`, so the
+/// script body, pasted inside it unchanged, reads them as before. Everything else the body
+/// uses (`redis.call`/`pcall` with `TIME`, `redis.error_reply`, `struct.pack`, `unpack`) is
+/// the same in a function; a function's writes are replicated as effects, which is what lets it
+/// write after `TIME`. The callback is a fresh closure per call, like a script run, so the
+/// body's per-call state (its `local`s) starts afresh each call.
+pub(super) fn function_library(name: &str) -> String {
+    format!(
+        "#!lua name={name}\nredis.register_function{{function_name='{name}', callback=function(KEYS, ARGV)\n{SCRIPT_SOURCE}\nend}}\n"
+    )
 }
 
 /// Append the script arguments of one limit: code, limit, interval, cost, flags (1 shadow,
@@ -118,11 +149,11 @@ fn now_arg(cmd: &mut Cmd, now: Option<u64>) {
 /// Build the `check` call for a batch of `requests` (each one request's limits, all on one
 /// slot), in the script's batch layout: keys of every request, then `check`, `now`, the
 /// request count, and per request its limit count and 5 arguments per limit.
-pub(super) fn check_cmd<'c, R>(sha: Option<&str>, now: Option<u64>, requests: R) -> Cmd
+pub(super) fn check_cmd<'c, R>(how: Invoke<'_>, now: Option<u64>, requests: R) -> Cmd
 where
     R: Iterator<Item = &'c [LimitCheck]> + Clone,
 {
-    let mut cmd = script_head(sha);
+    let mut cmd = script_head(how);
     cmd.arg(requests.clone().flatten().map(key_count).sum::<usize>());
     for r in requests.clone() {
         for c in r {
@@ -143,12 +174,12 @@ where
 
 /// Build a `peek`, `refund` or `renew` call for `checks` (all on one slot).
 pub(super) fn script_cmd<'c>(
-    sha: Option<&str>,
+    how: Invoke<'_>,
     mode: Mode,
     now: Option<u64>,
     checks: impl Iterator<Item = &'c LimitCheck> + Clone,
 ) -> Cmd {
-    let mut cmd = script_head(sha);
+    let mut cmd = script_head(how);
     cmd.arg(checks.clone().map(key_count).sum::<usize>());
     for c in checks.clone() {
         limit_keys(&mut cmd, c);
@@ -159,6 +190,11 @@ pub(super) fn script_cmd<'c>(
         limit_args(&mut cmd, c);
     }
     cmd
+}
+
+/// A keyless `peek` (no limits): runs the script on a node and changes nothing, for probes.
+pub(super) fn keyless_peek(how: Invoke<'_>) -> Cmd {
+    script_cmd(how, Mode::Peek, None, std::iter::empty())
 }
 
 /// A peek reply entry: `allowed == 2` marks a key that does not exist.

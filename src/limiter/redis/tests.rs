@@ -4,9 +4,12 @@
 use std::num::NonZeroU64;
 
 use super::conn::connect_timeout;
-use super::protocol::{check_cmd, checked, parse_packed, peeked, script_cmd, Mode};
+use super::protocol::{
+    check_cmd, checked, function_library, function_name, parse_packed, peeked, script_cmd, Invoke, Mode,
+};
 use super::slots::one_tag;
 use super::*;
+use redis::Value;
 
 fn check(key: &str, algorithm: Algorithm, shadow: bool) -> LimitCheck {
     let n = |v| NonZeroU64::new(v).unwrap();
@@ -72,7 +75,7 @@ fn evalsha_command_layout() {
         check("tl:{a}:r2:b", Algorithm::LeakyBucket, true),
     ];
     let cmd = check_cmd(
-        Some("abc"),
+        Invoke::EvalSha("abc"),
         Some(1_700_000_000_000_000),
         [&cs[..], &cs[1..]].into_iter(),
     );
@@ -107,7 +110,7 @@ fn evalsha_command_layout() {
             "1",
         ]
     );
-    let cmd = script_cmd(None, Mode::Peek, None, cs[..1].iter());
+    let cmd = script_cmd(Invoke::Eval, Mode::Peek, None, cs[..1].iter());
     let a = args(&cmd);
     assert_eq!(a[0], "EVAL");
     assert_eq!(a[1], SCRIPT_SOURCE);
@@ -115,6 +118,42 @@ fn evalsha_command_layout() {
         a[2..],
         ["1", "tl:{a}:r1:1s", "peek", "", "3", "10", "1000000", "2", "0"]
     );
+}
+
+#[test]
+fn fcall_takes_the_same_keys_and_arguments_as_evalsha() {
+    let cs = [
+        check("tl:{a}:r1:1s", Algorithm::FixedWindow, false),
+        check("tl:{a}:r2:b", Algorithm::LeakyBucket, true),
+    ];
+    let by = |how| {
+        let cmd = check_cmd(how, None, [&cs[..], &cs[1..]].into_iter());
+        args(&cmd)
+    };
+    let (fcall, evalsha) = (by(Invoke::Fcall("tollgate_abc")), by(Invoke::EvalSha("abc")));
+    assert_eq!(fcall[..2], ["FCALL", "tollgate_abc"]);
+    assert_eq!(fcall[2..], evalsha[2..]);
+    let peek = script_cmd(Invoke::Fcall("f"), Mode::Peek, None, std::iter::empty());
+    assert_eq!(args(&peek), ["FCALL", "f", "0", "peek", ""]);
+}
+
+#[test]
+fn function_library_wraps_the_script_unchanged() {
+    let sha = redis::Script::new(SCRIPT_SOURCE).get_hash().to_owned();
+    let name = function_name(&sha);
+    assert_eq!(name, format!("tollgate_{sha}"));
+    assert!(
+        name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_'),
+        "a valid library name"
+    );
+    let lib = function_library(&name);
+    let (first, rest) = lib.split_once('\n').unwrap();
+    assert_eq!(first, format!("#!lua name={name}"));
+    assert!(rest.starts_with(&format!(
+        "redis.register_function{{function_name='{name}', callback=function(KEYS, ARGV)\n"
+    )));
+    assert!(rest.contains(SCRIPT_SOURCE));
+    assert!(rest.ends_with("\nend}\n"));
 }
 
 /// A packed reply as the script builds it.
