@@ -464,7 +464,9 @@ async fn replication_loss(durability: &str) -> (u64, u64, Duration) {
 "#;
     let store = format!(
         "{}  durability: {durability}\n",
-        store_yaml("redis_cluster", &cluster.seed_urls(), "100ms")
+        // 300 ms: the first call on a fresh cluster loads the function library, and this
+        // machine may be busy; a store timeout there would fail the first requests closed.
+        store_yaml("redis_cluster", &cluster.seed_urls(), "300ms")
             .replace("identity:\n  trusted_proxies: [127.0.0.1/32]\n", "")
     );
     let gw = gateway(&format!("http://{up}"), &store, rules, None).await;
