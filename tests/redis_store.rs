@@ -959,6 +959,14 @@ async fn cluster_killed_master_fails_then_recovers_after_failover() {
     assert!(store.check(&c).await.into_result().unwrap()[0].allowed);
     let slot = cluster.keyslot(key);
     let old = cluster.master_for_key(key);
+    // The first check loaded the library on the master; replication to its replica is
+    // asynchronous, so wait for it before the kill (else a busy machine races the two).
+    let replicas = cluster.replicas_of(old);
+    let replicated = eventually(Duration::from_secs(10), || async {
+        replicas.iter().all(|&r| has_library(r, store.function_name()))
+    })
+    .await;
+    assert!(replicated, "the library never reached the replicas of {old}");
 
     cluster.kill_node(old);
     let r = tokio::time::timeout(T * 2, store.check(&c)).await;
