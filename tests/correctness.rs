@@ -20,7 +20,7 @@ fn keys() -> KeyBuilder {
 fn store_yaml(kind: &str, urls: &[String]) -> String {
     let list: Vec<String> = urls.iter().map(|u| format!("\"{u}\"")).collect();
     format!(
-        "store:\n  kind: {kind}\n  urls: [{}]\n  timeout: 50ms\n  probe_interval: 100ms\nidentity:\n  trusted_proxies: [127.0.0.1/32]\n",
+        "store:\n  kind: {kind}\n  urls: [{}]\n  timeout: 200ms\n  probe_interval: 100ms\nidentity:\n  trusted_proxies: [127.0.0.1/32]\n",
         list.join(", ")
     )
 }
