@@ -99,7 +99,7 @@ mod tests {
     #[tokio::test]
     async fn jobs_run_at_the_lowest_priority_and_return_their_result() {
         let before = own_nice();
-        let (nice, answer) = run("test", || (own_nice(), 6 * 7)).await.unwrap();
+        let (nice, answer) = run("test", || (own_nice(), 6 * 7)).await.unwrap(); // allow-panic: test
         assert_eq!(answer, 42);
         assert_eq!(nice, 19, "the job ran at nice {nice}");
         assert_eq!(own_nice(), before, "the caller's priority must not change");
@@ -107,7 +107,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_panicking_job_is_an_error_not_a_crash() {
-        let r: Result<(), _> = run("test", || panic!("boom")).await;
+        let r: Result<(), _> = run("test", || panic!("boom")).await; // allow-panic: test
         assert!(matches!(r, Err(BackgroundError::Failed("test"))));
     }
 

@@ -397,7 +397,7 @@ mod tests {
         for (k, v) in headers {
             b = b.header(*k, *v);
         }
-        b.body(()).unwrap()
+        b.body(()).unwrap() // allow-panic: test
     }
 
     #[test]

@@ -162,8 +162,8 @@ mod tests {
     fn month(offset_s: i32) -> Quota {
         let mut q = Quota::window(
             super::super::Algorithm::FixedWindow,
-            NonZeroU64::new(10).unwrap(),
-            NonZeroU64::new(CalendarUnit::Month.nominal_us()).unwrap(),
+            NonZeroU64::new(10).unwrap(),                               // allow-panic: test
+            NonZeroU64::new(CalendarUnit::Month.nominal_us()).unwrap(), // allow-panic: test
         );
         q.calendar = Some(Calendar {
             unit: CalendarUnit::Month,
