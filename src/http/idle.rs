@@ -10,6 +10,11 @@
 //! waits for the socket to become readable with nothing but the socket, then serves it with a
 //! new hyper connection.
 //!
+//! A connection parks only after [`PARK_AFTER`] without a new request: a busy keep-alive
+//! connection (the next request follows within milliseconds) keeps its hyper connection, so
+//! the parking costs nothing per request under load (building a hyper connection costs more than
+//! serving a small request).
+//!
 //! "hyper holds no unread bytes" is made true by construction: [`IdleIo`] hands hyper a
 //! request head only up to its blank line and a body only up to its `Content-Length`, and
 //! keeps anything read past that (a pipelined request) for hyper's next read. Whenever the
@@ -18,6 +23,7 @@
 //! hyper itself confirms the invariant: a connection that ends with unread bytes ends with an
 //! error, and the server then closes the socket instead of serving it again.
 
+use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -30,6 +36,10 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
 use crate::http::{BoxError, ProxyBody};
+
+/// How long a connection waits between requests, with nothing unread or unwritten, before it
+/// parks.
+pub const PARK_AFTER: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// No framing published since the reader last looked.
 const NO_FRAMING: u64 = u64::MAX;
@@ -167,6 +177,11 @@ pub struct IdleIo {
     stash: BytesMut,
     /// `shared.finished` when hyper last flushed with nothing left in its write buffer.
     flushed: u32,
+    /// Fires [`PARK_AFTER`] into a wait between requests (made at the first such wait, kept
+    /// for the next ones).
+    park_timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Whether `park_timer` counts down the current wait.
+    park_armed: bool,
 }
 
 impl IdleIo {
@@ -182,7 +197,23 @@ impl IdleIo {
             },
             stash: BytesMut::new(),
             flushed,
+            park_timer: None,
+            park_armed: false,
         }
+    }
+
+    /// Between requests with the socket not readable: has the connection waited
+    /// [`PARK_AFTER`] (the timer wakes `cx` when it has)?
+    fn waited_enough(&mut self, cx: &mut Context<'_>) -> bool {
+        if !self.park_armed {
+            let deadline = tokio::time::Instant::now() + PARK_AFTER;
+            match self.park_timer.as_mut() {
+                Some(t) => t.as_mut().reset(deadline),
+                None => self.park_timer = Some(Box::pin(tokio::time::sleep_until(deadline))),
+            }
+            self.park_armed = true;
+        }
+        self.park_timer.as_mut().is_some_and(|t| t.as_mut().poll(cx).is_ready())
     }
 
     /// Take the framing the service published, if any.
@@ -304,13 +335,14 @@ impl AsyncRead for IdleIo {
         let start = buf.filled().len();
         match Pin::new(stream).poll_read(cx, buf) {
             Poll::Pending => {
-                if this.can_park() {
+                if this.can_park() && this.waited_enough(cx) {
                     *this.shared.parked.lock() = this.stream.take();
                     return Poll::Ready(Ok(()));
                 }
                 Poll::Pending
             }
             Poll::Ready(Ok(())) => {
+                this.park_armed = false;
                 let filled = buf.filled();
                 if filled.len() > start {
                     let n = this.take(&filled[start..]);
