@@ -172,10 +172,12 @@ pub async fn serve_with(
     let mut h1 = hyper::server::conn::http1::Builder::new();
     h1.timer(TokioTimer::new())
         .header_read_timeout(sc.header_read_timeout)
-        // Twice the configured limits: within them tollgate checks the limits itself and
-        // answers a JSON 431 (`respond.rs`); past them hyper's parser answers an empty one.
+        // Twice the configured size: within it tollgate checks the limit itself and answers a
+        // JSON 431 (`respond.rs`); past it hyper's parser answers an empty one. The field count
+        // is hyper's default (100, `proxy::MAX_HEADERS`): any other value makes hyper fill a
+        // heap array of that many entries before every parse, ≈ 2,500 instructions and an
+        // allocation per request; past 100 fields hyper answers the 431 itself.
         .max_buf_size(sc.max_header_bytes.saturating_mul(2).max(8192))
-        .max_headers(2 * crate::proxy::MAX_HEADERS)
         .keep_alive(true);
     let mut h2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
     h2.timer(TokioTimer::new())

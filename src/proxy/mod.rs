@@ -77,8 +77,9 @@ fn validate<B>(req: &Request<B>) -> Result<(), GatewayError> {
     Ok(())
 }
 
-/// Most header fields a request may carry; hyper's own parser allows twice as many (and twice
-/// `max_header_bytes`) so that tollgate, not hyper, answers the 431 with a JSON body.
+/// Most header fields a request may carry: hyper's own parser's default limit (a request with
+/// more gets hyper's 431); within it, and within twice `max_header_bytes`, tollgate checks the
+/// limits itself and answers the 431 with a JSON body.
 pub const MAX_HEADERS: usize = 100;
 
 /// The header section within `server.max_header_bytes` and [`MAX_HEADERS`] fields.
