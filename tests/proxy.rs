@@ -240,6 +240,48 @@ async fn stale_pooled_connections_never_fail_a_request() {
     gw.stop().await;
 }
 
+/// Upstream connections are driven by the requests that use them and go back to the pool when
+/// the response body ends: sequential requests of every kind of body share one connection,
+/// and a body the client abandons closes its connection without leaking the request.
+#[tokio::test]
+async fn one_pooled_connection_serves_sequential_requests_of_every_body_kind() {
+    use std::sync::atomic::Ordering;
+    let up = counting_upstream().await;
+    let gw = gateway(&up.url(), "", OPEN_RULES, None).await;
+    let c = client();
+    for i in 0..20 {
+        let r = c.get(format!("{}/n{i}", gw.url)).send().await.unwrap();
+        assert_eq!(r.status(), 200, "GET {i}");
+        assert_eq!(r.text().await.unwrap(), "chunk\n");
+        // A body the server never polls (HEAD), a header-only exchange.
+        let r = c.head(format!("{}/h{i}", gw.url)).send().await.unwrap();
+        assert_eq!(r.status(), 200, "HEAD {i}");
+    }
+    let r = c.get(format!("{}/trailer-cost/3", gw.url)).send().await.unwrap();
+    assert_eq!(r.text().await.unwrap(), "chunk\nchunk\n");
+    let r = c.get(format!("{}/cost/2", gw.url)).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.text().await.unwrap(), "chunk\n");
+    assert_eq!(up.counts.total.load(Ordering::SeqCst), 42);
+    assert_eq!(
+        up.counts.connections.load(Ordering::SeqCst),
+        1,
+        "every sequential request reused the one pooled connection"
+    );
+
+    // A streaming body the client leaves after one chunk: its connection closes with it (the
+    // rest of the body is never read), and the next request opens a new one.
+    let mut r = c.get(format!("{}/stream", gw.url)).send().await.unwrap();
+    assert!(r.chunk().await.unwrap().is_some());
+    drop(r);
+    let released = eventually(Duration::from_secs(5), || async { up.current() == 0 }).await;
+    assert!(released, "the abandoned exchange is still open at the upstream");
+    let r = c.get(format!("{}/after", gw.url)).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(up.counts.connections.load(Ordering::SeqCst), 2);
+    gw.stop().await;
+}
+
 /// A `TestGateway` stops on drop: without `stop()`, its proxy and admin listeners close.
 #[tokio::test]
 async fn a_dropped_test_gateway_stops_listening() {

@@ -32,6 +32,8 @@ pub struct Counts {
     pub max: AtomicUsize,
     /// Requests that arrived.
     pub total: AtomicUsize,
+    /// Connections accepted.
+    pub connections: AtomicUsize,
 }
 
 /// One request being served: counted until dropped (with its response body).
@@ -151,6 +153,7 @@ pub async fn counting_upstream() -> CountingUpstream {
     tokio::spawn(async move {
         loop {
             let Ok((stream, _)) = l.accept().await else { continue };
+            c.connections.fetch_add(1, Ordering::SeqCst);
             let c = c.clone();
             tokio::spawn(async move {
                 let svc = hyper::service::service_fn(move |req| serve(c.clone(), req));
