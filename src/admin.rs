@@ -381,7 +381,7 @@ fn identity_checks(
         let over = r.overrides.get(who);
         has_override |= over.is_some();
         // The keys the proxy would use for this value: the plan's own key builder.
-        let mut planned = Vec::new();
+        let mut planned = crate::proxy::plan::PlannedChecks::new();
         let value = crate::rules::KeyValue::Value(ns, who.as_bytes());
         let ri = u32::try_from(ri).unwrap_or(u32::MAX);
         crate::proxy::plan::rule_checks(snap, runtime, now_secs, keys, ri, value, who, &mut None, &mut planned);

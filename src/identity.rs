@@ -119,28 +119,27 @@ pub fn identify(
     }
 }
 
-/// The IP as shared text (one allocation, for the `Arc`).
+/// The IP as shared text (one allocation, for the `Arc`; the text is written on the stack).
 fn ip_text(ip: IpAddr) -> Arc<str> {
-    let mut s = String::with_capacity(40);
+    let mut s = crate::http::value_buf::Text::<48>::new();
     write_ip(&mut s, ip);
-    Arc::from(s)
+    Arc::from(s.as_str())
 }
 
 /// Append `ip` as text. IPv4 (the common case) skips `core::fmt`, which costs ~2,000
 /// instructions per address; IPv6 uses `Display` (RFC 5952 form).
-pub fn write_ip(out: &mut String, ip: IpAddr) {
+pub fn write_ip(out: &mut impl std::fmt::Write, ip: IpAddr) {
     match ip {
         IpAddr::V4(v4) => {
             let mut buf = itoa::Buffer::new();
             for (i, octet) in v4.octets().iter().enumerate() {
                 if i > 0 {
-                    out.push('.');
+                    let _ = out.write_char('.');
                 }
-                out.push_str(buf.format(*octet));
+                let _ = out.write_str(buf.format(*octet));
             }
         }
         IpAddr::V6(_) => {
-            use std::fmt::Write;
             let _ = write!(out, "{ip}");
         }
     }

@@ -1,4 +1,5 @@
 //! The `tollgate` command line: parse arguments, set up logging, call into the library.
+#![forbid(unsafe_code)]
 
 use std::path::PathBuf;
 use std::process::ExitCode;

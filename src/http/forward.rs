@@ -3,7 +3,9 @@
 
 use std::net::IpAddr;
 
-use bytes::{BufMut, BytesMut};
+use std::fmt::Write;
+
+use super::value_buf::{Text, ValueBuf};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{PathAndQuery, Uri};
 
@@ -95,38 +97,32 @@ pub fn add_forwarded(h: &mut HeaderMap, peer: IpAddr, host: Option<&HeaderValue>
 pub fn add_forwarded_proto(h: &mut HeaderMap, peer: IpAddr, host: Option<&HeaderValue>, https: bool) {
     let proto = if https { "https" } else { "http" };
     let peer = peer.to_canonical();
-    let mut ip = String::with_capacity(40);
+    let mut ip = Text::<48>::new();
     crate::identity::write_ip(&mut ip, peer);
-    let host_len = host.map_or(0, HeaderValue::len);
-    let mut buf = BytesMut::with_capacity(2 * ip.len() + host_len + 64);
+    let ip = ip.as_str();
+    let mut buf = ValueBuf::new();
     append_list(h, &X_FORWARDED_FOR, ip.as_bytes(), &mut buf);
     append_static(h, &X_FORWARDED_PROTO, proto, &mut buf);
     if let Some(host) = host {
         append_value(h, &X_FORWARDED_HOST, host, &mut buf);
     }
-    let mut fwd = String::with_capacity(ip.len() + host_len + 32);
-    if peer.is_ipv6() {
-        fwd.push_str("for=\"[");
-        fwd.push_str(&ip);
-        fwd.push_str("]\";proto=");
+    let mut fwd = Text::<128>::new();
+    let _ = if peer.is_ipv6() {
+        write!(fwd, "for=\"[{ip}]\";proto={proto}")
     } else {
-        fwd.push_str("for=");
-        fwd.push_str(&ip);
-        fwd.push_str(";proto=");
-    }
-    fwd.push_str(proto);
+        write!(fwd, "for={ip};proto={proto}")
+    };
     if let Some(host) = host.and_then(|v| v.to_str().ok()) {
         if host.bytes().all(|b| b.is_ascii_graphic() && b != b'"' && b != b'\\') {
-            fwd.push_str(";host=\"");
-            fwd.push_str(host);
-            fwd.push('"');
+            let _ = write!(fwd, ";host=\"{host}\"");
         }
     }
-    append_list(h, &FORWARDED, fwd.as_bytes(), &mut buf);
+    append_list(h, &FORWARDED, fwd.as_str().as_bytes(), &mut buf);
+    buf.finish(h);
 }
 
 /// [`append_list`] for a static item: no allocation when the header is absent.
-fn append_static(h: &mut HeaderMap, name: &HeaderName, item: &'static str, buf: &mut BytesMut) {
+fn append_static(h: &mut HeaderMap, name: &HeaderName, item: &'static str, buf: &mut ValueBuf) {
     if h.contains_key(name) {
         append_list(h, name, item.as_bytes(), buf);
     } else {
@@ -135,7 +131,7 @@ fn append_static(h: &mut HeaderMap, name: &HeaderName, item: &'static str, buf: 
 }
 
 /// [`append_list`] for a header value: shared, not copied, when the header is absent.
-fn append_value(h: &mut HeaderMap, name: &HeaderName, item: &HeaderValue, buf: &mut BytesMut) {
+fn append_value(h: &mut HeaderMap, name: &HeaderName, item: &HeaderValue, buf: &mut ValueBuf) {
     if h.contains_key(name) {
         if item.to_str().is_ok() {
             append_list(h, name, item.as_bytes(), buf);
@@ -145,24 +141,22 @@ fn append_value(h: &mut HeaderMap, name: &HeaderName, item: &HeaderValue, buf: &
     }
 }
 
-/// Join every existing value of `name` and `item` into one comma-separated header, written
-/// into `buf` (empty on entry and on return: the value is split off, sharing its allocation).
-fn append_list(h: &mut HeaderMap, name: &HeaderName, item: &[u8], buf: &mut BytesMut) {
+/// Join every existing value of `name` and `item` into one comma-separated value of `name`,
+/// written into `buf` (it replaces them when `buf` is finished).
+fn append_list(h: &HeaderMap, name: &HeaderName, item: &[u8], buf: &mut ValueBuf) {
     // Values that are not visible ASCII (obs-text) are dropped: the joined header must stay
     // readable text that ends with this hop.
     for v in h.get_all(name).iter().filter(|v| v.to_str().is_ok()) {
-        if !buf.is_empty() {
-            buf.put_slice(b", ");
+        if buf.current_len() > 0 {
+            buf.put(b", ");
         }
-        buf.put_slice(v.as_bytes());
+        buf.put(v.as_bytes());
     }
-    if !buf.is_empty() {
-        buf.put_slice(b", ");
+    if buf.current_len() > 0 {
+        buf.put(b", ");
     }
-    buf.put_slice(item);
-    if let Some(v) = super::headers::take(buf) {
-        h.insert(name.clone(), v);
-    }
+    buf.put(item);
+    buf.end(name.clone());
 }
 
 /// The origin-form request target (`/path?query`) sent to the upstream.

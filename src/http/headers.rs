@@ -11,8 +11,8 @@
 //! **Reset.** `X-RateLimit-Reset` is the Unix second at or after the instant the limit frees up
 //! (rounded up from the real instant, never early); `t` is the number of seconds until then.
 
-use bytes::{BufMut, BytesMut};
-use http::header::{HeaderMap, HeaderName, HeaderValue};
+use super::value_buf::ValueBuf;
+use http::header::{HeaderMap, HeaderName};
 
 use crate::limiter::{Outcome, Quota};
 
@@ -93,42 +93,32 @@ impl Binding<'_> {
     }
 }
 
-/// Take what `buf` holds as one header value. Every value of a response is cut from one
-/// buffer: `split` shares its allocation and `from_maybe_shared` takes the bytes without a copy.
-pub(crate) fn take(buf: &mut BytesMut) -> Option<HeaderValue> {
-    HeaderValue::from_maybe_shared(buf.split().freeze()).ok()
-}
-
 /// Write the selected header families for `b` into `h`. `now_us` is the gateway's clock.
+/// Every value is cut from one allocation ([`ValueBuf`]).
 pub fn write(h: &mut HeaderMap, b: &Binding<'_>, ietf: bool, legacy: bool, now_us: u64) {
     let t = b.reset_secs();
     let remaining = b.remaining_requests();
     let quota = b.quota_requests();
     let mut n = itoa::Buffer::new();
-    let mut buf = BytesMut::with_capacity(2 * b.rule.len() + 112);
-    h.reserve(usize::from(ietf) * 2 + usize::from(legacy) * 3);
+    let mut buf = ValueBuf::new();
     if ietf {
-        buf.put_u8(b'"');
-        buf.put_slice(b.rule.as_bytes());
-        buf.put_slice(b"\";q=");
-        buf.put_slice(n.format(quota).as_bytes());
+        buf.put(b"\"");
+        buf.put(b.rule.as_bytes());
+        buf.put(b"\";q=");
+        buf.put(n.format(quota).as_bytes());
         // A concurrency limit has no window: `q` requests in flight at once, `r` still free.
         if b.quota.algorithm != crate::limiter::Algorithm::Concurrency {
-            buf.put_slice(b";w=");
-            buf.put_slice(n.format(b.window_secs()).as_bytes());
+            buf.put(b";w=");
+            buf.put(n.format(b.window_secs()).as_bytes());
         }
-        if let Some(v) = take(&mut buf) {
-            h.insert(RATELIMIT_POLICY.clone(), v);
-        }
-        buf.put_u8(b'"');
-        buf.put_slice(b.rule.as_bytes());
-        buf.put_slice(b"\";r=");
-        buf.put_slice(n.format(remaining).as_bytes());
-        buf.put_slice(b";t=");
-        buf.put_slice(n.format(t).as_bytes());
-        if let Some(v) = take(&mut buf) {
-            h.insert(RATELIMIT.clone(), v);
-        }
+        buf.end(RATELIMIT_POLICY.clone());
+        buf.put(b"\"");
+        buf.put(b.rule.as_bytes());
+        buf.put(b"\";r=");
+        buf.put(n.format(remaining).as_bytes());
+        buf.put(b";t=");
+        buf.put(n.format(t).as_bytes());
+        buf.end(RATELIMIT.clone());
     }
     if legacy {
         for (name, value) in [
@@ -136,12 +126,11 @@ pub fn write(h: &mut HeaderMap, b: &Binding<'_>, ietf: bool, legacy: bool, now_u
             (&X_REMAINING, remaining),
             (&X_RESET, b.reset_at_secs(now_us)),
         ] {
-            buf.put_slice(n.format(value).as_bytes());
-            if let Some(v) = take(&mut buf) {
-                h.insert(name.clone(), v);
-            }
+            buf.put(n.format(value).as_bytes());
+            buf.end(name.clone());
         }
     }
+    buf.finish(h);
 }
 
 /// Pick the binding limit among `(skip, outcome, cost)`: of the denials, the one that stays

@@ -10,6 +10,7 @@ pub mod request_id;
 pub mod respond;
 pub mod tls;
 pub mod upstream;
+pub mod value_buf;
 
 use bytes::Bytes;
 use http_body_util::{combinators::UnsyncBoxBody, BodyExt, Full};

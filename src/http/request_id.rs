@@ -62,7 +62,8 @@ pub fn generate() -> HeaderValue {
         buf[2 * i] = hex[usize::from(byte >> 4)];
         buf[2 * i + 1] = hex[usize::from(byte & 0xf)];
     }
-    HeaderValue::from_maybe_shared(bytes::Bytes::copy_from_slice(&buf)).unwrap_or(HeaderValue::from_static("0"))
+    // One allocation, and clones (the id goes upstream and back) only count references.
+    HeaderValue::from_maybe_shared(bytes::Bytes::from_owner(buf)).unwrap_or(HeaderValue::from_static("0"))
 }
 
 /// Is an incoming id worth keeping: 1..=128 characters of letters, digits and `-_.:/+=@`.

@@ -13,6 +13,7 @@
 //! if it is still full, the entry closest to its own expiry is evicted (forgetting it gives back
 //! the least quota).
 
+use smallvec::SmallVec;
 use std::collections::HashMap;
 use std::hash::BuildHasher;
 
@@ -29,6 +30,9 @@ pub const SHARDS: usize = 64;
 
 /// One locked shard, tagged with its index.
 type Guard<'a> = (usize, MutexGuard<'a, Shard>);
+
+/// Checks per request handled without allocating shard lists.
+const INLINE_CHECKS: usize = 4;
 
 /// One shard's map. foldhash: several times cheaper than SipHash on our ~50-byte keys, and
 /// randomly seeded per map (the keys are hex digests anyway, so callers cannot aim at buckets).
@@ -152,8 +156,10 @@ impl MemoryStore {
     }
 
     /// Lock the shards `checks` touch, in ascending order (`shard[i]` is check `i`'s shard).
-    fn lock_all(&self, shard: &[usize]) -> Vec<Guard<'_>> {
-        let mut idx: Vec<usize> = shard.to_vec();
+    /// Inline for up to [`INLINE_CHECKS`] checks: a request's usual one to three limits cost no
+    /// allocation.
+    fn lock_all(&self, shard: &[usize]) -> SmallVec<[Guard<'_>; INLINE_CHECKS]> {
+        let mut idx: SmallVec<[usize; INLINE_CHECKS]> = SmallVec::from_slice(shard);
         idx.sort_unstable();
         idx.dedup();
         idx.into_iter().map(|i| (i, self.shards[i].lock())).collect()
@@ -161,7 +167,8 @@ impl MemoryStore {
 
     /// The decision logic shared by `check`, at an explicit `now` (used by differential tests).
     pub fn check_at<C: AsRef<LimitCheck>>(&self, checks: &[C], now: u64) -> Vec<Outcome> {
-        let shard_of: Vec<usize> = checks.iter().map(|c| self.shard_of(c.as_ref().key.as_str())).collect();
+        let shard_of: SmallVec<[usize; INLINE_CHECKS]> =
+            checks.iter().map(|c| self.shard_of(c.as_ref().key.as_str())).collect();
         let mut guards = self.lock_all(&shard_of);
         let mut outcomes = Vec::with_capacity(checks.len());
         for (c, &shard) in checks.iter().map(AsRef::as_ref).zip(&shard_of) {
@@ -183,9 +190,7 @@ impl MemoryStore {
         for ((c, o), &shard) in checks.iter().map(AsRef::as_ref).zip(outcomes.iter_mut()).zip(&shard_of) {
             if let (Some(p), false) = (c.penalty, o.allowed) {
                 let map = guard_for(&mut guards, shard);
-                let e = map
-                    .entry(Box::from(c.key.as_str()))
-                    .or_insert_with(|| Entry::empty(c.quota));
+                let Some(e) = entry_for(map, c) else { continue };
                 let len = match e.penalty {
                     Some((_, len)) if o.penalty_us > 0 && p.escalates() => p.escalated(len),
                     Some(_) if o.penalty_us > 0 => continue,
@@ -217,9 +222,7 @@ impl MemoryStore {
                 self.evicted.inc_by(forced);
                 self.evicted_denying.inc_by(denying);
             }
-            let e = map
-                .entry(Box::from(c.key.as_str()))
-                .or_insert_with(|| Entry::empty(c.quota));
+            let Some(e) = entry_for(map, c) else { continue };
             if c.is_slot() {
                 if c.cost > 0 {
                     concurrency::take(&c.quota, &mut e.state, c.holder, now);
@@ -295,6 +298,20 @@ fn penalized(now: u64, left: u64) -> Outcome {
         penalty_us: left,
         at_us: now,
         ..Outcome::default()
+    }
+}
+
+/// `c`'s entry in `map`, made empty if it has none; the key is copied only then (`entry`
+/// wants an owned key, which would allocate on every hit, and the hit is what every request
+/// of a known caller takes). Always `Some`: the `Option` only spares a panic path.
+fn entry_for<'a>(map: &'a mut Shard, c: &LimitCheck) -> Option<&'a mut Entry> {
+    if map.contains_key(c.key.as_str()) {
+        map.get_mut(c.key.as_str())
+    } else {
+        Some(
+            map.entry(Box::from(c.key.as_str()))
+                .or_insert_with(|| Entry::empty(c.quota)),
+        )
     }
 }
 

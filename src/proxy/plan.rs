@@ -71,8 +71,12 @@ pub struct RequestPlan {
     pub identity: Identity,
     /// The chosen rule of each key kind, each with all its limits (its override's, when the
     /// caller has one), rule after rule. Empty when no rule matched.
-    pub checks: Vec<PlannedCheck>,
+    pub checks: PlannedChecks,
 }
+
+/// A request's planned checks, inline up to two (no allocation for the usual one or two
+/// limits).
+pub type PlannedChecks = smallvec::SmallVec<[PlannedCheck; 2]>;
 
 /// The parts of a request a plan reads.
 #[derive(Debug, Clone, Copy)]
@@ -106,7 +110,7 @@ pub fn plan(
         tier: &ident.tier,
     };
     let selected = snap.rules.select(&info);
-    let mut checks = Vec::with_capacity(selected.len() + 1);
+    let mut checks = PlannedChecks::new();
     if !selected.is_empty() {
         let ip_text: std::borrow::Cow<'_, str> = if ident.kind == IdentityKind::Ip {
             std::borrow::Cow::Borrowed(&ident.id)
@@ -149,7 +153,7 @@ pub fn rule_checks<'v>(
     value: KeyValue<'v>,
     who: &str,
     last: &mut Option<(KeyValue<'v>, String)>,
-    out: &mut Vec<PlannedCheck>,
+    out: &mut PlannedChecks,
 ) {
     let rule = &snap.rules.rules[ri as usize];
     let planned = |check: LimitCheck, from: LimitsFrom| PlannedCheck {

@@ -271,8 +271,9 @@ impl RuleSet {
     }
 }
 
-/// The winning rule of each key kind for one request, by rule index.
-pub type Selection = Vec<u32>;
+/// The winning rule of each key kind for one request, by rule index (inline up to eight kinds:
+/// no allocation per request).
+pub type Selection = smallvec::SmallVec<[u32; 8]>;
 
 /// Why one rule matched or lost, for `explain`.
 #[derive(Debug, Clone)]
