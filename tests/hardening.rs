@@ -483,14 +483,14 @@ async fn oversized_headers_and_too_many_headers_get_431() {
     let big = format!("X-Big: {}\r\n", "a".repeat(20 * 1024));
     assert_eq!(status(a, "GET", "/x", &big).await, 431);
     let many: String = (0..150).map(|i| format!("X-H{i}: v\r\n")).collect();
+    // More than 100 fields: hyper's parser refuses the request itself (its default limit,
+    // kept because any other value costs an allocation and ~2,500 instructions per request).
     assert_eq!(status(a, "GET", "/x", &many).await, 431, "150 header fields");
-    // Up to twice the limits tollgate answers itself, with the JSON body every local response
-    // has; only past that hyper's parser refuses the request (empty body).
-    for extra in [&big, &many] {
-        let resp = send(a, &request("GET", "/x", extra), Duration::from_secs(2)).await;
-        assert!(resp.contains("application/json"), "{resp}");
-        assert!(resp.contains("\"error\":\"request_header_fields_too_large\""), "{resp}");
-    }
+    // Up to twice `max_header_bytes` tollgate answers itself, with the JSON body every local
+    // response has; only past that hyper's parser refuses the request (empty body).
+    let resp = send(a, &request("GET", "/x", &big), Duration::from_secs(2)).await;
+    assert!(resp.contains("application/json"), "{resp}");
+    assert!(resp.contains("\"error\":\"request_header_fields_too_large\""), "{resp}");
     // Just under the limits is fine.
     let ok = format!("X-Big: {}\r\n", "a".repeat(12 * 1024));
     assert_eq!(status(a, "GET", "/x", &ok).await, 200);
