@@ -100,8 +100,10 @@ pub(super) struct H1Conn {
     /// Hands a request to the connection.
     sender: SendRequest<ProxyBody>,
     /// Reads and writes the socket when polled (boxed once per connection, so moving the
-    /// connection in and out of the pool copies two pointers, not hyper's state).
-    driver: Pin<Box<Driver>>,
+    /// connection in and out of the pool copies two pointers, not hyper's state); `None` once
+    /// it has finished, so that it is never polled again (hyper panics on that after an
+    /// upgrade).
+    driver: Option<Pin<Box<Driver>>>,
 }
 
 impl H1Conn {
@@ -110,21 +112,14 @@ impl H1Conn {
         let (sender, conn) = http1::Builder::new().handshake(TokioIo::new(io)).await?;
         Ok(H1Conn {
             sender,
-            driver: Box::pin(conn.with_upgrades()),
+            driver: Some(Box::pin(conn.with_upgrades())),
         })
     }
 
     /// Drive the connection once with `cx`; `Ready` once it is finished (closed by either
     /// side, failed, or upgraded).
     pub(super) fn poll_driver(&mut self, cx: &mut Context<'_>) -> Poll<()> {
-        match self.driver.as_mut().poll(cx) {
-            Poll::Ready(Err(e)) => {
-                tracing::debug!(error = %e, "upstream connection ended with error");
-                Poll::Ready(())
-            }
-            Poll::Ready(Ok(())) => Poll::Ready(()),
-            Poll::Pending => Poll::Pending,
-        }
+        poll_once(&mut self.driver, cx)
     }
 
     /// Can this (pooled) connection take a request now? One poll lets hyper notice a close by
@@ -141,18 +136,11 @@ impl H1Conn {
         req: Request<ProxyBody>,
     ) -> Result<Response<Incoming>, TrySendError<Request<ProxyBody>>> {
         let mut answer = std::pin::pin!(self.sender.try_send_request(req));
-        let mut driver = Some(self.driver.as_mut());
+        let driver = &mut self.driver;
         std::future::poll_fn(|cx| {
-            if let Some(d) = driver.as_mut() {
-                if let Poll::Ready(r) = d.as_mut().poll(cx) {
-                    if let Err(e) = r {
-                        tracing::debug!(error = %e, "upstream connection ended with error");
-                    }
-                    // Finished: hyper has answered (or cancelled) the request by now; it is
-                    // not polled again.
-                    driver = None;
-                }
-            }
+            // Finished (closed, failed, upgraded): hyper has answered or cancelled the request
+            // by then, so the answer is ready.
+            let _ = poll_once(driver, cx);
             answer.as_mut().poll(cx)
         })
         .await
@@ -173,11 +161,28 @@ impl H1Conn {
     /// there; a busy connection finishes its exchange). The request handle is dropped, so hyper
     /// closes the connection once it is idle.
     pub(super) fn detach(self) {
-        let driver = self.driver;
+        let Some(driver) = self.driver else { return };
         tokio::spawn(async move {
             if let Err(e) = driver.await {
                 tracing::debug!(error = %e, "upstream connection ended with error");
             }
         });
+    }
+}
+
+/// Poll `driver` unless it has finished; `Ready` (and `None` from then on) once it has.
+fn poll_once(driver: &mut Option<Pin<Box<Driver>>>, cx: &mut Context<'_>) -> Poll<()> {
+    let Some(d) = driver.as_mut() else {
+        return Poll::Ready(());
+    };
+    match d.as_mut().poll(cx) {
+        Poll::Pending => Poll::Pending,
+        Poll::Ready(r) => {
+            if let Err(e) = r {
+                tracing::debug!(error = %e, "upstream connection ended with error");
+            }
+            *driver = None;
+            Poll::Ready(())
+        }
     }
 }
