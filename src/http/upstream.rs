@@ -4,12 +4,11 @@
 //! a failed idempotent request.
 //!
 //! # HTTP/1.1 pool
-//! A target's pool is a stack of idle connections behind a mutex held for a few instructions
-//! (never across an `.await`). A connection is driven by the request that uses it, not by a
-//! task of its own (`h1`): the request's task polls it until the response head arrives, the
-//! response body polls it while the body streams, and it goes back on the stack when the body
-//! has ended. A request that was never written (the pooled connection had closed) is sent
-//! again on another connection, so a stale keep-alive connection never fails a request.
+//! A target's pool is a stack of `SendRequest` handles behind a mutex held for a few
+//! instructions (never across an `.await`). A handle goes back on the stack as soon as the
+//! response head arrives; it is handed out again only once `is_ready()` (its previous response
+//! body has been read). A request that was never written (the pooled connection had closed) is
+//! sent again on another connection, so a stale keep-alive connection never fails a request.
 //!
 //! # HTTP/2 (`upstream.protocol: h2c | h2 | auto`, DESIGN.md §11)
 //! A target keeps at most [`H2_MAX_CONNECTIONS`] HTTP/2 connections, each carrying many
@@ -48,6 +47,7 @@ use bytes::Bytes;
 use futures_util::future::{BoxFuture, FutureExt, Shared};
 use http::{HeaderMap, HeaderValue, Method, Request, Response, Uri, Version};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper::client::conn::http1::{self, SendRequest};
 use hyper::client::conn::http2;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use parking_lot::Mutex;
@@ -57,9 +57,6 @@ use tokio_rustls::TlsConnector;
 
 use super::ProxyBody;
 use crate::config::{UpstreamConfig, UpstreamProtocol};
-
-mod h1;
-use h1::{H1Conn, UpIo};
 
 /// Why the upstream could not be asked.
 #[derive(Debug, thiserror::Error)]
@@ -158,8 +155,8 @@ struct H2Set {
 
 /// A connection's request handle.
 enum Sender {
-    /// HTTP/1.1: one exchange at a time, on a connection this request drives.
-    H1(H1Conn),
+    /// HTTP/1.1: one exchange at a time.
+    H1(SendRequest<ProxyBody>),
     /// HTTP/2: one of the target's shared connections, this request's stream counted.
     H2(http2::SendRequest<ProxyBody>, StreamGuard),
 }
@@ -178,9 +175,9 @@ struct Target {
     scheme: http::uri::Scheme,
     /// `host:port` as configured: the `:authority` of an HTTP/2 request that had no `Host`.
     authority: http::uri::Authority,
-    /// Idle HTTP/1.1 connections (a connection in use is owned by its request, then by its
-    /// response body).
-    idle: Mutex<Vec<H1Conn>>,
+    /// Kept HTTP/1.1 handles; the busy ones (a response body still streaming) are skipped at
+    /// checkout.
+    idle: Mutex<Vec<SendRequest<ProxyBody>>>,
     /// Shared HTTP/2 connections.
     h2: Mutex<H2Set>,
     /// Under `auto`: what the target's last new connection agreed to in ALPN.
@@ -267,45 +264,20 @@ pub fn replayable(method: &Method, headers: &HeaderMap, body_is_end: bool) -> bo
 }
 
 /// A response from one target; its body counts as in flight on that target until it ends or
-/// is dropped. Over HTTP/1.1 it drives its connection while it streams and puts it back in the
-/// pool when it has ended.
+/// is dropped.
 pub struct TargetBody {
     /// The upstream's body.
     inner: Incoming,
-    /// HTTP/1.1: the connection the body arrives on, until the body has ended.
-    conn: Option<H1Conn>,
     /// Decrements the target's in-flight count when dropped.
-    flight: Flight,
-}
-
-impl TargetBody {
-    /// The body has ended: the connection goes back to its target's pool.
-    fn release(&mut self) {
-        if let Some(c) = self.conn.take() {
-            c.release(&self.flight.0, self.flight.1);
-        }
-    }
+    _flight: Flight,
 }
 
 impl Body for TargetBody {
     type Data = Bytes;
     type Error = hyper::Error;
 
-    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let this = self.get_mut();
-        if let Some(c) = this.conn.as_mut() {
-            if c.poll_driver(cx).is_ready() {
-                // Closed or failed: what it read is in `inner`, which ends or fails with it.
-                this.conn = None;
-            }
-        }
-        let frame = Pin::new(&mut this.inner).poll_frame(cx);
-        match &frame {
-            Poll::Ready(None) => this.release(),
-            Poll::Ready(Some(Ok(_))) if this.inner.is_end_stream() => this.release(),
-            _ => {}
-        }
-        frame
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
     }
 
     fn is_end_stream(&self) -> bool {
@@ -314,16 +286,6 @@ impl Body for TargetBody {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
-    }
-}
-
-impl Drop for TargetBody {
-    fn drop(&mut self) {
-        // A body that ended without being polled to its end (empty, or answered to HEAD): the
-        // connection is reusable. Any other: it is dropped, and closes, with its unread body.
-        if self.conn.is_some() && self.inner.is_end_stream() {
-            self.release();
-        }
     }
 }
 
@@ -598,14 +560,14 @@ impl Upstream {
         }
     }
 
-    fn answered(self: &Arc<Self>, i: usize, (resp, flight, conn): Answer, attempts: u8) -> Exchange {
+    fn answered(self: &Arc<Self>, i: usize, (resp, flight): (Response<Incoming>, Flight), attempts: u8) -> Exchange {
         if resp.status().is_server_error() {
             self.failure(i, &resp.status(), false);
         } else {
             self.success(i);
         }
         Exchange {
-            response: resp.map(|inner| TargetBody { inner, conn, flight }),
+            response: resp.map(|inner| TargetBody { inner, _flight: flight }),
             target: self.targets[i].label.clone(),
             attempts,
         }
@@ -613,7 +575,11 @@ impl Upstream {
 
     /// One attempt on target `i` (a stale pooled connection, or an HTTP/2 connection that
     /// received GOAWAY, is replaced on the way).
-    async fn attempt(self: &Arc<Self>, i: usize, mut req: Request<ProxyBody>) -> Result<Answer, AttemptError> {
+    async fn attempt(
+        self: &Arc<Self>,
+        i: usize,
+        mut req: Request<ProxyBody>,
+    ) -> Result<(Response<Incoming>, Flight), AttemptError> {
         let mut flight = Flight::enter(self, i);
         for attempt in 0..ATTEMPTS {
             // The last try gets a connection of its own: the kept ones kept closing.
@@ -628,16 +594,12 @@ impl Upstream {
                     });
                 }
             };
-            let mut conn = None;
             let result = match sender {
-                Sender::H1(mut c) => {
+                Sender::H1(mut s) => {
                     to_h1(&mut req);
-                    let r = c.send(req).await;
-                    match &r {
-                        // The upgrade completes in the connection's own task.
-                        Ok(resp) if resp.status() == http::StatusCode::SWITCHING_PROTOCOLS => c.detach(),
-                        Ok(_) => conn = Some(c),
-                        Err(_) => {}
+                    let r = s.try_send_request(req).await;
+                    if r.is_ok() {
+                        self.checkin(i, s);
                     }
                     r
                 }
@@ -651,7 +613,7 @@ impl Upstream {
                 }
             };
             match result {
-                Ok(resp) => return Ok((resp, flight, conn)),
+                Ok(resp) => return Ok((resp, flight)),
                 Err(mut e) => match e.take_message() {
                     // Never written: safe to send again on another connection.
                     Some(r) => req = r,
@@ -796,22 +758,25 @@ impl Upstream {
         }
     }
 
-    /// A pooled connection of target `i` that can take a request, the most recently used
-    /// first; closed ones are dropped on the way.
-    fn checkout(&self, i: usize) -> Option<H1Conn> {
-        loop {
-            let mut c = self.targets[i].idle.lock().pop()?;
-            if c.ready() {
-                return Some(c);
+    /// A ready pooled handle of target `i`, dropping closed ones.
+    fn checkout(&self, i: usize) -> Option<SendRequest<ProxyBody>> {
+        let mut idle = self.targets[i].idle.lock();
+        let mut k = idle.len();
+        while k > 0 {
+            k -= 1;
+            if idle[k].is_closed() {
+                idle.swap_remove(k);
+            } else if idle[k].is_ready() {
+                return Some(idle.swap_remove(k));
             }
         }
+        None
     }
 
-    /// Keep an idle connection of target `i` (up to `pool_max_idle_per_host`).
-    fn checkin(&self, i: usize, c: H1Conn) {
+    fn checkin(&self, i: usize, s: SendRequest<ProxyBody>) {
         let mut idle = self.targets[i].idle.lock();
         if idle.len() < self.max_idle {
-            idle.push(c);
+            idle.push(s);
         }
     }
 
@@ -840,11 +805,11 @@ impl Upstream {
                 match (h2, self.protocol) {
                     (true, _) => handshake_h2(TokioIo::new(tls_stream)).await,
                     (false, UpstreamProtocol::H2) => Err(UpstreamError::NoH2),
-                    (false, _) => Ok(Conn::H1(H1Conn::handshake(UpIo::Tls(Box::new(tls_stream))).await?)),
+                    (false, _) => handshake(TokioIo::new(tls_stream)).await,
                 }
             }
             _ if self.protocol == UpstreamProtocol::H2c => handshake_h2(TokioIo::new(stream)).await,
-            _ => Ok(Conn::H1(H1Conn::handshake(UpIo::Plain(stream)).await?)),
+            _ => handshake(TokioIo::new(stream)).await,
         }
     }
 
@@ -860,7 +825,7 @@ impl Upstream {
                 *req.uri_mut() = uri;
                 req.headers_mut().insert(http::header::HOST, t.host_header.clone());
                 let result = tokio::time::timeout(timeout, async {
-                    let (resp, flight, _conn) = up.attempt_quiet(i, req).await?;
+                    let (resp, flight) = up.attempt_quiet(i, req).await?;
                     let status = resp.status();
                     drop(flight);
                     Ok::<_, UpstreamError>(status)
@@ -885,33 +850,45 @@ impl Upstream {
 
     /// An exchange on a fresh connection to target `i`, outside the failure accounting (the
     /// health check decides on its result itself).
-    async fn attempt_quiet(self: &Arc<Self>, i: usize, mut req: Request<ProxyBody>) -> Result<Answer, UpstreamError> {
+    async fn attempt_quiet(
+        self: &Arc<Self>,
+        i: usize,
+        mut req: Request<ProxyBody>,
+    ) -> Result<(Response<Incoming>, Flight), UpstreamError> {
         let flight = Flight::enter(self, i);
-        Ok(match self.connect(i).await? {
-            Conn::H1(mut c) => {
-                let resp = c.send(req).await.map_err(|e| e.into_error())?;
-                (resp, flight, Some(c))
-            }
+        let resp = match self.connect(i).await? {
+            Conn::H1(mut sender) => sender.send_request(req).await?,
             Conn::H2(c) => {
                 let (mut sender, _stream) = c.take();
                 to_h2(&mut req, &self.targets[i]);
-                (sender.send_request(req).await?, flight, None)
+                sender.send_request(req).await?
             }
-        })
+        };
+        Ok((resp, flight))
     }
 }
 
 /// A new connection.
 enum Conn {
-    /// HTTP/1.1, driven by its user.
-    H1(H1Conn),
+    /// HTTP/1.1.
+    H1(SendRequest<ProxyBody>),
     /// HTTP/2, to be shared.
     H2(H2Conn),
 }
 
-/// A response head, its target's in-flight count, and (HTTP/1.1) the connection its body
-/// arrives on.
-type Answer = (Response<Incoming>, Flight, Option<H1Conn>);
+/// HTTP/1.1 on a connected stream; the connection is driven by a spawned task.
+async fn handshake<I>(io: I) -> Result<Conn, UpstreamError>
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let (sender, conn) = http1::Builder::new().handshake(io).await?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.with_upgrades().await {
+            tracing::debug!(error = %e, "upstream connection ended with error");
+        }
+    });
+    Ok(Conn::H1(sender))
+}
 
 /// HTTP/2 on a connected stream (prior knowledge, or agreed by ALPN); the connection is driven
 /// by a spawned task, and pinged when quiet so that a dead peer is noticed.
