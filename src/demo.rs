@@ -75,7 +75,7 @@ pub async fn echo(mut req: Request<Incoming>) -> Result<Response<ProxyBody>, Inf
             .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
         r
     } else {
-        let body = req.into_body().map_err(|e| -> BoxError { Box::new(e) }).boxed_unsync();
+        let body = ProxyBody::boxed(req.into_body().map_err(|e| -> BoxError { Box::new(e) }));
         let mut r = Response::new(body);
         r.headers_mut().insert(
             header::CONTENT_TYPE,

@@ -486,11 +486,21 @@ async fn replication_loss(durability: &str) -> (u64, u64, Duration) {
     assert!(linked, "the replica of {master} never finished its first sync");
     let mut admitted = 0;
     let mut lat = Vec::new();
-    for _ in 0..10 {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while admitted < 10 {
         let (s, d) = timed(&c, &url, "10.19.7.1").await;
-        assert_eq!(s, 200, "{durability}: an admission before any fault");
-        admitted += 1;
-        lat.push(d);
+        if s == 200 {
+            admitted += 1;
+            lat.push(d);
+            continue;
+        }
+        // On a busy machine the replica's acknowledgement can miss `WAIT`'s deadline: that
+        // request failed closed (spent on the master, never admitted, so the replica's count
+        // only grows past `admitted`); ask again.
+        assert!(
+            s == 503 && durability == "replicated" && std::time::Instant::now() < deadline,
+            "{durability}: an admission before any fault answered {s}"
+        );
     }
     lat.sort();
     // Let the replica catch up, then freeze it; a burst arrives; the master dies.

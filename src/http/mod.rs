@@ -12,23 +12,81 @@ pub mod tls;
 pub mod upstream;
 pub mod value_buf;
 
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
 use bytes::Bytes;
-use http_body_util::{combinators::UnsyncBoxBody, BodyExt, Full};
+use http_body_util::{combinators::UnsyncBoxBody, BodyExt, Limited};
+use hyper::body::{Body, Frame, Incoming, SizeHint};
 
 /// Errors a streamed body may carry.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// The body of every response tollgate sends: the upstream's stream, or a small local body.
-pub type ProxyBody = UnsyncBoxBody<Bytes, BoxError>;
+/// The body of every request tollgate sends upstream and of every response it sends. An enum,
+/// not a box: boxing cost an allocation per body, two per proxied request (issue #15).
+pub enum ProxyBody {
+    /// A complete in-memory body (tollgate's own responses); `None` once it has been sent.
+    Full(Option<Bytes>),
+    /// An upstream's response, streamed.
+    Upstream(upstream::TargetBody),
+    /// A client's request body on its way upstream, cut off past `server.max_body_bytes`.
+    Request(Limited<Incoming>),
+    /// Any other body (bodies that settle a cost, hold concurrency slots, the demo's echo).
+    Boxed(UnsyncBoxBody<Bytes, BoxError>),
+}
+
+impl ProxyBody {
+    /// Box any other body.
+    pub fn boxed<B>(b: B) -> Self
+    where
+        B: Body<Data = Bytes, Error = BoxError> + Send + 'static,
+    {
+        ProxyBody::Boxed(b.boxed_unsync())
+    }
+}
+
+impl Body for ProxyBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.get_mut() {
+            ProxyBody::Full(b) => Poll::Ready(b.take().filter(|b| !b.is_empty()).map(|b| Ok(Frame::data(b)))),
+            ProxyBody::Upstream(t) => Pin::new(t)
+                .poll_frame(cx)
+                .map(|f| f.map(|r| r.map_err(|e| -> BoxError { Box::new(e) }))),
+            ProxyBody::Request(l) => Pin::new(l).poll_frame(cx),
+            ProxyBody::Boxed(b) => Pin::new(b).poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            ProxyBody::Full(b) => b.as_ref().is_none_or(Bytes::is_empty),
+            ProxyBody::Upstream(t) => t.is_end_stream(),
+            ProxyBody::Request(l) => l.is_end_stream(),
+            ProxyBody::Boxed(b) => b.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            ProxyBody::Full(b) => SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64)),
+            ProxyBody::Upstream(t) => t.size_hint(),
+            ProxyBody::Request(l) => l.size_hint(),
+            ProxyBody::Boxed(b) => b.size_hint(),
+        }
+    }
+}
 
 /// A complete in-memory body.
 pub fn full(b: impl Into<Bytes>) -> ProxyBody {
-    Full::new(b.into()).map_err(|never| match never {}).boxed_unsync()
+    ProxyBody::Full(Some(b.into()))
 }
 
 /// An empty body.
 pub fn empty() -> ProxyBody {
-    full(Bytes::new())
+    ProxyBody::Full(None)
 }
 
 /// How long an accept loop waits after `accept` failed (EMFILE, ENFILE, ENOMEM...) before it

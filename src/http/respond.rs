@@ -6,7 +6,10 @@ use std::time::{Duration, SystemTime};
 use http::{header, HeaderValue, Response, StatusCode};
 use serde_json::json;
 
+use bytes::Bytes;
+
 use super::headers::{self, Binding};
+use super::value_buf::Text;
 use super::{full, ProxyBody};
 
 /// Everything that ends a request without (or instead of) the upstream's response.
@@ -130,21 +133,25 @@ impl GatewayError {
 
 /// The 429 JSON body. Written directly (this is the hot deny path): rule names are validated
 /// to `[A-Za-z0-9_.-]`, so nothing in it needs escaping.
-fn rate_limited_body(rule: &str, limit: u64, window_us: u64, secs: u64, reset_at_secs: u64) -> String {
+/// Written on the stack and moved into the body's one allocation.
+fn rate_limited_body(rule: &str, limit: u64, window_us: u64, secs: u64, reset_at_secs: u64) -> Bytes {
+    use std::fmt::Write;
     let (wn, unit) = headers::WindowText(window_us).parts();
     let mut wbuf = itoa::Buffer::new();
-    let mut window = String::with_capacity(24);
-    window.push_str(wbuf.format(wn));
-    window.push_str(unit);
+    let mut window = Text::<24>::new();
+    let _ = window.write_str(wbuf.format(wn));
+    let _ = window.write_str(unit);
+    let window = window.as_str();
+    let mut lbuf = itoa::Buffer::new();
+    let limit = lbuf.format(limit);
     let mut n = itoa::Buffer::new();
-    let limit = n.format(limit).to_owned();
     let secs_text = n.format(secs);
-    let mut s = String::with_capacity(230 + 2 * rule.len());
+    let mut s = Text::<512>::new();
     for part in [
         r#"{"error":"rate_limit_exceeded","message":"Rate limit of "#,
-        &limit,
+        limit,
         " per ",
-        &window,
+        window,
         " exceeded for rule ",
         rule,
         "; retry in ",
@@ -152,23 +159,23 @@ fn rate_limited_body(rule: &str, limit: u64, window_us: u64, secs: u64, reset_at
         r#" s.","rule":""#,
         rule,
         r#"","limit":"#,
-        &limit,
+        limit,
         r#","window":""#,
-        &window,
+        window,
         r#"","retry_after":"#,
         secs_text,
         r#","reset_at":""#,
     ] {
-        s.push_str(part);
+        let _ = s.write_str(part);
     }
     push_rfc3339(&mut s, SystemTime::UNIX_EPOCH + Duration::from_secs(reset_at_secs));
-    s.push_str("\"}");
-    s
+    let _ = s.write_str("\"}");
+    Bytes::from_owner(s)
 }
 
 /// Append `t` as RFC 3339 UTC seconds (`2026-11-30T08:00:00Z`). Denials come in bursts, so the
 /// text of the last second formatted is kept per thread and reused while it matches.
-fn push_rfc3339(s: &mut String, t: SystemTime) {
+fn push_rfc3339(s: &mut impl std::fmt::Write, t: SystemTime) {
     use std::cell::RefCell;
     thread_local! {
         static LAST: RefCell<(u64, String)> = const { RefCell::new((u64::MAX, String::new())) };
@@ -182,12 +189,12 @@ fn push_rfc3339(s: &mut String, t: SystemTime) {
             let _ = write!(last.1, "{}", humantime::format_rfc3339_seconds(t));
             last.0 = secs;
         }
-        s.push_str(&last.1);
+        let _ = s.write_str(&last.1);
     });
 }
 
 /// A 429 with `body` and `Retry-After: secs`.
-fn limited_response(body: String, secs: u64) -> Response<ProxyBody> {
+fn limited_response(body: Bytes, secs: u64) -> Response<ProxyBody> {
     let mut resp = Response::new(full(body));
     *resp.status_mut() = StatusCode::TOO_MANY_REQUESTS;
     let h = resp.headers_mut();
@@ -195,7 +202,13 @@ fn limited_response(body: String, secs: u64) -> Response<ProxyBody> {
     h.reserve(12);
     h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-    h.insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    // One allocation (`HeaderValue::from(u64)` makes two).
+    let mut n = itoa::Buffer::new();
+    let mut text = Text::<20>::new();
+    let _ = std::fmt::Write::write_str(&mut text, n.format(secs));
+    if let Ok(v) = HeaderValue::from_maybe_shared(Bytes::from_owner(text)) {
+        h.insert(header::RETRY_AFTER, v);
+    }
     resp
 }
 

@@ -31,6 +31,12 @@ impl<const N: usize> Text<N> {
     }
 }
 
+impl<const N: usize> AsRef<[u8]> for Text<N> {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
 impl<const N: usize> std::fmt::Write for Text<N> {
     fn write_str(&mut self, s: &str) -> std::fmt::Result {
         self.0.extend_from_slice(s.as_bytes());

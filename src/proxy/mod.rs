@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use http::{header, HeaderValue, Method, Request, Response, Version};
-use http_body_util::{BodyExt, Limited};
+use http_body_util::Limited;
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 
@@ -19,7 +19,7 @@ use crate::http::headers::{self, Binding};
 use crate::http::request_id::{self, X_REQUEST_ID};
 use crate::http::respond::{self, GatewayError};
 use crate::http::upstream::{self as up, Replay};
-use crate::http::{forward, BoxError, ProxyBody};
+use crate::http::{forward, ProxyBody};
 use crate::identity::Identity;
 use crate::limiter::{local_share, FailurePolicy, LimitCheck, Source, StoreError, Verdict};
 use crate::rules::caller;
@@ -362,7 +362,7 @@ impl State {
             resp
         } else {
             let gw = self.clone();
-            resp.map(|b| settle::SettleBody::new(b, gw, waiting).boxed_unsync())
+            resp.map(|b| ProxyBody::boxed(settle::SettleBody::new(b, gw, waiting)))
         })
     }
 
@@ -464,11 +464,10 @@ impl State {
         let client_upgrade = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut req));
         let body_is_end = hyper::body::Body::is_end_stream(req.body());
         let (parts, body) = req.into_parts();
-        let mut out = Request::new(
-            Limited::new(body, self.config().server.max_body_bytes as usize)
-                .map_err(|e| -> BoxError { e })
-                .boxed_unsync(),
-        );
+        let mut out = Request::new(ProxyBody::Request(Limited::new(
+            body,
+            self.config().server.max_body_bytes as usize,
+        )));
         let method = parts.method.clone(); // for the error log; no allocation for standard methods
         *out.method_mut() = parts.method;
         *out.uri_mut() = forward::origin_form(parts.uri.path_and_query());
@@ -583,12 +582,12 @@ impl State {
             }
             let keep = resp.headers().get(header::UPGRADE).cloned();
             forward::strip_hop_by_hop(resp.headers_mut(), keep);
-            return Ok(resp.map(|b| b.map_err(|e| -> BoxError { Box::new(e) }).boxed_unsync()));
+            return Ok(resp.map(ProxyBody::Upstream));
         }
         forward::strip_hop_by_hop(resp.headers_mut(), None);
-        let resp = resp.map(|b| b.map_err(|e| -> BoxError { Box::new(e) }).boxed_unsync());
+        let resp = resp.map(ProxyBody::Upstream);
         Ok(match slots {
-            Some(g) => resp.map(|b| slots::GuardedBody::new(b, g).boxed_unsync()),
+            Some(g) => resp.map(|b| ProxyBody::boxed(slots::GuardedBody::new(b, g))),
             None => resp,
         })
     }

@@ -3,7 +3,7 @@
 #[test]
 fn the_429_body_is_json_with_every_field() {
     let body = super::rate_limited_body("api.v1-x", 100, 60_000_000, 7, 1_800_000_007);
-    let v: serde_json::Value = serde_json::from_str(&body).expect("valid JSON");
+    let v: serde_json::Value = serde_json::from_slice(&body).expect("valid JSON");
     assert_eq!(v["error"], "rate_limit_exceeded");
     assert_eq!(
         v["message"],
