@@ -189,7 +189,9 @@ fn gateway(dir: &Path, name: &str, up: SocketAddr, rules: &str) -> SocketAddr {
     std::fs::write(
         &cfg_path,
         format!(
-            "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nupstream:\n  url: http://{up}\nrules_file: {}\n",
+            // `work_stealing`: one listener, served by this runtime alone (thread-per-core would
+            // start uncounted worker threads for the other cores).
+            "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nserver:\n  runtime: work_stealing\nupstream:\n  url: http://{up}\nrules_file: {}\n",
             rules_path.display()
         ),
     )

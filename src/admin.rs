@@ -465,7 +465,7 @@ fn identity_hash(keys: &KeyBuilder, snap: &Snapshot, who: &str) -> String {
     } else {
         Namespace::Jwt
     };
-    keys.tag(ns, who.as_bytes())
+    keys.tag(ns, who.as_bytes()).to_string()
 }
 
 fn rule_json(r: &Rule) -> Value {

@@ -70,7 +70,7 @@ pub struct Identity {
     /// Which credential identified it.
     pub kind: IdentityKind,
     /// JWT user, API key id, or the client IP (collapsed) as text. Never a secret.
-    pub id: Arc<str>,
+    pub id: IdText,
     /// Tier from the token or key registry; [`ANONYMOUS`] otherwise.
     pub tier: Arc<str>,
     /// Org, when the token or key names one.
@@ -92,7 +92,7 @@ pub fn identify(
         if let Some(c) = jwt.verify_headers(headers, now_secs) {
             return Identity {
                 kind: IdentityKind::Jwt,
-                id: c.user,
+                id: IdText::Shared(c.user),
                 tier: c.tier.unwrap_or_else(|| ANONYMOUS_TIER.clone()),
                 org: c.org,
                 ip,
@@ -103,7 +103,7 @@ pub fn identify(
         if let Some(k) = keys.lookup(v.as_bytes()) {
             return Identity {
                 kind: IdentityKind::ApiKey,
-                id: k.id.clone(),
+                id: IdText::Shared(k.id.clone()),
                 tier: k.tier.clone(),
                 org: k.org.clone(),
                 ip,
@@ -119,11 +119,106 @@ pub fn identify(
     }
 }
 
-/// The IP as shared text (one allocation, for the `Arc`; the text is written on the stack).
-fn ip_text(ip: IpAddr) -> Arc<str> {
-    let mut s = crate::http::value_buf::Text::<48>::new();
-    write_ip(&mut s, ip);
-    Arc::from(s.as_str())
+/// The IP as text, written inline: no allocation per request.
+pub fn ip_text(ip: IpAddr) -> IdText {
+    let mut t = IpText {
+        len: 0,
+        buf: [0; IP_TEXT_MAX],
+    };
+    write_ip(&mut t, ip);
+    IdText::Ip(t)
+}
+
+/// Longest text of an address (`INET6_ADDRSTRLEN` less the terminating zero).
+const IP_TEXT_MAX: usize = 45;
+
+/// An address as text, inline.
+#[derive(Clone, Copy)]
+pub struct IpText {
+    /// Bytes used.
+    len: u8,
+    /// The text (ASCII).
+    buf: [u8; IP_TEXT_MAX],
+}
+
+impl IpText {
+    /// The text.
+    pub fn as_str(&self) -> &str {
+        // Only `write_ip`'s ASCII is ever written.
+        std::str::from_utf8(&self.buf[..usize::from(self.len)]).unwrap_or_default()
+    }
+}
+
+impl std::fmt::Write for IpText {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        let at = usize::from(self.len);
+        let end = at + s.len();
+        if end > IP_TEXT_MAX {
+            return Err(std::fmt::Error);
+        }
+        self.buf[at..end].copy_from_slice(s.as_bytes());
+        self.len = end as u8;
+        Ok(())
+    }
+}
+
+/// An [`Identity`]'s id: shared text (a JWT user, a registered key id) or a client address
+/// kept inline, so an anonymous request allocates no id. Reads as `&str`.
+#[derive(Clone)]
+pub enum IdText {
+    /// Text shared with the token's claims or the key registry.
+    Shared(Arc<str>),
+    /// A client address.
+    Ip(IpText),
+}
+
+impl IdText {
+    /// The id as text.
+    pub fn as_str(&self) -> &str {
+        match self {
+            IdText::Shared(s) => s,
+            IdText::Ip(t) => t.as_str(),
+        }
+    }
+}
+
+impl std::ops::Deref for IdText {
+    type Target = str;
+    fn deref(&self) -> &str {
+        self.as_str()
+    }
+}
+
+impl From<&str> for IdText {
+    fn from(s: &str) -> Self {
+        IdText::Shared(Arc::from(s))
+    }
+}
+
+impl From<Arc<str>> for IdText {
+    fn from(s: Arc<str>) -> Self {
+        IdText::Shared(s)
+    }
+}
+
+impl PartialEq for IdText {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_str() == other.as_str()
+    }
+}
+
+impl Eq for IdText {}
+
+impl std::fmt::Display for IdText {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::fmt::Debug for IdText {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(self.as_str(), f)
+    }
 }
 
 /// Append `ip` as text. IPv4 (the common case) skips `core::fmt`, which costs ~2,000

@@ -12,9 +12,9 @@
 //!
 //! | module | what it does |
 //! |---|---|
-//! | [`server`] | composition root: binds listeners, starts admin, file watcher and store probe, owns shutdown |
-//! | [`state`] | the shared state (config, snapshot handle, limiter, metrics; private fields), reload |
-//! | [`proxy`] | the request path: plan (`proxy::plan`, one `RequestPlan` per request) → check → forward / respond |
+//! | [`server`] | composition root: binds listeners, starts admin, file watcher and store probe, owns shutdown; `server/conn` accepts and serves connections (h2c sniff, TLS, idle parking, drain) |
+//! | [`state`] | the shared state (config, snapshot handle, limiter, metrics; private fields); `state::reload` swaps the snapshot |
+//! | [`proxy`] | the request path: plan (`proxy::plan`, one `RequestPlan` per request) → check → forward (`proxy::exchange`) / respond |
 //! | [`background`] | low-priority threads for reloads and for freeing replaced snapshots, so neither competes with requests |
 //! | [`activity`] | what the admin dashboard shows over time: per-second rule rates, most limited hashes, store and reload history |
 //! | [`admin`] | admin listener: health, readiness, status, metrics, rules, reload, explain, counters; token auth |
@@ -22,7 +22,7 @@
 //! | [`identity`] | request → [`identity::Identity`] (JWT, API key, client IP); pure, no I/O |
 //! | [`rules`] | types, `compile` (validation, specificity), `trie` (matching); pure, no I/O |
 //! | [`limiter`] | algorithms, the [`limiter::Store`] trait, memory and Redis stores (`redis/{conn,protocol,slots,batch}`), key schema (`keys`), deny cache, per-shard breakers, failure policy |
-//! | [`http`] | `respond` (every locally made response), rate-limit headers, forwarding helpers, the upstream pool |
+//! | [`http`] | `respond` (every locally made response), rate-limit headers, forwarding helpers, the upstream (`upstream/{h1,h2,balance}`: pool, shared HTTP/2 connections, balancing and ejection) |
 //! | [`metrics`] | Prometheus metrics with handles resolved at rule load |
 //! | [`clock`] | injectable time ([`clock::FakeClock`] for tests) |
 //! | [`demo`] | `tollgate demo`: an echo upstream plus the gateway on the memory store |

@@ -114,8 +114,15 @@ fn main() -> ExitCode {
         } => explain(&config, &method, &path, &headers, ip),
         Command::Run => {
             init_logs(cli.log_format);
-            runtime(async move {
-                let cfg = GatewayConfig::load(&config, &EnvOverrides::from_env()).map_err(|e| e.to_string())?;
+            let cfg = match GatewayConfig::load(&config, &EnvOverrides::from_env()) {
+                Ok(cfg) => cfg,
+                Err(e) => {
+                    eprintln!("tollgate: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            let single = cfg.server.runtime == tollgate::config::Runtime::ThreadPerCore;
+            runtime_of(single, async move {
                 let running = tollgate::server::start(cfg).await.map_err(|e| e.to_string())?;
                 tollgate::demo::shutdown_signal().await;
                 tracing::info!("signal received");
@@ -156,10 +163,20 @@ fn hash_key(key: Option<String>) -> ExitCode {
 }
 
 fn runtime(f: impl std::future::Future<Output = Result<(), String>>) -> ExitCode {
+    // The demo's config has the default `server.runtime`.
+    runtime_of(
+        tollgate::config::Runtime::default() == tollgate::config::Runtime::ThreadPerCore,
+        f,
+    )
+}
+
+/// Run `f` on a current-thread runtime when `single` (thread-per-core: the server starts the
+/// other workers' runtimes itself) or when there is one worker, else on a multi-thread one.
+fn runtime_of(single: bool, f: impl std::future::Future<Output = Result<(), String>>) -> ExitCode {
     // One worker (TOKIO_WORKER_THREADS=1): a current-thread runtime has no work-stealing
     // machinery or cross-thread wake-ups to pay for; otherwise a multi-thread runtime with
     // TOKIO_WORKER_THREADS (default: one per core) workers.
-    let one = std::env::var("TOKIO_WORKER_THREADS").is_ok_and(|v| v.trim() == "1");
+    let one = single || tollgate::config::Runtime::workers() == 1;
     let built = if one {
         tokio::runtime::Builder::new_current_thread().enable_all().build()
     } else {

@@ -1,19 +1,21 @@
-//! The composition root: binds the listeners, starts the admin API, the file watcher and the
-//! store probe, serves connections, and owns shutdown. Everything below it gets only the shared
-//! [`State`] (an immutable config, the snapshot handle, the limiter and the metrics).
+//! The composition root: binds the listeners, starts the admin API, the file watcher, the store
+//! probe and the other background tasks, serves connections (`conn`), and owns shutdown.
+//! Everything below it gets only the shared [`State`] (an immutable config, the snapshot
+//! handle, the limiter and the metrics).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
-use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 
-use crate::config::GatewayConfig;
+use crate::config::{GatewayConfig, Runtime};
 use crate::state::{StartError, State};
+
+mod conn;
+
+use conn::{accept_loop, bind, spawn_worker, Worker};
+pub use conn::{serve, serve_with, H2_MAX_STREAMS, H2_PING_TIMEOUT};
 
 /// A running gateway: its bound addresses and how to stop it.
 pub struct Running {
@@ -46,9 +48,11 @@ pub async fn start(config: GatewayConfig) -> Result<Running, StartError> {
 /// Start serving an already-built gateway.
 pub async fn start_with(gw: Arc<State>) -> Result<Running, StartError> {
     let listen = gw.config().listen;
-    let listener = TcpListener::bind(listen)
-        .await
-        .map_err(|source| StartError::Bind { addr: listen, source })?;
+    let workers = match gw.config().server.runtime {
+        Runtime::WorkStealing => 1,
+        Runtime::ThreadPerCore => Runtime::workers(),
+    };
+    let (listener, more) = bind(listen, workers).map_err(|source| StartError::Bind { addr: listen, source })?;
     let admin_listen = gw.config().admin_listen;
     let admin = TcpListener::bind(admin_listen)
         .await
@@ -99,12 +103,45 @@ pub async fn start_with(gw: Arc<State>) -> Result<Running, StartError> {
     tokio::spawn(crate::admin::serve(gw.clone(), admin, rx.clone()));
     let acceptor = tls.map(|(a, _)| a);
     let tls_on = acceptor.is_some();
-    let done = tokio::spawn(serve_with(gw.clone(), listener, rx, acceptor));
+    let conns = Arc::new(Semaphore::new(gw.config().server.max_connections));
+    // Thread-per-core: the other workers, each a single-threaded runtime on its own thread
+    // with its own listener. They drain on `stop` like this one, and keep their runtimes (and
+    // whatever store or upstream connections were opened on them) running until `release`, so
+    // the leases can still be returned through them below.
+    let (release, released) = watch::channel(false);
+    let mut others = Vec::with_capacity(more.len());
+    for (i, l) in more.into_iter().enumerate() {
+        let w = Worker {
+            gw: gw.clone(),
+            stop: rx.clone(),
+            tls: acceptor.clone(),
+            conns: conns.clone(),
+        };
+        others.push(spawn_worker(i + 1, l, w, released.clone()).map_err(|source| StartError::Bind { addr, source })?);
+    }
+    let w = Worker {
+        gw: gw.clone(),
+        stop: rx,
+        tls: acceptor,
+        conns,
+    };
+    let gw_done = gw.clone();
+    let done = tokio::spawn(async move {
+        accept_loop(listener, w).await;
+        for drained in others {
+            let _ = drained.await;
+        }
+        // Nothing is admitted any more: give every lease's unused units back to the fleet.
+        gw_done.limiter().return_leases(true).await;
+        let _ = release.send(true);
+    });
     let targets: Vec<String> = gw.upstream().status().into_iter().map(|(t, _)| t).collect();
     tracing::info!(
         %addr,
         %admin_addr,
         tls = tls_on,
+        workers = workers.max(1),
+        runtime = ?gw.config().server.runtime,
         store = crate::describe::store_kind(gw.config().store.kind),
         upstream = %targets.join(","),
         admin_token = gw.config().admin.token.is_some(),
@@ -121,264 +158,6 @@ pub async fn start_with(gw: Arc<State>) -> Result<Running, StartError> {
         shutdown: tx,
         done,
     })
-}
-
-/// The HTTP/2 connection preface (RFC 9113 §3.4): a client speaking h2c with prior knowledge
-/// starts with it; anything else is HTTP/1.
-const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
-
-/// Peek (without consuming) at a new connection's first bytes: `Some(true)` for the HTTP/2
-/// preface, `Some(false)` for HTTP/1, `None` if the client closed or failed before sending.
-/// Only a client that has sent a strict prefix of the preface so far ("P", "PRI * ...") makes
-/// this wait; it re-peeks every millisecond (the caller bounds the whole wait).
-async fn sniff_h2(stream: &tokio::net::TcpStream) -> Option<bool> {
-    let mut buf = [0u8; H2_PREFACE.len()];
-    loop {
-        let n = stream.peek(&mut buf).await.ok()?;
-        if n == 0 {
-            return None;
-        }
-        if buf[..n] != H2_PREFACE[..n] {
-            return Some(false);
-        }
-        if n == H2_PREFACE.len() {
-            return Some(true);
-        }
-        tokio::time::sleep(SNIFF_RETRY).await;
-    }
-}
-
-/// The proxy accept loop. Returns after shutdown was signalled and in-flight requests drained
-/// (or `shutdown_grace` passed).
-///
-/// Each connection is sniffed once (`sniff_h2`, a peek) and then served by hyper's HTTP/1 or
-/// HTTP/2 connection directly. (hyper-util's `auto` connection did the same detection but kept
-/// a rewind wrapper in front of every read of the connection's life: about 2 % of the request
-/// path's instructions.) Shutdown: every connection task watches `stop`, asks its connection
-/// to finish gracefully, and holds a clone of `drained`; the loop waits until all are dropped.
-pub async fn serve(gw: Arc<State>, listener: TcpListener, stop: watch::Receiver<bool>) {
-    serve_with(gw, listener, stop, None).await
-}
-
-/// [`serve`], with TLS when `tls` is given: each connection's handshake (bounded by
-/// `header_read_timeout`) comes first, and ALPN picks HTTP/2 or HTTP/1.1.
-pub async fn serve_with(
-    gw: Arc<State>,
-    listener: TcpListener,
-    mut stop: watch::Receiver<bool>,
-    tls: Option<tokio_rustls::TlsAcceptor>,
-) {
-    let sc = gw.config().server.clone();
-    let mut h1 = hyper::server::conn::http1::Builder::new();
-    h1.timer(TokioTimer::new())
-        .header_read_timeout(sc.header_read_timeout)
-        // Twice the configured size: within it tollgate checks the limit itself and answers a
-        // JSON 431 (`respond.rs`); past it hyper's parser answers an empty one. The field count
-        // is hyper's default (100, `proxy::MAX_HEADERS`): any other value makes hyper fill a
-        // heap array of that many entries before every parse, ≈ 2,500 instructions and an
-        // allocation per request; past 100 fields hyper answers the 431 itself.
-        .max_buf_size(sc.max_header_bytes.saturating_mul(2).max(8192))
-        .keep_alive(true);
-    let mut h2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
-    h2.timer(TokioTimer::new())
-        .keep_alive_interval(Some(sc.idle_timeout))
-        .keep_alive_timeout(H2_PING_TIMEOUT)
-        .max_concurrent_streams(H2_MAX_STREAMS);
-    let (h1, h2) = (Arc::new(h1), Arc::new(h2));
-    // Every connection task holds a sender; `recv` returns `None` once all of them are gone.
-    let (drained, mut all_drained) = tokio::sync::mpsc::channel::<()>(1);
-    // Flipped when `shutdown_grace` has passed: every connection still open is dropped.
-    let (kill, killed) = watch::channel(false);
-    let conns = Arc::new(Semaphore::new(sc.max_connections));
-    loop {
-        let (stream, peer) = tokio::select! {
-            x = crate::http::accept(&listener) => x,
-            _ = stop.changed() => break,
-        };
-        let Ok(permit) = conns.clone().try_acquire_owned() else {
-            gw.metrics().local_response(503);
-            tokio::spawn(reject_over_capacity(stream));
-            continue;
-        };
-        let _ = stream.set_nodelay(true);
-        let gw2 = gw.clone();
-        let (h1, h2, drained, mut stop) = (h1.clone(), h2.clone(), drained.clone(), stop.clone());
-        let mut killed = killed.clone();
-        let open = crate::metrics::InFlight::enter(&gw.metrics().open_connections);
-        let first_byte = sc.header_read_timeout;
-        let tls = tls.clone();
-        tokio::spawn(async move {
-            let serve = serve_stream(stream, peer, tls, gw2, &h1, &h2, &mut stop, first_byte);
-            let result = tokio::select! {
-                r = serve => r,
-                // The grace period passed: drop the connection, whatever it was doing.
-                _ = killed.changed() => Ok(()),
-            };
-            if let Err(e) = result {
-                tracing::debug!(error = %e, %peer, "connection ended with error");
-            }
-            drop(permit);
-            drop(open);
-            drop(drained);
-        });
-    }
-    drop(listener);
-    drop(drained);
-    tracing::info!("shutting down: draining in-flight requests");
-    tokio::select! {
-        _ = all_drained.recv() => tracing::info!("drained"),
-        _ = tokio::time::sleep(sc.shutdown_grace) => {
-            tracing::warn!("shutdown grace period passed; closing the remaining connections");
-            let _ = kill.send(true);
-        }
-    }
-    // Nothing is admitted any more: give every lease's unused units back to the fleet.
-    gw.limiter().return_leases(true).await;
-}
-
-/// Serve one accepted connection until it ends: the TLS handshake when `tls` is given, then
-/// HTTP/2 or HTTP/1.1. `first_byte` bounds the wait for a new connection's first bytes (and the
-/// handshake) and, on plain HTTP/1.1, for the next request on an idle keep-alive connection.
-///
-/// Everything that lives only while a connection is busy (the TLS handshake, hyper's
-/// connection) is boxed, so that the task of an idle connection is small.
-#[allow(clippy::too_many_arguments)]
-async fn serve_stream(
-    stream: tokio::net::TcpStream,
-    peer: SocketAddr,
-    tls: Option<tokio_rustls::TlsAcceptor>,
-    gw: Arc<State>,
-    h1: &hyper::server::conn::http1::Builder,
-    h2: &hyper::server::conn::http2::Builder<TokioExecutor>,
-    stop: &mut watch::Receiver<bool>,
-    first_byte: Duration,
-) -> Result<(), hyper::Error> {
-    match tls {
-        None => {
-            // hyper's header timer starts only with the first request: a client that connects
-            // and sends nothing would hold its connection (and permit) forever.
-            let is_h2 = tokio::select! {
-                r = tokio::time::timeout(first_byte, sniff_h2(&stream)) => match r {
-                    Ok(Some(h2)) => h2,
-                    _ => return Ok(()),
-                },
-                _ = stop.changed() => return Ok(()),
-            };
-            if is_h2 {
-                Box::pin(serve_conn(TokioIo::new(stream), true, gw, peer, h1, h2, stop)).await
-            } else {
-                serve_h1_parking(stream, gw, peer, h1, stop, first_byte).await
-            }
-        }
-        Some(acceptor) => Box::pin(serve_tls(stream, acceptor, gw, peer, h1, h2, stop, first_byte)).await,
-    }
-}
-
-/// [`serve_stream`] over TLS: the handshake (bounded by `first_byte`), then ALPN picks HTTP/2
-/// or HTTP/1.1.
-#[allow(clippy::too_many_arguments)]
-async fn serve_tls(
-    stream: tokio::net::TcpStream,
-    acceptor: tokio_rustls::TlsAcceptor,
-    gw: Arc<State>,
-    peer: SocketAddr,
-    h1: &hyper::server::conn::http1::Builder,
-    h2: &hyper::server::conn::http2::Builder<TokioExecutor>,
-    stop: &mut watch::Receiver<bool>,
-    first_byte: Duration,
-) -> Result<(), hyper::Error> {
-    let s = tokio::select! {
-        r = tokio::time::timeout(first_byte, acceptor.accept(stream)) => match r {
-            Ok(Ok(s)) => s,
-            Ok(Err(e)) => {
-                tracing::debug!(error = %e, %peer, "TLS handshake failed");
-                return Ok(());
-            }
-            Err(_) => return Ok(()),
-        },
-        _ = stop.changed() => return Ok(()),
-    };
-    let is_h2 = s.get_ref().1.alpn_protocol() == Some(b"h2");
-    serve_conn(TokioIo::new(s), is_h2, gw, peer, h1, h2, stop).await
-}
-
-/// Serve one connection (TLS, or h2c) with hyper's HTTP/1.1 or HTTP/2 connection, until it
-/// ends; once `stop` fires it finishes gracefully.
-async fn serve_conn<I>(
-    io: I,
-    is_h2: bool,
-    gw: Arc<State>,
-    peer: SocketAddr,
-    h1: &hyper::server::conn::http1::Builder,
-    h2: &hyper::server::conn::http2::Builder<TokioExecutor>,
-    stop: &mut watch::Receiver<bool>,
-) -> Result<(), hyper::Error>
-where
-    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
-{
-    if is_h2 {
-        // Each stream's future lives in its own task (hyper spawns one per request).
-        let svc = service_fn(move |req: hyper::Request<Incoming>| {
-            let gw = gw.clone();
-            async move { Ok::<_, std::convert::Infallible>(gw.handle(req, peer).await) }
-        });
-        let conn = Box::pin(h2.serve_connection(io, svc));
-        until_stopped(conn, stop, |c| c.graceful_shutdown()).await
-    } else {
-        // hyper's HTTP/1 connection allocates room for one service future for its whole life:
-        // boxed, that room is a pointer, and the request handler's state (several KiB) is
-        // allocated only while a request is in flight.
-        let svc = service_fn(move |req: hyper::Request<Incoming>| {
-            let gw = gw.clone();
-            Box::pin(async move { Ok::<_, std::convert::Infallible>(gw.handle(req, peer).await) })
-        });
-        let conn = Box::pin(h1.serve_connection(io, svc).with_upgrades());
-        until_stopped(conn, stop, |c| c.graceful_shutdown()).await
-    }
-}
-
-/// Serve a plain HTTP/1.1 connection, dropping hyper's connection (and its buffers) whenever
-/// the client is idle between requests (`crate::http::idle`): the idle connection is the
-/// socket and this task's state only. It is closed when no request starts within
-/// `idle_timeout` (`server.header_read_timeout`, as hyper's header timer did for an idle
-/// connection) or once `stop` fires.
-async fn serve_h1_parking(
-    mut stream: tokio::net::TcpStream,
-    gw: Arc<State>,
-    peer: SocketAddr,
-    h1: &hyper::server::conn::http1::Builder,
-    stop: &mut watch::Receiver<bool>,
-    idle_timeout: Duration,
-) -> Result<(), hyper::Error> {
-    use crate::http::idle::{ConnShared, IdleIo, Tracked};
-    let shared = Arc::new(ConnShared::default());
-    loop {
-        let io = TokioIo::new(IdleIo::new(stream, shared.clone()));
-        let (gw, conn_shared) = (gw.clone(), shared.clone());
-        let svc = service_fn(move |req: hyper::Request<Incoming>| {
-            conn_shared.on_request(&req);
-            let (gw, shared) = (gw.clone(), conn_shared.clone());
-            async move { Ok::<_, std::convert::Infallible>(gw.handle(req, peer).await.map(|b| Tracked::new(b, shared))) }
-        });
-        let conn = Box::pin(h1.serve_connection(io, svc).with_upgrades());
-        let ended = until_stopped(conn, stop, |c| c.graceful_shutdown()).await;
-        // Parked: hyper saw the end of the stream between two requests, with nothing unread.
-        // An error instead means it held bytes it did not get to parse: close.
-        let parked = shared.take_parked();
-        ended?;
-        let Some(s) = parked else { return Ok(()) };
-        if *stop.borrow() {
-            return Ok(());
-        }
-        tokio::select! {
-            r = tokio::time::timeout(idle_timeout, s.readable()) => match r {
-                Ok(Ok(())) => {}
-                _ => return Ok(()),
-            },
-            _ = stop.changed() => return Ok(()),
-        }
-        stream = s;
-    }
 }
 
 /// Re-read the listener's certificate and key when their files change (and on `SIGHUP`). A
@@ -423,65 +202,6 @@ fn spawn_health_check(gw: &Arc<State>, mut stop: watch::Receiver<bool>) {
     });
 }
 
-/// Drive `conn` to its end; once `stop` fires, ask it to finish gracefully (`shutdown`: answer
-/// what is in flight, then close) and keep driving it.
-async fn until_stopped<C, T>(
-    mut conn: std::pin::Pin<Box<C>>,
-    stop: &mut watch::Receiver<bool>,
-    shutdown: impl FnOnce(std::pin::Pin<&mut C>),
-) -> Result<T, hyper::Error>
-where
-    C: std::future::Future<Output = Result<T, hyper::Error>>,
-{
-    tokio::select! {
-        r = conn.as_mut() => return r,
-        _ = stop.changed() => {}
-    }
-    shutdown(conn.as_mut());
-    conn.await
-}
-
-/// How long to wait before peeking again while a connection's first bytes trickle in (the
-/// whole sniff is bounded by `header_read_timeout`).
-const SNIFF_RETRY: Duration = Duration::from_millis(1);
-
-/// An HTTP/2 peer that does not answer a keep-alive ping within this is gone: close it.
-pub const H2_PING_TIMEOUT: Duration = Duration::from_secs(20);
-
-/// Streams one HTTP/2 client may have open at once: enough for a busy multiplexing client,
-/// few enough that one connection cannot hold a large share of the gateway's memory.
-pub const H2_MAX_STREAMS: u32 = 256;
-
-/// How long a connection over `max_connections` is served its 503 before it is closed.
-const REJECT_WITHIN: Duration = Duration::from_secs(1);
-
-/// Over `max_connections`: answer the connection's request with the 503 of `respond.rs`, in
-/// the protocol the client speaks (HTTP/1.1, or h2c with prior knowledge), then close. Bounded
-/// by [`REJECT_WITHIN`], so a slow client cannot hold the extra connection.
-async fn reject_over_capacity(stream: tokio::net::TcpStream) {
-    let svc = service_fn(|_req: hyper::Request<Incoming>| async {
-        Ok::<_, std::convert::Infallible>(
-            crate::http::respond::GatewayError::Unavailable("too many connections").into_response(),
-        )
-    });
-    let _ = tokio::time::timeout(REJECT_WITHIN, async move {
-        let Some(is_h2) = sniff_h2(&stream).await else {
-            return;
-        };
-        let io = TokioIo::new(stream);
-        let _ = if is_h2 {
-            hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-                .serve_connection(io, svc)
-                .await
-        } else {
-            hyper::server::conn::http1::Builder::new()
-                .keep_alive(false)
-                .serve_connection(io, svc)
-                .await
-        };
-    })
-    .await;
-}
 /// Renew the concurrency slots of running requests every third of `store.concurrency_ttl`, so
 /// a long request keeps its slot while a crashed gateway's slots expire. Cheap when no request
 /// holds a slot (one lock, an empty map).

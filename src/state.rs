@@ -1,8 +1,7 @@
 //! The gateway's shared, immutable state: the config, the rules-and-keys snapshot handle, the
-//! limiter and the metrics, and the reload that swaps the snapshot. `server` builds it and hands
+//! limiter and the metrics, and the reload that swaps the snapshot (`reload`). `server` builds it and hands
 //! an `Arc` of it to the proxy and the admin API; nothing here starts a task or binds a socket.
 
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
@@ -11,7 +10,6 @@ use std::time::{Duration, SystemTime};
 use arc_swap::ArcSwap;
 
 use crate::clock::{SharedClock, SystemClock};
-use crate::config::reload::Trigger;
 use crate::config::{ConfigError, GatewayConfig, StoreKind};
 use crate::identity::KeyRegistry;
 use crate::limiter::deny_cache::DenyCache;
@@ -22,6 +20,10 @@ use crate::limiter::{Backend, Limiter, Store, StoreError};
 use crate::metrics::{Metrics, RuleMetrics};
 use crate::rules::runtime::{RuntimeOverrides, StoredOverride};
 use crate::rules::RuleSet;
+
+mod reload;
+
+pub use reload::{Changes, ReloadReport};
 
 /// Upstream failures are logged at most once per this, with a count of those suppressed.
 const UPSTREAM_LOG_EVERY: Duration = Duration::from_secs(1);
@@ -81,69 +83,6 @@ pub struct State {
     config_digest: Option<[u8; 32]>,
     /// What the admin dashboard shows over time (rates, limited hashes, store and reload history).
     activity: crate::activity::Activity,
-}
-
-/// What one successful reload changed.
-#[derive(Debug, Clone, Default, serde::Serialize)]
-pub struct ReloadReport {
-    /// The rules version now in force.
-    pub version: String,
-    /// Did anything change (rules or keys)?
-    pub changed: bool,
-    /// Rules added, removed, changed (by name).
-    pub rules: Changes,
-    /// API keys added, removed, changed (by key hash).
-    pub keys: Changes,
-}
-
-/// Counts of added, removed and changed entries.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
-pub struct Changes {
-    /// New entries.
-    pub added: u64,
-    /// Entries gone.
-    pub removed: u64,
-    /// Entries present before and after, but different.
-    pub changed: u64,
-}
-
-impl Changes {
-    /// Compare two maps of name → comparable value.
-    fn between<K: Ord, V: PartialEq>(old: &BTreeMap<K, V>, new: &BTreeMap<K, V>) -> Self {
-        let mut c = Changes::default();
-        for (k, v) in new {
-            match old.get(k) {
-                None => c.added += 1,
-                Some(o) if o != v => c.changed += 1,
-                Some(_) => {}
-            }
-        }
-        c.removed = old.keys().filter(|k| !new.contains_key(k)).count() as u64;
-        c
-    }
-
-    fn any(&self) -> bool {
-        *self != Changes::default()
-    }
-}
-
-/// Each rule's name → everything that decides its behaviour, as comparable text.
-fn rule_signatures(rules: &RuleSet) -> BTreeMap<String, String> {
-    rules
-        .rules
-        .iter()
-        .map(|r| {
-            let overrides: BTreeMap<&String, String> = r.overrides.iter().map(|(k, v)| (k, format!("{v:?}"))).collect();
-            let sig = format!(
-                "{}|{:?}|{:?}|{:?}|{overrides:?}",
-                crate::describe::rule(r),
-                r.limits,
-                r.headers,
-                r.host
-            );
-            (r.name.to_string(), sig)
-        })
-        .collect()
 }
 
 /// Seconds since the Unix epoch (0 before it).
@@ -425,119 +364,6 @@ impl State {
         self.limiter.store.table_set(&self.overrides_key, field, None).await?;
         self.refresh_overrides().await?;
         Ok(existed)
-    }
-
-    /// Reload rules, API keys and JWT keys. On error the old ones all stay in force. Also notices (warning
-    /// and `tollgate_config_file_changed`) when the gateway config file itself was edited: its
-    /// settings (listeners, store, identity) need a restart.
-    pub async fn reload(&self, why: Trigger) -> Result<ReloadReport, ConfigError> {
-        let why = why.as_str();
-        let _guard = self.reload_lock.lock().await;
-        self.check_config_file();
-        // Parse, validate, compile and compare on a low-priority thread: a large registry takes
-        // seconds, and the runtime's workers serve requests meanwhile (`background`). The JWT keys (public key
-        // / JWKS files) reload with the rules: all or nothing.
-        let (config, metrics, old) = (self.config.clone(), self.metrics.clone(), self.snapshot.load_full());
-        let rules_file = self.config.rules_file.clone();
-        let loaded = crate::background::run("reload", move || {
-            let snap = load_snapshot(&config, &metrics)?;
-            let jwt = match &config.identity.jwt {
-                Some(k) => Some(k.prepare()?),
-                None => None,
-            };
-            let rules = Changes::between(&rule_signatures(&old.rules), &rule_signatures(&snap.rules));
-            let (added, removed, changed) = snap.keys.diff(&old.keys);
-            let keys = Changes {
-                added,
-                removed,
-                changed,
-            };
-            let changed = rules.any() || keys.any() || old.rules.version != snap.rules.version;
-            let old_rules: Vec<String> = old.rules.rules.iter().map(|r| r.name.to_string()).collect();
-            Ok((snap, jwt, rules, keys, changed, old_rules))
-        })
-        .await
-        .unwrap_or_else(|e| Err(ConfigError::file(&rules_file, e.to_string())));
-        match loaded {
-            Ok((snap, jwt, rules, keys, changed, old_rules)) => {
-                if let (Some(keys), Some(v)) = (&self.config.identity.jwt, jwt) {
-                    keys.install(v);
-                }
-                let version = snap.rules.version.clone();
-                self.metrics.set_rules_version(&version);
-                self.metrics.reload_succeeded(snap.loaded_at);
-                self.metrics
-                    .reload_changed("rules", rules.added, rules.removed, rules.changed);
-                self.metrics
-                    .reload_changed("keys", keys.added, keys.removed, keys.changed);
-                if rules.removed > 0 {
-                    // Drop the series of rules that no longer exist.
-                    let now: std::collections::HashSet<&str> = snap.rules.rules.iter().map(|r| &*r.name).collect();
-                    for r in old_rules.iter().filter(|r| !now.contains(r.as_str())) {
-                        self.metrics.forget_rule(r);
-                    }
-                }
-                // Runtime overrides survive the reload: recompiled against the new rules.
-                let stored = self.runtime.load().stored.clone();
-                self.runtime
-                    .store(Arc::new(RuntimeOverrides::compile(stored, &snap.rules)));
-                let previous = self.snapshot.swap(Arc::new(snap));
-                // Freeing a large snapshot takes a while too: not on a request thread, and not
-                // by a request that happened to hold the last reference.
-                crate::background::reclaim(previous);
-                if let Some(d) = &self.limiter.deny {
-                    // Limits may have changed: cached denials may no longer be true.
-                    d.clear();
-                }
-                // Leases were taken under the old limits: give them back.
-                self.limiter.return_leases(true).await;
-                self.metrics.reload_ok.inc();
-                self.activity.reloaded(crate::activity::ReloadEvent {
-                    at: unix_secs(SystemTime::now()),
-                    trigger: why,
-                    ok: true,
-                    version: version.clone(),
-                    changed,
-                    rules: Some(rules),
-                    keys: Some(keys),
-                    error: None,
-                });
-                tracing::info!(
-                    trigger = why,
-                    version = %version,
-                    changed,
-                    rules_added = rules.added,
-                    rules_removed = rules.removed,
-                    rules_changed = rules.changed,
-                    keys_added = keys.added,
-                    keys_removed = keys.removed,
-                    keys_changed = keys.changed,
-                    "rules and keys reloaded"
-                );
-                Ok(ReloadReport {
-                    version,
-                    changed,
-                    rules,
-                    keys,
-                })
-            }
-            Err(e) => {
-                self.metrics.reload_error.inc();
-                self.metrics.last_reload_success.set(0);
-                self.activity.reloaded(crate::activity::ReloadEvent {
-                    at: unix_secs(SystemTime::now()),
-                    trigger: why,
-                    ok: false,
-                    version: self.snapshot.load().rules.version.clone(),
-                    changed: false,
-                    rules: None,
-                    keys: None,
-                    error: Some(e.to_string()),
-                });
-                tracing::error!(trigger = why, error = %e, "reload refused; previous rules stay in force");
-                Err(e)
-            }
-        }
     }
 
     /// Refresh the gauges that are read rather than counted (memory store size, process memory

@@ -225,6 +225,59 @@ async fn a_transient_denial_is_cached_for_at_most_a_second() {
     gw.stop().await;
 }
 
+/// A denial answered from the deny cache says what the store said: the same `Retry-After` and
+/// reset, counted down. It used to report the cache entry's own life (at most a second), so a
+/// client that obeyed `Retry-After: 1` came back 3,599 s too early, every second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cached_denial_keeps_the_stores_retry_after() {
+    let server = RedisServer::start();
+    let up = echo().await;
+    let rules = "rules:\n  - { name: hourly, match: { path: \"/**\" }, key: ip, algorithm: token_bucket, rate: 1/h, capacity: 1 }\n";
+    let retry = |r: &reqwest::Response| -> u64 { r.headers()["retry-after"].to_str().unwrap().parse().unwrap() };
+    let reset = |r: &reqwest::Response| -> u64 { r.headers()["x-ratelimit-reset"].to_str().unwrap().parse().unwrap() };
+    let stores = [
+        ("memory", "identity:\n  trusted_proxies: [127.0.0.1/32]\n".to_string()),
+        ("redis", store_yaml("redis", &[server.url()])),
+    ];
+    for (store, extra) in stores {
+        let gw = gateway(&format!("http://{up}"), &extra, rules, None).await;
+        let c = client();
+        let url = format!("{}/x", gw.url);
+        assert_eq!(get_from(&c, &url, "10.9.0.1").await.status(), 200);
+        // The store's denial.
+        let first = get_from(&c, &url, "10.9.0.1").await;
+        assert_eq!(first.status(), 429);
+        let (r1, s1) = (retry(&first), reset(&first));
+        assert!(r1 > 3_500, "{store}: the store's Retry-After is about an hour: {r1}");
+        let hits = "tollgate_deny_cache_hits_total";
+        let before = metric_value(&c, &gw.admin, hits).await;
+        for _ in 0..5 {
+            let r = get_from(&c, &url, "10.9.0.1").await;
+            assert_eq!(r.status(), 429);
+            let (rn, sn) = (retry(&r), reset(&r));
+            assert!(
+                rn <= r1 && rn + 2 >= r1,
+                "{store}: Retry-After {rn} after the store's {r1}"
+            );
+            assert!(
+                sn.abs_diff(s1) <= 1,
+                "{store}: X-RateLimit-Reset {sn} after the store's {s1}"
+            );
+            let t = r.headers()["ratelimit"].to_str().unwrap().to_owned();
+            assert!(
+                t.ends_with(&format!(";t={rn}")),
+                "{store}: RateLimit {t} agrees with Retry-After {rn}"
+            );
+        }
+        let after = metric_value(&c, &gw.admin, hits).await;
+        assert!(
+            after > before,
+            "{store}: no denial came from the deny cache ({before} -> {after})"
+        );
+        gw.stop().await;
+    }
+}
+
 /// Defects 7 and 8: a denial cached for one caller of a shared org counter is not served to a
 /// caller with a larger override; and an API key id that reads like an IP does not share the
 /// counter of that IP.

@@ -160,7 +160,7 @@ async fn run(store: &RedisStore, plan: &Plan, label: &str) -> Stats {
                 } else {
                     random_quota(&mut rng, algorithm)
                 };
-                (StoreKey(key), q)
+                (StoreKey::from(key), q)
             })
             .collect();
         // A random phase in the future (year 2096+): keys expire by this clock (PEXPIREAT), so
@@ -607,7 +607,7 @@ async fn monthly_limits_reset_at_the_local_first_of_the_month() {
                     unit: CalendarUnit::Month,
                     offset_s,
                 });
-                let key = StoreKey(format!("m:{{cal-{n}}}:0"));
+                let key = StoreKey::from(format!("m:{{cal-{n}}}:0"));
                 let c = LimitCheck::new(key, q, 1);
                 let off = i64::from(offset_s) * 1_000_000;
                 // The boundary in UTC: the local first of the next month at 00:00.

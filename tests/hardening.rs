@@ -1147,7 +1147,7 @@ fn rotation_child() {
             panic!("{ip} is not IPv6")
         };
         assert_eq!(u128::from(net) & u128::from(u64::MAX), 0, "not collapsed to /64");
-        StoreKey(format!("tl:{{{:024x}}}:per-ip:0", u128::from(net) >> 64))
+        StoreKey::from(format!("tl:{{{:024x}}}:per-ip:0", u128::from(net) >> 64))
     };
     let started = Instant::now();
     std::thread::scope(|s| {
@@ -1184,7 +1184,7 @@ fn rotation_child() {
                     penalty: None,
                     lease: None,
                 };
-                deny.insert(&check, now + 3_600_000_000);
+                deny.insert(&check, now + 3_600_000_000, now + 3_600_000_000);
                 if i % 100_000 == 0 {
                     assert!(deny.len() <= CAP, "deny cache holds {} entries (cap {CAP})", deny.len());
                 }

@@ -374,7 +374,7 @@ async fn leases_on_or_off_never_over_admit_the_same_sequences() {
                     node(&server.url(), leases).await,
                     node(&server.url(), leases).await,
                 ];
-                let key = StoreKey(format!("tollgate:{{seq-{seed}-{qi}-{leases}}}:r:0"));
+                let key = StoreKey::from(format!("tollgate:{{seq-{seed}-{qi}-{leases}}}:r:0"));
                 let mut rng = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                 let started = Instant::now();
                 let mut admitted = 0;

@@ -201,6 +201,88 @@ fn sigterm_drains_in_flight_requests_then_exits_zero() {
     assert!(std::net::TcpStream::connect(gw.url.trim_start_matches("http://")).is_err());
 }
 
+/// `server.runtime: thread_per_core` (the default) with two workers: two single-threaded
+/// runtimes, each with its own `SO_REUSEPORT` listener. Connections land on both, one limit
+/// holds across them exactly, and SIGTERM drains both and exits 0.
+#[test]
+fn thread_per_core_workers_share_one_limit_and_drain_on_sigterm() {
+    two_workers_share_one_limit("thread_per_core", "ThreadPerCore");
+}
+
+/// `server.runtime: work_stealing` with two workers: one multi-threaded runtime on one
+/// listener. The same limit holds exactly and SIGTERM exits 0.
+#[test]
+fn work_stealing_workers_share_one_limit_and_drain_on_sigterm() {
+    two_workers_share_one_limit("work_stealing", "WorkStealing");
+}
+
+/// Run the binary with `server.runtime: <runtime>` and two workers, send 1,008 requests on new
+/// connections against a limit of 300, then SIGTERM it.
+fn two_workers_share_one_limit(runtime: &str, logged: &str) {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let up = rt.block_on(echo());
+    let rules = "rules:\n  - { name: tpc, match: { path: \"/**\" }, key: global, algorithm: fixed_window, limit: 300, window: 1h }\n";
+    let mut gw = binary_env(
+        &format!("http://{up}"),
+        &format!("server:\n  runtime: {runtime}\n"),
+        rules,
+        &[("TOKIO_WORKER_THREADS", "2")],
+    );
+    let pid = gw.child.id();
+    // Thread-per-core: the second worker is a thread of its own.
+    let worker_tid = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|t| t.ok())
+        .find(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.starts_with("tollgate-worker")))
+        .map(|t| t.path());
+    let per_core = runtime == "thread_per_core";
+    assert_eq!(worker_tid.is_some(), per_core, "tollgate-worker thread: {}", gw.log());
+    assert!(gw.log().contains(runtime) || gw.log().contains(logged), "{}", gw.log());
+    // 1,000 requests, each on a new connection, 16 at a time: the kernel spreads the
+    // connections over both listeners.
+    let url = format!("{}/x", gw.url);
+    let (ok, limited) = rt.block_on(async {
+        let mut ok = 0;
+        let mut limited = 0;
+        for _ in 0..(1000 / 16 + 1) {
+            let mut batch = Vec::new();
+            for _ in 0..16 {
+                let url = url.clone();
+                batch.push(tokio::spawn(async move {
+                    let c = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
+                    c.get(url).send().await.map(|r| r.status().as_u16()).unwrap_or(0)
+                }));
+            }
+            for b in batch {
+                match b.await.unwrap() {
+                    200 => ok += 1,
+                    429 => limited += 1,
+                    other => panic!("status {other}"),
+                }
+            }
+        }
+        (ok, limited)
+    });
+    assert_eq!(ok, 300, "exactly the limit was admitted across both workers");
+    assert_eq!(ok + limited, 1008);
+    if let Some(worker_tid) = worker_tid {
+        // The worker thread served some of them: it used CPU (utime + stime, in clock ticks).
+        let stat = std::fs::read_to_string(worker_tid.join("stat")).unwrap();
+        let after_comm = &stat[stat.rfind(')').unwrap() + 2..];
+        let fields: Vec<&str> = after_comm.split_whitespace().collect();
+        let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+        assert!(ticks > 0, "the second worker served nothing: {stat}");
+    }
+    assert!(std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let code = eventually_some_blocking(Duration::from_secs(10), || gw.child.try_wait().unwrap());
+    let code = code.unwrap_or_else(|| panic!("did not exit after SIGTERM: {}", gw.log()));
+    assert!(code.success(), "exit {code:?}: {}", gw.log());
+}
+
 /// An upstream that closes every connection after one response (as servers do with idle
 /// keep-alive connections): pooled connections go stale, and no request may fail for it.
 #[tokio::test]

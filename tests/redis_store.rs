@@ -32,7 +32,7 @@ fn lc(key: &str, algorithm: Algorithm, limit: u64, period_us: u64, cost: u64) ->
         Quota::window(algorithm, nz(limit), nz(period_us))
     };
     LimitCheck {
-        key: StoreKey(key.to_owned()),
+        key: StoreKey::from(key.to_owned()),
         quota,
         cost,
         shadow: false,
@@ -82,7 +82,7 @@ fn raw_state(port: u16, key: &str) -> String {
 }
 
 /// Retry `check` until it succeeds (after a restart, failover, ...) or `timeout` passes.
-async fn until_ok(store: &RedisStore, checks: &[LimitCheck], timeout: Duration) -> Vec<tollgate::limiter::Outcome> {
+async fn until_ok(store: &RedisStore, checks: &[LimitCheck], timeout: Duration) -> tollgate::limiter::Outcomes {
     let last = std::cell::RefCell::new(String::from("never tried"));
     let ok = eventually_some(timeout, || {
         let last = &last;

@@ -86,7 +86,8 @@ fn tag_of(gw: &State, snap: &Snapshot, kind: &str, value: &str) -> Result<String
         }
         k if k.starts_with("header:") => keys.tag(Namespace::Header, value.as_bytes()),
         other => return Err(format!("unknown key kind {other:?} (user | ip | org | header:<Name>)")),
-    })
+    }
+    .to_string())
 }
 
 /// `expires_at` as unix seconds: a number, or an RFC 3339 string.

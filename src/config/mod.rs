@@ -233,6 +233,36 @@ pub struct ServerConfig {
     pub max_header_bytes: usize,
     /// Drain deadline on shutdown.
     pub shutdown_grace: Duration,
+    /// How the proxy's connections are spread over the worker threads.
+    pub runtime: Runtime,
+}
+
+/// How the proxy's connections are spread over its worker threads (`server.runtime`). The
+/// number of workers is `TOKIO_WORKER_THREADS`, or one per core.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Runtime {
+    /// One tokio runtime whose workers take connections from one listener and steal each
+    /// other's tasks (one worker: a single-threaded runtime).
+    WorkStealing,
+    /// One single-threaded runtime per worker, each accepting from its own `SO_REUSEPORT`
+    /// listener on the same address: the kernel spreads new connections, and a connection's
+    /// tasks never leave its thread. The default: with two workers it served 16 % more
+    /// requests on one hot key at 9 % less CPU each, and the same on many keys
+    /// (docs/performance.md).
+    #[default]
+    ThreadPerCore,
+}
+
+impl Runtime {
+    /// How many workers serve connections: `TOKIO_WORKER_THREADS` when it is a positive
+    /// number, else one per core.
+    pub fn workers() -> usize {
+        std::env::var("TOKIO_WORKER_THREADS")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .filter(|n| *n > 0)
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+    }
 }
 
 /// The validated gateway config.
@@ -628,6 +658,11 @@ impl GatewayConfig {
             max_header_bytes: at_least(f, &sv.max_header_bytes, "server.max_header_bytes", 1024, 16 * 1024)?,
             // By default in-flight requests get as long to finish as the upstream gets to answer.
             shutdown_grace: opt_duration(f, &sv.shutdown_grace, upstream.request_timeout)?,
+            runtime: match sv.runtime {
+                None => Runtime::default(),
+                Some(raw::RawRuntime::WorkStealing) => Runtime::WorkStealing,
+                Some(raw::RawRuntime::ThreadPerCore) => Runtime::ThreadPerCore,
+            },
         };
         if server.shutdown_grace < upstream.request_timeout {
             notes.push(format!(

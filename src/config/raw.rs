@@ -253,6 +253,18 @@ pub struct RawServer {
     pub max_header_bytes: Option<Spanned<usize>>,
     /// Time in-flight requests get on shutdown.
     pub shutdown_grace: Option<Spanned<String>>,
+    /// `work_stealing` or `thread_per_core`.
+    pub runtime: Option<RawRuntime>,
+}
+
+/// `server.runtime`.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RawRuntime {
+    /// One tokio runtime whose workers steal each other's tasks.
+    WorkStealing,
+    /// One single-threaded runtime per worker, each with its own listener.
+    ThreadPerCore,
 }
 
 /// `rules.yaml`.

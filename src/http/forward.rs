@@ -97,28 +97,33 @@ pub fn add_forwarded(h: &mut HeaderMap, peer: IpAddr, host: Option<&HeaderValue>
 pub fn add_forwarded_proto(h: &mut HeaderMap, peer: IpAddr, host: Option<&HeaderValue>, https: bool) {
     let proto = if https { "https" } else { "http" };
     let peer = peer.to_canonical();
-    let mut ip = Text::<48>::new();
-    crate::identity::write_ip(&mut ip, peer);
+    let ip = crate::identity::ip_text(peer);
     let ip = ip.as_str();
-    let mut buf = ValueBuf::new();
+    let mut buf: ValueBuf = ValueBuf::new();
     append_list(h, &X_FORWARDED_FOR, ip.as_bytes(), &mut buf);
     append_static(h, &X_FORWARDED_PROTO, proto, &mut buf);
     if let Some(host) = host {
         append_value(h, &X_FORWARDED_HOST, host, &mut buf);
     }
+    // Pieces appended one by one: `write!` would run `core::fmt` (≈ 1k instructions a call).
     let mut fwd = Text::<128>::new();
-    let _ = if peer.is_ipv6() {
-        write!(fwd, "for=\"[{ip}]\";proto={proto}")
+    let pieces: [&str; 3] = if peer.is_ipv6() {
+        ["for=\"[", ip, "]\";proto="]
     } else {
-        write!(fwd, "for={ip};proto={proto}")
+        ["for=", ip, ";proto="]
     };
+    for p in pieces.into_iter().chain([proto]) {
+        let _ = fwd.write_str(p);
+    }
     if let Some(host) = host.and_then(|v| v.to_str().ok()) {
         if host.bytes().all(|b| b.is_ascii_graphic() && b != b'"' && b != b'\\') {
-            let _ = write!(fwd, ";host=\"{host}\"");
+            for p in [";host=\"", host, "\""] {
+                let _ = fwd.write_str(p);
+            }
         }
     }
     append_list(h, &FORWARDED, fwd.as_str().as_bytes(), &mut buf);
-    buf.finish(h);
+    let _ = buf.finish(h);
 }
 
 /// [`append_list`] for a static item: no allocation when the header is absent.

@@ -96,11 +96,18 @@ impl Binding<'_> {
 /// Write the selected header families for `b` into `h`. `now_us` is the gateway's clock.
 /// Every value is cut from one allocation ([`ValueBuf`]).
 pub fn write(h: &mut HeaderMap, b: &Binding<'_>, ietf: bool, legacy: bool, now_us: u64) {
+    let mut buf: ValueBuf = ValueBuf::new();
+    write_values(&mut buf, b, ietf, legacy, now_us);
+    buf.finish(h);
+}
+
+/// [`write`] into `buf`, beside whatever else it holds (the 429 writes its body and
+/// `Retry-After` into the same buffer).
+pub fn write_values<const N: usize>(buf: &mut ValueBuf<N>, b: &Binding<'_>, ietf: bool, legacy: bool, now_us: u64) {
     let t = b.reset_secs();
     let remaining = b.remaining_requests();
     let quota = b.quota_requests();
     let mut n = itoa::Buffer::new();
-    let mut buf = ValueBuf::new();
     if ietf {
         buf.put(b"\"");
         buf.put(b.rule.as_bytes());
@@ -130,7 +137,6 @@ pub fn write(h: &mut HeaderMap, b: &Binding<'_>, ietf: bool, legacy: bool, now_u
             buf.end(name.clone());
         }
     }
-    buf.finish(h);
 }
 
 /// Pick the binding limit among `(skip, outcome, cost)`: of the denials, the one that stays

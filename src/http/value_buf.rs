@@ -44,55 +44,102 @@ impl<const N: usize> std::fmt::Write for Text<N> {
     }
 }
 
-/// Values being written for one header map: see the module documentation.
-#[derive(Default)]
-pub struct ValueBuf {
-    /// Every value's text, one after the other.
-    text: SmallVec<[u8; INLINE]>,
-    /// Each value: its header and where its text ends (it starts where the previous one ends).
-    values: SmallVec<[(HeaderName, usize); 6]>,
+/// Values being written for one header map: see the module documentation. `N` bytes of text
+/// fit inline; more spill to the heap (still correct, one allocation more).
+pub struct ValueBuf<const N: usize = INLINE> {
+    /// Every value's text, one after the other, while it fits.
+    inline: [u8; N],
+    /// Bytes written so far.
+    len: usize,
+    /// All the text once it outgrew `inline` (empty until then).
+    spill: Vec<u8>,
+    /// Each value: its header and the range of its text.
+    values: SmallVec<[(HeaderName, usize, usize); 6]>,
+    /// The range of the body, when one was written ([`ValueBuf::end_body`]).
+    body: Option<(usize, usize)>,
 }
 
-impl ValueBuf {
+impl<const N: usize> Default for ValueBuf<N> {
+    fn default() -> Self {
+        ValueBuf {
+            inline: [0; N],
+            len: 0,
+            spill: Vec::new(),
+            values: SmallVec::new(),
+            body: None,
+        }
+    }
+}
+
+impl<const N: usize> ValueBuf<N> {
     /// Empty.
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// Append `b` to the value being written.
+    /// Append `b` to the value being written. A bounds check and a copy while the text fits
+    /// inline (a `SmallVec` insert costs two library calls per append).
     pub fn put(&mut self, b: &[u8]) {
-        self.text.extend_from_slice(b);
+        let end = self.len + b.len();
+        match self.inline.get_mut(self.len..end) {
+            Some(room) if self.spill.is_empty() => room.copy_from_slice(b),
+            _ => {
+                if self.spill.is_empty() {
+                    self.spill.reserve(end.max(2 * N));
+                    self.spill.extend_from_slice(&self.inline[..self.len]);
+                }
+                self.spill.extend_from_slice(b);
+            }
+        }
+        self.len = end;
+    }
+
+    /// Where the value being written starts.
+    fn start(&self) -> usize {
+        let v = self.values.last().map_or(0, |(_, _, end)| *end);
+        self.body.map_or(v, |(_, end)| v.max(end))
     }
 
     /// Bytes of the value being written so far.
     pub fn current_len(&self) -> usize {
-        self.text.len() - self.values.last().map_or(0, |(_, end)| *end)
+        self.len - self.start()
     }
 
     /// The value written since the last `end` is header `name`'s.
     pub fn end(&mut self, name: HeaderName) {
-        self.values.push((name, self.text.len()));
+        self.values.push((name, self.start(), self.len));
+    }
+
+    /// The text written since the last `end` is the body [`ValueBuf::finish`] returns.
+    pub fn end_body(&mut self) {
+        self.body = Some((self.start(), self.len));
     }
 
     /// Insert every value into `h` (each replacing what `h` had for its header); a value that
-    /// is not a valid header value is left out.
-    pub fn finish(self, h: &mut HeaderMap) {
-        if self.values.is_empty() {
-            return;
+    /// is not a valid header value is left out. Returns the body, if one was written: it shares
+    /// the values' allocation.
+    pub fn finish(self, h: &mut HeaderMap) -> Option<Bytes> {
+        if self.values.is_empty() && self.body.is_none() {
+            return None;
         }
         h.reserve(self.values.len());
-        let all = Bytes::from_owner(self.text);
-        let mut start = 0;
-        for (name, end) in self.values {
+        let all = if self.spill.is_empty() {
+            let mut all = Bytes::from_owner(self.inline);
+            all.truncate(self.len);
+            all
+        } else {
+            Bytes::from_owner(self.spill)
+        };
+        for (name, start, end) in self.values {
             if let Ok(v) = HeaderValue::from_maybe_shared(all.slice(start..end)) {
                 h.insert(name, v);
             }
-            start = end;
         }
+        self.body.map(|(a, b)| all.slice(a..b))
     }
 }
 
-impl std::fmt::Write for ValueBuf {
+impl<const N: usize> std::fmt::Write for ValueBuf<N> {
     fn write_str(&mut self, s: &str) -> std::fmt::Result {
         self.put(s.as_bytes());
         Ok(())
@@ -106,7 +153,7 @@ mod tests {
 
     #[test]
     fn values_share_one_buffer_and_land_under_their_headers() {
-        let mut b = ValueBuf::new();
+        let mut b = ValueBuf::<INLINE>::new();
         b.put(b"\"api\";q=10");
         b.end(HeaderName::from_static("ratelimit-policy"));
         write!(b, "{}", 42).unwrap(); // allow-panic: test
@@ -124,8 +171,30 @@ mod tests {
     }
 
     #[test]
+    fn a_body_shares_the_buffer_between_values() {
+        let mut b = ValueBuf::<16>::new();
+        b.put(b"7");
+        b.end(HeaderName::from_static("retry-after"));
+        b.put(b"{\"error\":\"rate_limit_exceeded\"}");
+        b.end_body();
+        b.end(HeaderName::from_static("x-empty"));
+        b.put(b"1");
+        b.end(HeaderName::from_static("x-one"));
+        let mut h = HeaderMap::new();
+        let body = b.finish(&mut h);
+        assert_eq!(
+            body.as_deref(),
+            Some(&b"{\"error\":\"rate_limit_exceeded\"}"[..]),
+            "spilled past 16 bytes"
+        );
+        assert_eq!(h["retry-after"], "7");
+        assert_eq!(h["x-empty"], "");
+        assert_eq!(h["x-one"], "1");
+    }
+
+    #[test]
     fn text_past_the_inline_room_still_comes_out_whole() {
-        let mut b = ValueBuf::new();
+        let mut b = ValueBuf::<INLINE>::new();
         let long = "r".repeat(3 * INLINE);
         b.put(long.as_bytes());
         b.end(HeaderName::from_static("x-long"));

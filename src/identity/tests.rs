@@ -332,3 +332,24 @@ fn a_large_registry_loads_and_an_oversized_one_names_its_limit() {
     assert!(err.contains("raise limits.max_keys in gateway.yaml"), "{err}");
     assert!(!err.contains("Nodes {"), "{err}");
 }
+
+#[test]
+fn ip_text_is_inline_and_holds_the_longest_address() {
+    for text in [
+        "203.0.113.7",
+        "255.255.255.255",
+        "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff",
+        "2001:db8::",
+        "::ffff:255.255.255.255",
+    ] {
+        let ip: IpAddr = text.parse().unwrap();
+        let id = ip_text(ip);
+        assert!(matches!(id, IdText::Ip(_)), "{text} kept inline");
+        assert_eq!(id.as_str(), ip.to_string(), "{text}");
+        assert_eq!(
+            id,
+            IdText::from(ip.to_string().as_str()),
+            "inline and shared text compare equal"
+        );
+    }
+}

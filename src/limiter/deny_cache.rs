@@ -2,7 +2,9 @@
 //! 429 itself, without a store round trip, so a client in a tight loop costs the store nothing.
 //!
 //! Entries are keyed by a 64-bit hash of the store key (no secret is kept) and hold the
-//! instant the key can pass again, tagged with the *effective limit* that denied (quota and
+//! instant the key can pass again (what the store said: a hit answers with the same
+//! `Retry-After`) and the instant the store is asked again (at most a second later, see
+//! `DENY_CACHE_MAX_US`), tagged with the *effective limit* that denied (quota and
 //! cost, overrides included): callers sharing one counter under different limits (an org key
 //! with a per-identity override) never get each other's denial. One entry per key; a hit
 //! needs the same effective limit. The cache is sharded like the memory store and bounded:
@@ -18,15 +20,25 @@ use super::{LimitCheck, StoreKey};
 
 const SHARDS: usize = 16;
 
-/// One shard: key hash → (effective-limit hash, instant the key can pass again).
-type Shard = HashMap<u64, (u64, u64), foldhash::fast::RandomState>;
+/// One remembered denial.
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    /// Hash of the effective limit that denied.
+    limit: u64,
+    /// Until this instant (µs since the epoch) the cache answers; then the store is asked.
+    recheck_at: u64,
+    /// The instant the store said the key can pass again (≥ `recheck_at`).
+    pass_at: u64,
+}
+
+/// One shard: key hash → the denial remembered for it.
+type Shard = HashMap<u64, Entry, foldhash::fast::RandomState>;
 
 /// Locally remembered denials. Correct under any interleaving: an entry only ever says "denied
 /// until T", which the store itself said, and the state it describes can only be reset by
 /// [`DenyCache::remove`] / [`DenyCache::clear`] (admin reset, rule reload).
 pub struct DenyCache {
-    /// key hash → (hash of the effective limit, microseconds since the epoch at which the key
-    /// can pass again under it).
+    /// key hash → the denial remembered for it, under the effective limit that denied.
     shards: Vec<Mutex<Shard>>,
     /// Entries one shard may hold.
     per_shard_cap: usize,
@@ -54,19 +66,21 @@ impl DenyCache {
         self.hasher.hash_one((c.quota, c.cost))
     }
 
-    /// When `c`'s key is still denied at `now` under `c`'s effective limit, the instant it can
-    /// pass.
+    /// When `c`'s denial under `c`'s effective limit is still answered from the cache at
+    /// `now`, the instant the store said the key can pass.
     pub fn get(&self, c: &LimitCheck, now: u64) -> Option<u64> {
         let (s, h) = self.slot(&c.key);
         let shard = self.shards[s].lock();
         match shard.get(&h) {
-            Some(&(limit, until)) if until > now && limit == self.limit_of(c) => Some(until),
+            Some(e) if e.recheck_at > now && e.limit == self.limit_of(c) => Some(e.pass_at),
             _ => None,
         }
     }
 
-    /// Remember that `c` (its key under its effective limit) is denied until `until`.
-    pub fn insert(&self, c: &LimitCheck, until: u64) {
+    /// Remember that `c` (its key under its effective limit) is denied until `pass_at`, as the
+    /// store said; the cache answers for it until `recheck_at` (at most `pass_at`).
+    pub fn insert(&self, c: &LimitCheck, recheck_at: u64, pass_at: u64) {
+        let until = recheck_at.min(pass_at);
         let limit = self.limit_of(c);
         let (s, h) = self.slot(&c.key);
         let mut shard = self.shards[s].lock();
@@ -75,15 +89,15 @@ impl DenyCache {
             // expire soonest (a forgotten denial only costs one store round trip). O(n) per
             // sweep, at most one sweep per cap/8 inserts.
             let now = crate::clock::Clock::now_us(&crate::clock::SystemClock);
-            shard.retain(|_, (_, u)| *u > now.min(until));
+            shard.retain(|_, e| e.recheck_at > now.min(until));
             let target = self.per_shard_cap - (self.per_shard_cap / 8).max(1);
             if shard.len() > target {
                 let excess = shard.len() - target;
-                let mut untils: Vec<u64> = shard.values().map(|(_, u)| *u).collect();
+                let mut untils: Vec<u64> = shard.values().map(|e| e.recheck_at).collect();
                 let cutoff = *untils.select_nth_unstable(excess - 1).1;
                 let mut evicted = 0;
-                shard.retain(|_, (_, u)| {
-                    if evicted < excess && *u <= cutoff {
+                shard.retain(|_, e| {
+                    if evicted < excess && e.recheck_at <= cutoff {
                         evicted += 1;
                         false
                     } else {
@@ -92,7 +106,14 @@ impl DenyCache {
                 });
             }
         }
-        shard.insert(h, (limit, until));
+        shard.insert(
+            h,
+            Entry {
+                limit,
+                recheck_at: until,
+                pass_at: pass_at.max(until),
+            },
+        );
     }
 
     /// Forget `key`'s denial.

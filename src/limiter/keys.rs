@@ -11,9 +11,54 @@
 //!   them keeps the key, and the store converts the state it finds (conservatively: see
 //!   `algorithm::used`), so a reload never hands out a fresh quota.
 
+use std::sync::Arc;
+
 use sha2::{Digest, Sha256};
+use smallvec::SmallVec;
 
 use super::StoreKey;
+
+/// A key's tag: 24 lowercase hex digits, kept inline (copying it allocates nothing).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Tag([u8; 24]);
+
+impl Tag {
+    /// Hex of the first 12 bytes of `digest`.
+    fn of(digest: &[u8]) -> Tag {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut t = [b'0'; 24];
+        for (i, b) in digest.iter().take(12).enumerate() {
+            t[2 * i] = HEX[usize::from(b >> 4)];
+            t[2 * i + 1] = HEX[usize::from(b & 0xf)];
+        }
+        Tag(t)
+    }
+
+    /// The tag as text.
+    pub fn as_str(&self) -> &str {
+        // Only hex digits are ever written.
+        std::str::from_utf8(&self.0).unwrap_or_default()
+    }
+}
+
+impl std::ops::Deref for Tag {
+    type Target = str;
+    fn deref(&self) -> &str {
+        self.as_str()
+    }
+}
+
+impl std::fmt::Display for Tag {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::fmt::Debug for Tag {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Tag({})", self.as_str())
+    }
+}
 
 /// What kind of value a counter is shared by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -55,37 +100,39 @@ pub struct KeyBuilder {
 
 impl KeyBuilder {
     /// The tag of `value` in namespace `ns`.
-    pub fn tag(&self, ns: Namespace, value: &[u8]) -> String {
+    pub fn tag(&self, ns: Namespace, value: &[u8]) -> Tag {
         let mut h = Sha256::new();
         h.update(self.salt.as_bytes());
         h.update([0]);
         h.update(ns.domain());
         h.update([0]);
         h.update(value);
-        hex::encode(&h.finalize()[..12])
+        Tag::of(&h.finalize())
     }
 
     /// The tag of `rule`'s one global counter.
-    pub fn global_tag(&self, rule: &str) -> String {
+    pub fn global_tag(&self, rule: &str) -> Tag {
         let mut h = Sha256::new();
         h.update(self.salt.as_bytes());
         h.update([0]);
         h.update(b"\0global\0");
         h.update(rule.as_bytes());
-        hex::encode(&h.finalize()[..12])
+        Tag::of(&h.finalize())
     }
 
-    /// The key of the `n`-th limit of `rule` under `tag`.
+    /// The key of the `n`-th limit of `rule` under `tag`. Written on the stack, then copied
+    /// into its one shared allocation.
     pub fn key(&self, tag: &str, rule: &str, n: usize) -> StoreKey {
-        let mut s = String::with_capacity(self.prefix.len() + tag.len() + rule.len() + 8);
-        s.push_str(&self.prefix);
-        s.push_str(":{");
-        s.push_str(tag);
-        s.push_str("}:");
-        s.push_str(rule);
-        s.push(':');
-        s.push_str(itoa::Buffer::new().format(n));
-        StoreKey(s)
+        let mut s = SmallVec::<[u8; 160]>::new();
+        s.extend_from_slice(self.prefix.as_bytes());
+        s.extend_from_slice(b":{");
+        s.extend_from_slice(tag.as_bytes());
+        s.extend_from_slice(b"}:");
+        s.extend_from_slice(rule.as_bytes());
+        s.push(b':');
+        s.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
+        // Only `&str`s were appended, so this is UTF-8.
+        StoreKey(Arc::from(std::str::from_utf8(&s).unwrap_or_default()))
     }
 }
 
@@ -115,10 +162,26 @@ mod tests {
     }
 
     #[test]
+    fn tags_are_the_hex_of_the_first_12_digest_bytes() {
+        // The Redis key schema: a tag is what `hex::encode` of the digest's first 12 bytes was.
+        let k = kb("s");
+        let mut h = Sha256::new();
+        h.update(b"s");
+        h.update([0]);
+        h.update(b"ip");
+        h.update([0]);
+        h.update(b"10.8.8.8");
+        assert_eq!(
+            k.tag(Namespace::Ip, b"10.8.8.8").as_str(),
+            hex::encode(&h.finalize()[..12])
+        );
+    }
+
+    #[test]
     fn namespaces_never_share_a_counter() {
         let k = kb("s");
         let v = b"10.8.8.8";
-        let tags: Vec<String> = [
+        let tags: Vec<Tag> = [
             Namespace::Ip,
             Namespace::Jwt,
             Namespace::ApiKey,

@@ -283,7 +283,7 @@ impl Leases {
 
     /// Decide the request from this node's leases, or `None` when any of its limits is not
     /// covered by a live lease (then nothing was spent). All or nothing across its limits.
-    pub fn decide<C: PolicedCheck>(&self, checks: &[C], now_us: u64) -> Option<Vec<Outcome>> {
+    pub fn decide<C: PolicedCheck>(&self, checks: &[C], now_us: u64) -> Option<super::Outcomes> {
         if checks.is_empty() || !checks.iter().all(PolicedCheck::leasable) {
             return None;
         }
@@ -303,7 +303,7 @@ impl Leases {
                 _ => return None,
             }
         }
-        let mut out = Vec::with_capacity(checks.len());
+        let mut out = super::Outcomes::with_capacity(checks.len());
         for c in checks.iter().map(AsRef::as_ref) {
             if let Some(l) = live.get_mut(&c.key) {
                 l.left -= c.cost;

@@ -166,11 +166,11 @@ impl MemoryStore {
     }
 
     /// The decision logic shared by `check`, at an explicit `now` (used by differential tests).
-    pub fn check_at<C: AsRef<LimitCheck>>(&self, checks: &[C], now: u64) -> Vec<Outcome> {
+    pub fn check_at<C: AsRef<LimitCheck>>(&self, checks: &[C], now: u64) -> super::Outcomes {
         let shard_of: SmallVec<[usize; INLINE_CHECKS]> =
             checks.iter().map(|c| self.shard_of(c.as_ref().key.as_str())).collect();
         let mut guards = self.lock_all(&shard_of);
-        let mut outcomes = Vec::with_capacity(checks.len());
+        let mut outcomes = super::Outcomes::with_capacity(checks.len());
         for (c, &shard) in checks.iter().map(AsRef::as_ref).zip(&shard_of) {
             let map = guard_for(&mut guards, shard);
             let o = match map.get_mut(c.key.as_str()) {

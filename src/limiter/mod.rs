@@ -19,10 +19,12 @@ use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::Duration;
 
+use smallvec::SmallVec;
+
 pub use algorithm::{Algorithm, Outcome, Quota};
 use deny_cache::DenyCache;
 use memory::MemoryStore;
-pub use store::{Backend, Checked, Store, StoreError};
+pub use store::{Backend, Checked, Outcomes, Store, StoreError};
 
 use crate::clock::SharedClock;
 
@@ -30,8 +32,23 @@ use crate::clock::SharedClock;
 ///
 /// The part in braces is a hash of the key value, so every limit of one caller lands on one
 /// Redis Cluster slot and no caller-controlled byte ever reaches Redis.
+///
+/// Shared text: a clone (a global rule's key, built when the rules load, goes into every
+/// request's check) counts a reference and allocates nothing.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct StoreKey(pub String);
+pub struct StoreKey(pub Arc<str>);
+
+impl From<&str> for StoreKey {
+    fn from(s: &str) -> Self {
+        StoreKey(Arc::from(s))
+    }
+}
+
+impl From<String> for StoreKey {
+    fn from(s: String) -> Self {
+        StoreKey(Arc::from(s))
+    }
+}
 
 impl StoreKey {
     /// The key as a string.
@@ -41,7 +58,7 @@ impl StoreKey {
 
     /// The hash tag (the part inside `{}`), which decides the Redis Cluster slot.
     pub fn hash_tag(&self) -> &str {
-        let s = self.0.as_str();
+        let s = &*self.0;
         match (s.find('{'), s.find('}')) {
             (Some(a), Some(b)) if b > a + 1 => &s[a + 1..b],
             _ => s,
@@ -174,7 +191,7 @@ pub enum Source {
 #[derive(Debug, Clone)]
 pub struct Verdict {
     /// One per check, in order. Fail-open checks get an allowed outcome with full quota.
-    pub outcomes: Vec<(Outcome, Source)>,
+    pub outcomes: SmallVec<[(Outcome, Source); 2]>,
     /// Set when the store failed for some check (the first error, for logs and metrics).
     pub store_error: Option<StoreError>,
 }
@@ -259,13 +276,16 @@ impl Limiter {
                 if c.shadow {
                     continue;
                 }
-                if let Some(until) = deny.get(c, now) {
-                    let mut outcomes: Vec<(Outcome, Source)> =
+                if let Some(pass_at) = deny.get(c, now) {
+                    // The store's own wait, counted down: not the cache entry's life (≤ 1 s),
+                    // which would tell the client to come back before it can pass.
+                    let wait = pass_at.saturating_sub(now).max(1);
+                    let mut outcomes: SmallVec<[(Outcome, Source); 2]> =
                         checks.iter().map(|_| (full(), Source::DenyCache)).collect();
                     outcomes[i].0 = Outcome {
                         allowed: false,
-                        reset_us: until - now,
-                        retry_after_us: until - now,
+                        reset_us: wait,
+                        retry_after_us: wait,
                         at_us: now,
                         ..Outcome::default()
                     };
@@ -337,7 +357,7 @@ impl Limiter {
                     && o.retry_after_us > 0
                     && !checked.failed.iter().any(|(f, _)| *f == i)
                 {
-                    deny.insert(c, now + o.retry_after_us.min(DENY_CACHE_MAX_US));
+                    deny.insert(c, now + o.retry_after_us.min(DENY_CACHE_MAX_US), now + o.retry_after_us);
                 }
             }
         }
@@ -493,7 +513,7 @@ fn by_source(spent: &[(LimitCheck, u64, Source)]) -> (AtList, AtList) {
 }
 
 /// A verdict decided from this node's leases.
-fn lease_verdict(outcomes: Vec<Outcome>) -> Verdict {
+fn lease_verdict(outcomes: Outcomes) -> Verdict {
     Verdict {
         outcomes: outcomes.into_iter().map(|o| (o, Source::Lease)).collect(),
         store_error: None,

@@ -5,7 +5,12 @@ use std::future::Future;
 use std::sync::Arc;
 
 use super::memory::MemoryStore;
+use smallvec::SmallVec;
+
 use super::{redis, LimitCheck, Outcome, StoreKey};
+
+/// One outcome per check, inline for the usual one or two limits of a request (no allocation).
+pub type Outcomes = SmallVec<[Outcome; 2]>;
 
 /// Why a store could not answer. Any of these is a *store failure*; the rule's `failure`
 /// policy decides what the request gets. [`StoreError::is_transient`] tells the failures that
@@ -46,7 +51,7 @@ impl StoreError {
 #[derive(Debug, Clone, Default)]
 pub struct Checked {
     /// One per check, in order. Where a check failed (see `failed`) this is a placeholder.
-    pub outcomes: Vec<Outcome>,
+    pub outcomes: Outcomes,
     /// The checks the store could not decide (their shard failed or timed out), with why. Empty
     /// when every check was decided, which is the common case (no allocation).
     pub failed: Vec<(usize, StoreError)>,
@@ -54,7 +59,7 @@ pub struct Checked {
 
 impl Checked {
     /// The outcomes when every check was decided, else the first failure.
-    pub fn into_result(self) -> Result<Vec<Outcome>, StoreError> {
+    pub fn into_result(self) -> Result<Outcomes, StoreError> {
         match self.failed.into_iter().next() {
             None => Ok(self.outcomes),
             Some((_, e)) => Err(e),
@@ -64,7 +69,7 @@ impl Checked {
     /// Every one of `n` checks failed with `e`.
     pub fn all_failed(n: usize, e: StoreError) -> Self {
         Checked {
-            outcomes: vec![Outcome::default(); n],
+            outcomes: smallvec::smallvec![Outcome::default(); n],
             failed: (0..n).map(|i| (i, e.clone())).collect(),
         }
     }

@@ -112,12 +112,13 @@ pub fn plan(
     let selected = snap.rules.select(&info);
     let mut checks = PlannedChecks::new();
     if !selected.is_empty() {
-        let ip_text: std::borrow::Cow<'_, str> = if ident.kind == IdentityKind::Ip {
-            std::borrow::Cow::Borrowed(&ident.id)
+        // The client address as text, for `ip` rules (inline: no allocation).
+        let ip_text = if ident.kind == IdentityKind::Ip {
+            ident.id.clone()
         } else {
-            std::borrow::Cow::Owned(ident.ip.to_string())
+            crate::identity::ip_text(ident.ip)
         };
-        let mut last: Option<(KeyValue<'_>, String)> = None;
+        let mut last: Option<(KeyValue<'_>, crate::limiter::keys::Tag)> = None;
         for ri in selected {
             if let Some(value) = key_value(&snap.rules.rules[ri as usize].key, &ident, req.headers, &ip_text) {
                 rule_checks(
@@ -152,7 +153,7 @@ pub fn rule_checks<'v>(
     ri: u32,
     value: KeyValue<'v>,
     who: &str,
-    last: &mut Option<(KeyValue<'v>, String)>,
+    last: &mut Option<(KeyValue<'v>, crate::limiter::keys::Tag)>,
     out: &mut PlannedChecks,
 ) {
     let rule = &snap.rules.rules[ri as usize];
@@ -195,10 +196,10 @@ pub fn rule_checks<'v>(
         }
     }
     let tag = match last {
-        Some((v, t)) if *v == value && value != KeyValue::Global => t.clone(),
+        Some((v, t)) if *v == value && value != KeyValue::Global => *t,
         _ => {
             let t = value.tag(keys, &rule.name);
-            *last = Some((value, t.clone()));
+            *last = Some((value, t));
             t
         }
     };

@@ -322,7 +322,7 @@ pub enum KeyValue<'a> {
 
 impl KeyValue<'_> {
     /// The store tag of this value for `rule` (see [`KeyBuilder`]).
-    pub fn tag(&self, keys: &KeyBuilder, rule: &str) -> String {
+    pub fn tag(&self, keys: &KeyBuilder, rule: &str) -> crate::limiter::keys::Tag {
         match self {
             KeyValue::Value(ns, v) => keys.tag(*ns, v),
             KeyValue::Global => keys.global_tag(rule),

@@ -104,7 +104,7 @@ fn overrides_replace_limits_for_one_identity() {
     let r = &set.rules[0];
     let id = |s: &str| Identity {
         kind: IdentityKind::ApiKey,
-        id: Arc::from(s),
+        id: s.into(),
         tier: Arc::from("pro"),
         org: None,
         ip: "1.2.3.4".parse().unwrap(),

@@ -176,6 +176,11 @@ impl Drop for BinaryGateway {
 
 /// Spawn the binary (`run --config`) with a config on free ports; waits until both listen.
 pub fn binary(upstream: &str, extra: &str, rules: &str) -> BinaryGateway {
+    binary_env(upstream, extra, rules, &[])
+}
+
+/// [`binary`], with `env` set for the process.
+pub fn binary_env(upstream: &str, extra: &str, rules: &str, env: &[(&str, &str)]) -> BinaryGateway {
     let dir = tempfile::tempdir().unwrap();
     let (port, admin_port) = (free_port(), free_port());
     let p = write_config(dir.path(), upstream, extra, rules, None);
@@ -186,6 +191,9 @@ pub fn binary(upstream: &str, extra: &str, rules: &str) -> BinaryGateway {
     std::fs::write(&p, text).unwrap();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_tollgate"));
     cmd.args(["run", "--config"]).arg(&p).env("RUST_LOG", "info");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
     let mut gw = BinaryGateway::spawn(&mut cmd, dir.path().join("tollgate.log"), &[port, admin_port]);
     gw.dir = Some(dir);
     gw

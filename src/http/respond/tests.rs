@@ -1,4 +1,4 @@
-//! The 429 body.
+//! The 429: its body, and the per-thread reuse of the last one made.
 
 #[test]
 fn the_429_body_is_json_with_every_field() {
@@ -15,4 +15,90 @@ fn the_429_body_is_json_with_every_field() {
     assert_eq!(v["retry_after"], 7);
     let reset_at = v["reset_at"].as_str().expect("reset_at");
     assert_eq!(reset_at, "2027-01-15T08:00:07Z");
+}
+
+/// A 429 for `rule` at `limit` per minute, retrying in `retry_us`, decided at `at_us`.
+fn deny(rule: &str, limit: u64, retry_us: u64, at_us: u64) -> http::Response<crate::http::ProxyBody> {
+    use std::num::NonZeroU64;
+    let outcome = crate::limiter::Outcome {
+        allowed: false,
+        retry_after_us: retry_us,
+        reset_us: retry_us,
+        at_us,
+        ..Default::default()
+    };
+    let quota = crate::limiter::Quota::window(
+        crate::limiter::Algorithm::FixedWindow,
+        NonZeroU64::new(limit).unwrap(),
+        NonZeroU64::new(60_000_000).unwrap(),
+    );
+    let b = super::Binding {
+        rule,
+        quota,
+        cost: 1,
+        outcome: &outcome,
+    };
+    super::rate_limited(&b, true, true, at_us)
+}
+
+/// A response's headers as text, and its body.
+fn text(r: &http::Response<crate::http::ProxyBody>) -> (Vec<(String, String)>, bytes::Bytes) {
+    let headers = r
+        .headers()
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_str().unwrap().to_owned()))
+        .collect();
+    let crate::http::ProxyBody::Full(Some(body)) = r.body() else {
+        panic!("a 429 has a body");
+    };
+    (headers, body.clone())
+}
+
+#[test]
+fn a_repeated_429_is_the_same_text_shared_not_rebuilt() {
+    let at = 1_800_000_000_250_000;
+    let (h1, b1) = text(&deny("memo-same", 10, 2_500_000, at));
+    let (h2, b2) = text(&deny("memo-same", 10, 2_500_000, at + 100_000));
+    assert_eq!(h1, h2);
+    assert_eq!(b1, b2);
+    // Reused, not rebuilt: the second body is the first one's allocation.
+    assert_eq!(b1.as_ptr(), b2.as_ptr());
+    assert!(h1.contains(&("retry-after".into(), "3".into())), "{h1:?}");
+    assert!(
+        h1.contains(&("x-ratelimit-reset".into(), "1800000003".into())),
+        "{h1:?}"
+    );
+}
+
+#[test]
+fn a_429_is_rebuilt_when_anything_it_says_changes() {
+    let at = 1_800_000_000_250_000;
+    let (h1, b1) = text(&deny("memo-change", 10, 2_500_000, at));
+    // Another second to wait.
+    let (h2, b2) = text(&deny("memo-change", 10, 3_500_000, at));
+    assert_ne!(b1.as_ptr(), b2.as_ptr());
+    assert!(h2.contains(&("retry-after".into(), "4".into())), "{h2:?}");
+    assert!(
+        h2.contains(&("x-ratelimit-reset".into(), "1800000004".into())),
+        "{h2:?}"
+    );
+    assert!(std::str::from_utf8(&b2).unwrap().contains("retry in 4 s"));
+    // Another rule with every number equal.
+    let (h3, b3) = text(&deny("memo-other", 10, 3_500_000, at));
+    assert!(std::str::from_utf8(&b3).unwrap().contains("\"rule\":\"memo-other\""));
+    assert!(
+        h3.iter()
+            .any(|(k, v)| k == "ratelimit" && v.starts_with("\"memo-other\"")),
+        "{h3:?}"
+    );
+    // Another limit.
+    let (h4, _) = text(&deny("memo-other", 11, 3_500_000, at));
+    assert!(h4.contains(&("x-ratelimit-limit".into(), "11".into())), "{h4:?}");
+    // The clock past the reset second: a later reset.
+    let (h5, _) = text(&deny("memo-other", 11, 3_500_000, at + 1_000_000));
+    assert!(
+        h5.contains(&("x-ratelimit-reset".into(), "1800000005".into())),
+        "{h5:?}"
+    );
+    assert_ne!(h1, h2);
 }

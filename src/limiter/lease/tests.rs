@@ -213,7 +213,7 @@ fn cold_rotating_keys_do_not_push_a_hot_key_out_of_its_heat_slot() {
         if i % 100 == 0 {
             rate = l.note(&hot, now); // 2,000 requests a second for the hot key
         } else {
-            l.note(&StoreKey(format!("cold-{i}")), now);
+            l.note(&StoreKey::from(format!("cold-{i}")), now);
         }
     }
     assert!(rate >= 1_900, "the hot key's rate was lost to cold keys: {rate}");

@@ -9,7 +9,7 @@ const T0: u64 = 1_700_000_000_000_000;
 
 fn check(key: &str, limit: u64, shadow: bool) -> LimitCheck {
     LimitCheck {
-        key: StoreKey(key.to_string()),
+        key: StoreKey::from(key.to_string()),
         quota: Quota::window(
             Algorithm::FixedWindow,
             NonZeroU64::new(limit).unwrap(),
@@ -113,7 +113,7 @@ const ALL: [Algorithm; 5] = Algorithm::ALL;
 
 fn on(key: &str, q: Quota, cost: u64) -> LimitCheck {
     LimitCheck {
-        key: StoreKey(key.to_string()),
+        key: StoreKey::from(key.to_string()),
         quota: q,
         cost,
         shadow: false,

@@ -416,7 +416,7 @@ impl Store for RedisStore {
     /// master (loading it where it is missing), so a frozen or scriptless master fails the probe.
     async fn probe(&self) -> Result<(), StoreError> {
         let probe = LimitCheck::new(
-            StoreKey(PROBE_KEY.to_owned()),
+            StoreKey::from(PROBE_KEY),
             Quota::bucket(
                 Algorithm::TokenBucket,
                 std::num::NonZeroU64::MIN,

@@ -217,7 +217,7 @@ impl RedisStore {
             let owned = checks.iter().map(|c| c.as_ref().clone()).collect();
             return match self.check_group(now, owned).await {
                 Ok((_, outcomes)) => Checked {
-                    outcomes,
+                    outcomes: outcomes.into(),
                     failed: Vec::new(),
                 },
                 Err(e) => Checked::all_failed(checks.len(), e),
@@ -232,7 +232,7 @@ impl RedisStore {
             .map(|g| self.check_group(now, g.iter().map(|&i| checks[i].clone()).collect()));
         let results = futures_util::future::join_all(calls).await;
         let mut out = Checked {
-            outcomes: vec![Outcome::default(); checks.len()],
+            outcomes: smallvec::smallvec![Outcome::default(); checks.len()],
             failed: Vec::new(),
         };
         let mut answered: Vec<(&[usize], u64)> = Vec::with_capacity(groups.len());

@@ -14,7 +14,7 @@ use redis::Value;
 fn check(key: &str, algorithm: Algorithm, shadow: bool) -> LimitCheck {
     let n = |v| NonZeroU64::new(v).unwrap();
     LimitCheck {
-        key: StoreKey(key.to_owned()),
+        key: StoreKey::from(key.to_owned()),
         quota: if algorithm.is_bucket() {
             Quota::bucket(algorithm, n(10), n(100_000))
         } else {
@@ -221,7 +221,7 @@ fn parse_packed_reads_doubles_and_rejects_bad_shapes() {
 fn grouping_by_hash_tag() {
     let keys: Vec<StoreKey> = ["tl:{a}:x", "tl:{b}:x", "tl:{a}:y", "tl:{c}:z", "tl:{b}:w"]
         .iter()
-        .map(|k| StoreKey((*k).to_owned()))
+        .map(|k| StoreKey::from((*k).to_owned()))
         .collect();
     assert_eq!(group_by_tag(keys.iter()), vec![vec![0, 2], vec![1, 4], vec![3]]);
     assert!(!one_tag(keys.iter()));
