@@ -312,10 +312,14 @@ pub(super) async fn open(mode: RedisMode, urls: &[String], timeout: Duration, au
                 _ => redis::Client::open(info),
             }
             .map_err(store_err)?;
+            // No reconnect retries inside the client: a retry sleeps its backoff (5-10 ms with
+            // jitter) while every request on the connection waits for it, which is what the
+            // first requests after Redis died used to pay. A failed reconnect fails fast, the
+            // breaker opens, and the store's probe and rebuild bring the connection back.
             let config = ConnectionManagerConfig::new()
                 .set_response_timeout(Some(timeout))
                 .set_connection_timeout(Some(ct))
-                .set_number_of_retries(1)
+                .set_number_of_retries(0)
                 .set_min_delay(Duration::from_millis(5))
                 .set_max_delay(Duration::from_millis(50));
             let cm = tokio::time::timeout(deadline, ConnectionManager::new_with_config(client, config))
