@@ -278,6 +278,58 @@ async fn a_cached_denial_keeps_the_stores_retry_after() {
     }
 }
 
+/// A key flooded past its limit costs the store one call per deny-cache refresh: when the entry
+/// is due, one request asks the store and the others are still answered from the cache. (Each
+/// request that arrived during the refresh's round trip used to ask as well: about two calls a
+/// second under a flood instead of one.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flooded_denied_key_costs_the_store_one_call_per_refresh() {
+    let server = RedisServer::start();
+    let up = echo().await;
+    let rules = "rules:\n  - { name: hourly, match: { path: \"/**\" }, key: ip, algorithm: token_bucket, rate: 1/h, capacity: 1 }\n";
+    let gw = gateway(
+        &format!("http://{up}"),
+        &store_yaml("redis", &[server.url()]),
+        rules,
+        None,
+    )
+    .await;
+    let c = client();
+    let url = format!("{}/x", gw.url);
+    assert_eq!(get_from(&c, &url, "10.9.1.1").await.status(), 200);
+    assert_eq!(get_from(&c, &url, "10.9.1.1").await.status(), 429);
+    let before = command_calls(server.port(), "fcall");
+    let t0 = Instant::now();
+    let flood = Duration::from_millis(3_500);
+    let tasks: Vec<_> = (0..24)
+        .map(|_| {
+            let (c, url) = (c.clone(), url.clone());
+            tokio::spawn(async move {
+                let mut n = 0u64;
+                while t0.elapsed() < flood {
+                    assert_eq!(get_from(&c, &url, "10.9.1.1").await.status(), 429);
+                    n += 1;
+                }
+                n
+            })
+        })
+        .collect();
+    let mut requests = 0;
+    for t in tasks {
+        requests += t.await.unwrap();
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    let calls = command_calls(server.port(), "fcall") - before;
+    eprintln!("{requests} denied requests in {secs:.1} s, {calls} store calls");
+    assert!(requests > 500, "the flood was too thin to test anything: {requests}");
+    // One refresh a second (an entry lives at most 1 s), plus one for the partial seconds.
+    assert!(
+        calls as f64 <= secs.ceil() + 1.0,
+        "{calls} store calls for one denied key in {secs:.1} s"
+    );
+    gw.stop().await;
+}
+
 /// Defects 7 and 8: a denial cached for one caller of a shared org counter is not served to a
 /// caller with a larger override; and an API key id that reads like an IP does not share the
 /// counter of that IP.

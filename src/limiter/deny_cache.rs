@@ -10,6 +10,13 @@
 //! needs the same effective limit. The cache is sharded like the memory store and bounded:
 //! a full shard first drops expired entries, then refuses new ones (a missed cache entry only
 //! costs a store round trip, never a wrong answer).
+//!
+//! **One refresh at a time.** When an entry's recheck instant passes while the store's wait
+//! has not, the first request to see it ([`Lookup::Refresh`]) asks the store; until it has
+//! its answer (at most `grace`), the others are still answered from the entry. Without this,
+//! every request arriving during that round trip asked too, and a flooded key cost the store
+//! about two calls a second instead of one. The price is that those requests are denied for
+//! the length of one store round trip even if the refresh finds the key can pass.
 
 use std::collections::HashMap;
 use std::hash::BuildHasher;
@@ -29,6 +36,22 @@ struct Entry {
     recheck_at: u64,
     /// The instant the store said the key can pass again (≥ `recheck_at`).
     pass_at: u64,
+    /// True once a request was sent to the store to refresh this entry (`recheck_at` then
+    /// marks the end of that request's grace).
+    refreshing: bool,
+}
+
+/// What the cache says of one check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lookup {
+    /// Denied: the instant the store said the key can pass.
+    Hit(u64),
+    /// Nothing cached under this limit, or the key can pass by now: ask the store.
+    Miss,
+    /// This caller refreshes the entry: ask the store, then [`DenyCache::insert`] the new
+    /// denial or [`DenyCache::remove`] the key. The others are answered from the entry
+    /// meanwhile.
+    Refresh,
 }
 
 /// One shard: key hash → the denial remembered for it.
@@ -66,14 +89,26 @@ impl DenyCache {
         self.hasher.hash_one((c.quota, c.cost))
     }
 
-    /// When `c`'s denial under `c`'s effective limit is still answered from the cache at
-    /// `now`, the instant the store said the key can pass.
-    pub fn get(&self, c: &LimitCheck, now: u64) -> Option<u64> {
+    /// Whether `c`'s denial under `c`'s effective limit is answered from the cache at `now`.
+    /// Once the entry is due for a recheck, one caller gets [`Lookup::Refresh`] and the others
+    /// keep getting hits for at most `grace` µs (the longest a store call may take); a caller
+    /// that never reports back only holds the entry that long.
+    pub fn get(&self, c: &LimitCheck, now: u64, grace: u64) -> Lookup {
         let (s, h) = self.slot(&c.key);
-        let shard = self.shards[s].lock();
-        match shard.get(&h) {
-            Some(e) if e.recheck_at > now && e.limit == self.limit_of(c) => Some(e.pass_at),
-            _ => None,
+        let mut shard = self.shards[s].lock();
+        match shard.get_mut(&h) {
+            Some(e) if e.limit == self.limit_of(c) => {
+                if e.recheck_at > now {
+                    Lookup::Hit(e.pass_at)
+                } else if e.pass_at > now {
+                    e.refreshing = true;
+                    e.recheck_at = now.saturating_add(grace).min(e.pass_at);
+                    Lookup::Refresh
+                } else {
+                    Lookup::Miss
+                }
+            }
+            _ => Lookup::Miss,
         }
     }
 
@@ -112,6 +147,7 @@ impl DenyCache {
                 limit,
                 recheck_at: until,
                 pass_at: pass_at.max(until),
+                refreshing: false,
             },
         );
     }
@@ -120,6 +156,17 @@ impl DenyCache {
     pub fn remove(&self, key: &StoreKey) {
         let (s, h) = self.slot(key);
         self.shards[s].lock().remove(&h);
+    }
+
+    /// The refresh of `key` ended without a new denial (the store admitted it, or failed):
+    /// forget the entry if it is still the one being refreshed, so the next requests ask the
+    /// store themselves.
+    pub fn refreshed(&self, key: &StoreKey) {
+        let (s, h) = self.slot(key);
+        let mut shard = self.shards[s].lock();
+        if shard.get(&h).is_some_and(|e| e.refreshing) {
+            shard.remove(&h);
+        }
     }
 
     /// Forget every denial (the rules changed).
@@ -139,3 +186,6 @@ impl DenyCache {
         self.len() == 0
     }
 }
+
+#[cfg(test)]
+mod tests;

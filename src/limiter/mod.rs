@@ -22,7 +22,7 @@ use std::time::Duration;
 use smallvec::SmallVec;
 
 pub use algorithm::{Algorithm, Outcome, Quota};
-use deny_cache::DenyCache;
+use deny_cache::{DenyCache, Lookup};
 use memory::MemoryStore;
 pub use store::{Backend, Checked, Outcomes, Store, StoreError};
 
@@ -271,29 +271,38 @@ impl Limiter {
     /// Check `checks`, each with its rule's failure policy.
     pub async fn check<P: PolicedCheck>(&self, checks: &[P]) -> Verdict {
         let now = self.clock.now_us();
+        // Deny-cache entries this request refreshes (see `deny_cache`: one refresh at a time).
+        let mut refreshing: SmallVec<[usize; 2]> = SmallVec::new();
         if let Some(deny) = &self.deny {
+            let grace = u64::try_from(self.timeout.saturating_mul(2).as_micros()).unwrap_or(u64::MAX);
             for (i, c) in checks.iter().map(AsRef::as_ref).enumerate() {
                 if c.shadow {
                     continue;
                 }
-                if let Some(pass_at) = deny.get(c, now) {
-                    // The store's own wait, counted down: not the cache entry's life (≤ 1 s),
-                    // which would tell the client to come back before it can pass.
-                    let wait = pass_at.saturating_sub(now).max(1);
-                    let mut outcomes: SmallVec<[(Outcome, Source); 2]> =
-                        checks.iter().map(|_| (full(), Source::DenyCache)).collect();
-                    outcomes[i].0 = Outcome {
-                        allowed: false,
-                        reset_us: wait,
-                        retry_after_us: wait,
-                        at_us: now,
-                        ..Outcome::default()
-                    };
-                    return Verdict {
-                        outcomes,
-                        store_error: None,
-                    };
-                }
+                let pass_at = match deny.get(c, now, grace) {
+                    Lookup::Hit(pass_at) => pass_at,
+                    Lookup::Refresh => {
+                        refreshing.push(i);
+                        continue;
+                    }
+                    Lookup::Miss => continue,
+                };
+                // The store's own wait, counted down: not the cache entry's life (≤ 1 s),
+                // which would tell the client to come back before it can pass.
+                let wait = pass_at.saturating_sub(now).max(1);
+                let mut outcomes: SmallVec<[(Outcome, Source); 2]> =
+                    checks.iter().map(|_| (full(), Source::DenyCache)).collect();
+                outcomes[i].0 = Outcome {
+                    allowed: false,
+                    reset_us: wait,
+                    retry_after_us: wait,
+                    at_us: now,
+                    ..Outcome::default()
+                };
+                return Verdict {
+                    outcomes,
+                    store_error: None,
+                };
             }
         }
         let mut asked: Option<Vec<LimitCheck>> = None;
@@ -358,6 +367,12 @@ impl Limiter {
                     && !checked.failed.iter().any(|(f, _)| *f == i)
                 {
                     deny.insert(c, now + o.retry_after_us.min(DENY_CACHE_MAX_US), now + o.retry_after_us);
+                }
+            }
+            // A refresh that found no new denial lets the next requests ask the store.
+            for &i in &refreshing {
+                if let Some(c) = checks.get(i) {
+                    deny.refreshed(&c.as_ref().key);
                 }
             }
         }
