@@ -183,52 +183,14 @@ fn spawn_cert_watcher(gw: &Arc<State>, resolver: Arc<crate::http::tls::CertResol
     });
 }
 
-/// Ask every upstream target `health_check.path` every `interval`, when configured.
-fn spawn_health_check(gw: &Arc<State>, mut stop: watch::Receiver<bool>) {
-    let Some(hc) = gw.config().upstream.health_check.clone() else {
-        return;
-    };
-    let up = gw.upstream().clone();
+/// Run `job` every `every` until `stop` changes. A tick missed while a job ran late is delayed,
+/// not bunched: a slow store never makes the background work pile up.
+fn spawn_every<F, Fut>(every: std::time::Duration, mut stop: watch::Receiver<bool>, mut job: F)
+where
+    F: FnMut() -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
     tokio::spawn(async move {
-        let mut tick = tokio::time::interval(hc.interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = tick.tick() => {}
-                _ = stop.changed() => return,
-            }
-            up.health_check(&hc.path, hc.timeout).await;
-        }
-    });
-}
-
-/// Renew the concurrency slots of running requests every third of `store.concurrency_ttl`, so
-/// a long request keeps its slot while a crashed gateway's slots expire. Cheap when no request
-/// holds a slot (one lock, an empty map).
-fn spawn_slot_renewal(gw: &Arc<State>, mut stop: watch::Receiver<bool>) {
-    let gw = gw.clone();
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(gw.config().store.concurrency_ttl / 3);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = tick.tick() => {}
-                _ = stop.changed() => return,
-            }
-            gw.limiter().renew_held().await;
-        }
-    });
-}
-
-/// End expired leases and give their unused units back, every half lease time to live (so a
-/// lease's units are back in the store at most 1.5 × ttl after it was taken).
-fn spawn_lease_sweep(gw: &Arc<State>, mut stop: watch::Receiver<bool>) {
-    let Some(cfg) = gw.config().store.leases else {
-        return;
-    };
-    let gw = gw.clone();
-    tokio::spawn(async move {
-        let every = std::time::Duration::from_micros(cfg.ttl_us.get() / 2);
         let mut tick = tokio::time::interval(every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -236,8 +198,46 @@ fn spawn_lease_sweep(gw: &Arc<State>, mut stop: watch::Receiver<bool>) {
                 _ = tick.tick() => {}
                 _ = stop.changed() => return,
             }
-            gw.limiter().return_leases(false).await;
+            job().await;
         }
+    });
+}
+
+/// Ask every upstream target `health_check.path` every `interval`, when configured.
+fn spawn_health_check(gw: &Arc<State>, stop: watch::Receiver<bool>) {
+    let Some(hc) = gw.config().upstream.health_check.clone() else {
+        return;
+    };
+    let up = gw.upstream().clone();
+    let (path, timeout) = (hc.path.clone(), hc.timeout);
+    spawn_every(hc.interval, stop, move || {
+        let (up, path) = (up.clone(), path.clone());
+        async move { up.health_check(&path, timeout).await }
+    });
+}
+
+/// Renew the concurrency slots of running requests every third of `store.concurrency_ttl`, so
+/// a long request keeps its slot while a crashed gateway's slots expire. Cheap when no request
+/// holds a slot (one lock, an empty map).
+fn spawn_slot_renewal(gw: &Arc<State>, stop: watch::Receiver<bool>) {
+    let gw = gw.clone();
+    spawn_every(gw.config().store.concurrency_ttl / 3, stop, move || {
+        let gw = gw.clone();
+        async move { gw.limiter().renew_held().await }
+    });
+}
+
+/// End expired leases and give their unused units back, every half lease time to live (so a
+/// lease's units are back in the store at most 1.5 × ttl after it was taken).
+fn spawn_lease_sweep(gw: &Arc<State>, stop: watch::Receiver<bool>) {
+    let Some(cfg) = gw.config().store.leases else {
+        return;
+    };
+    let gw = gw.clone();
+    let every = std::time::Duration::from_micros(cfg.ttl_us.get() / 2);
+    spawn_every(every, stop, move || {
+        let gw = gw.clone();
+        async move { gw.limiter().return_leases(false).await }
     });
 }
 
@@ -246,16 +246,11 @@ fn spawn_lease_sweep(gw: &Arc<State>, mut stop: watch::Receiver<bool>) {
 const OVERRIDE_REFRESH: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// Re-read the runtime overrides from the store every [`OVERRIDE_REFRESH`].
-fn spawn_override_refresh(gw: &Arc<State>, mut stop: watch::Receiver<bool>) {
+fn spawn_override_refresh(gw: &Arc<State>, stop: watch::Receiver<bool>) {
     let gw = gw.clone();
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(OVERRIDE_REFRESH);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = tick.tick() => {}
-                _ = stop.changed() => return,
-            }
+    spawn_every(OVERRIDE_REFRESH, stop, move || {
+        let gw = gw.clone();
+        async move {
             if let Err(e) = gw.refresh_overrides().await {
                 tracing::debug!(error = %e, "runtime overrides not refreshed; the last ones stay in force");
             }
@@ -264,19 +259,14 @@ fn spawn_override_refresh(gw: &Arc<State>, mut stop: watch::Receiver<bool>) {
 }
 
 /// While a shard's breaker is open, probe that shard and close its breaker when it answers.
-fn spawn_probe(gw: &Arc<State>, mut stop: watch::Receiver<bool>) {
+fn spawn_probe(gw: &Arc<State>, stop: watch::Receiver<bool>) {
     if gw.limiter().store.is_memory() {
         return;
     }
     let gw = gw.clone();
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(gw.config().store.probe_interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = tick.tick() => {}
-                _ = stop.changed() => return,
-            }
+    spawn_every(gw.config().store.probe_interval, stop, move || {
+        let gw = gw.clone();
+        async move {
             let open = gw.limiter().heal().await;
             gw.metrics().breaker_open.set(i64::try_from(open).unwrap_or(i64::MAX));
         }
