@@ -33,16 +33,20 @@ pub static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-h
 /// `Forwarded`.
 pub static FORWARDED: HeaderName = HeaderName::from_static("forwarded");
 
-/// Is this an HTTP/1.1 upgrade request (`Connection: upgrade` + `Upgrade`)? Returns the
-/// `Upgrade` value to keep.
-pub fn upgrade_of(h: &HeaderMap) -> Option<HeaderValue> {
-    let wants = h
-        .get_all(header::CONNECTION)
+/// Does the comma-separated list header `name` (every field of it) hold `token`, compared
+/// without regard to case (`Connection: keep-alive, Upgrade`, `TE: trailers`)?
+pub fn lists_token(h: &HeaderMap, name: &HeaderName, token: &str) -> bool {
+    h.get_all(name)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
-        .any(|t| t.trim().eq_ignore_ascii_case("upgrade"));
-    if wants {
+        .any(|t| t.trim().eq_ignore_ascii_case(token))
+}
+
+/// Is this an HTTP/1.1 upgrade request (`Connection: upgrade` + `Upgrade`)? Returns the
+/// `Upgrade` value to keep.
+pub fn upgrade_of(h: &HeaderMap) -> Option<HeaderValue> {
+    if lists_token(h, &header::CONNECTION, "upgrade") {
         h.get(header::UPGRADE).cloned()
     } else {
         None

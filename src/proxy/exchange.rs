@@ -48,12 +48,7 @@ impl State {
         });
         // Trailers pass through (gRPC's status is one): a client that accepts them asks the
         // upstream for them too, as does a rule that reads its cost from one.
-        let client_trailers = h
-            .get_all(header::TE)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .any(|t| t.trim().eq_ignore_ascii_case("trailers"));
+        let client_trailers = forward::lists_token(&h, &header::TE, "trailers");
         forward::strip_hop_by_hop(&mut h, upgrade);
         if want_trailers || client_trailers {
             h.insert(header::TE, HeaderValue::from_static("trailers"));
