@@ -225,6 +225,9 @@ async fn a_transient_denial_is_cached_for_at_most_a_second() {
     gw.stop().await;
 }
 
+/// One request an hour per client address: the second is denied for about an hour.
+const HOURLY: &str = "rules:\n  - { name: hourly, match: { path: \"/**\" }, key: ip, algorithm: token_bucket, rate: 1/h, capacity: 1 }\n";
+
 /// A denial answered from the deny cache says what the store said: the same `Retry-After` and
 /// reset, counted down. It used to report the cache entry's own life (at most a second), so a
 /// client that obeyed `Retry-After: 1` came back 3,599 s too early, every second.
@@ -232,7 +235,6 @@ async fn a_transient_denial_is_cached_for_at_most_a_second() {
 async fn a_cached_denial_keeps_the_stores_retry_after() {
     let server = RedisServer::start();
     let up = echo().await;
-    let rules = "rules:\n  - { name: hourly, match: { path: \"/**\" }, key: ip, algorithm: token_bucket, rate: 1/h, capacity: 1 }\n";
     let retry = |r: &reqwest::Response| -> u64 { r.headers()["retry-after"].to_str().unwrap().parse().unwrap() };
     let reset = |r: &reqwest::Response| -> u64 { r.headers()["x-ratelimit-reset"].to_str().unwrap().parse().unwrap() };
     let stores = [
@@ -240,7 +242,7 @@ async fn a_cached_denial_keeps_the_stores_retry_after() {
         ("redis", store_yaml("redis", &[server.url()])),
     ];
     for (store, extra) in stores {
-        let gw = gateway(&format!("http://{up}"), &extra, rules, None).await;
+        let gw = gateway(&format!("http://{up}"), &extra, HOURLY, None).await;
         let c = client();
         let url = format!("{}/x", gw.url);
         assert_eq!(get_from(&c, &url, "10.9.0.1").await.status(), 200);
@@ -286,11 +288,10 @@ async fn a_cached_denial_keeps_the_stores_retry_after() {
 async fn a_flooded_denied_key_costs_the_store_one_call_per_refresh() {
     let server = RedisServer::start();
     let up = echo().await;
-    let rules = "rules:\n  - { name: hourly, match: { path: \"/**\" }, key: ip, algorithm: token_bucket, rate: 1/h, capacity: 1 }\n";
     let gw = gateway(
         &format!("http://{up}"),
         &store_yaml("redis", &[server.url()]),
-        rules,
+        HOURLY,
         None,
     )
     .await;
