@@ -125,6 +125,54 @@ async fn http2_cleartext_is_served() {
     gw.stop().await;
 }
 
+/// An HTTP/2 connection gives its read and write buffers back each time it goes idle (the
+/// patched h2, vendor/h2/TOLLGATE.md) and takes new ones for the next request: on one
+/// connection, bodies larger than both buffers go up and come back whole, request after request,
+/// and the per-response rate-limit headers (never HPACK-indexed) read right every time.
+#[tokio::test]
+async fn an_http2_connection_idles_between_requests_and_streams_whole_bodies_after() {
+    let up = echo().await;
+    let rules = "rules:\n  - { name: h2, match: { path: \"/**\" }, key: global, algorithm: fixed_window, limit: 100, window: 1h }\n";
+    let gw = gateway(&format!("http://{up}"), "", rules, None).await;
+    let c = reqwest::Client::builder().http2_prior_knowledge().build().unwrap();
+    let body: Vec<u8> = (0..300 * 1024u32).map(|i| (i % 251) as u8).collect();
+    for n in 0..4u64 {
+        let r = if n % 2 == 0 {
+            c.post(format!("{}/up", gw.url))
+                .body(body.clone())
+                .send()
+                .await
+                .unwrap()
+        } else {
+            c.get(format!("{}/down", gw.url)).send().await.unwrap()
+        };
+        assert_eq!(r.version(), reqwest::Version::HTTP_2);
+        assert_eq!(r.status(), 200, "request {n}");
+        assert_eq!(r.headers()["x-ratelimit-limit"], "100");
+        assert_eq!(
+            r.headers()["x-ratelimit-remaining"],
+            (99 - n).to_string().as_str(),
+            "request {n}"
+        );
+        assert!(r.headers()["ratelimit"]
+            .to_str()
+            .unwrap()
+            .contains(&format!(";r={}", 99 - n)));
+        let got = r.bytes().await.unwrap();
+        if n % 2 == 0 {
+            assert!(
+                got[..] == body[..],
+                "request {n}: {} bytes back of {}",
+                got.len(),
+                body.len()
+            );
+        } else {
+            assert!(got.starts_with(b"{"), "request {n}: the echo's JSON");
+        }
+    }
+    gw.stop().await;
+}
+
 #[tokio::test]
 async fn the_protocol_is_told_apart_even_when_the_first_bytes_trickle_in() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -99,7 +99,11 @@ pub fn generate() -> HeaderValue {
             write_id(g, g.next.fetch_add(1, Ordering::Relaxed), &mut one);
             bytes::Bytes::from_owner(one)
         });
-    HeaderValue::from_maybe_shared(id).unwrap_or(HeaderValue::from_static("0"))
+    let mut v = HeaderValue::from_maybe_shared(id).unwrap_or(HeaderValue::from_static("0"));
+    // Never indexed: no later response on an HTTP/2 connection can reuse it, and an indexed
+    // copy would keep its block of ids alive for the connection's life.
+    v.set_sensitive(true);
+    v
 }
 
 /// Is an incoming id worth keeping: 1..=128 characters of letters, digits and `-_.:/+=@`.
@@ -112,7 +116,9 @@ pub fn is_valid(v: &HeaderValue) -> bool {
 pub fn ensure(h: &mut HeaderMap) -> HeaderValue {
     if let Some(v) = h.get(&X_REQUEST_ID) {
         if is_valid(v) && h.get_all(&X_REQUEST_ID).iter().count() == 1 {
-            return v.clone();
+            let mut v = v.clone();
+            v.set_sensitive(true);
+            return v;
         }
     }
     let id = generate();
@@ -131,6 +137,7 @@ mod tests {
             let id = generate();
             assert_eq!(id.len(), 32);
             assert!(id.as_bytes().iter().all(|c| c.is_ascii_hexdigit()));
+            assert!(id.is_sensitive(), "never HPACK-indexed (it pins its block of ids)");
             assert!(seen.insert(id), "an id repeated");
         }
     }
@@ -139,7 +146,9 @@ mod tests {
     fn a_valid_id_is_kept_and_a_bad_one_replaced() {
         let mut h = HeaderMap::new();
         h.insert(X_REQUEST_ID.clone(), HeaderValue::from_static("abc-123"));
-        assert_eq!(ensure(&mut h), "abc-123");
+        let kept = ensure(&mut h);
+        assert_eq!(kept, "abc-123");
+        assert!(kept.is_sensitive(), "a kept id is never HPACK-indexed either");
         let mut h = HeaderMap::new();
         h.insert(X_REQUEST_ID.clone(), HeaderValue::from_static("has space"));
         let id = ensure(&mut h);

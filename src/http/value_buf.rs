@@ -115,9 +115,9 @@ impl<const N: usize> ValueBuf<N> {
         self.body = Some((self.start(), self.len));
     }
 
-    /// Insert every value into `h` (each replacing what `h` had for its header); a value that
-    /// is not a valid header value is left out. Returns the body, if one was written: it shares
-    /// the values' allocation.
+    /// Insert every value into `h` (each replacing what `h` had for its header), marked never
+    /// to be HPACK-indexed; a value that is not a valid header value is left out. Returns the
+    /// body, if one was written: it shares the values' allocation.
     pub fn finish(self, h: &mut HeaderMap) -> Option<Bytes> {
         if self.values.is_empty() && self.body.is_none() {
             return None;
@@ -131,7 +131,11 @@ impl<const N: usize> ValueBuf<N> {
             Bytes::from_owner(self.spill)
         };
         for (name, start, end) in self.values {
-            if let Ok(v) = HeaderValue::from_maybe_shared(all.slice(start..end)) {
+            if let Ok(mut v) = HeaderValue::from_maybe_shared(all.slice(start..end)) {
+                // Never indexed by HTTP/2's HPACK: an indexed value would keep this whole
+                // buffer alive in the connection's header table for the connection's life
+                // (most of these values differ from one message to the next anyway).
+                v.set_sensitive(true);
                 h.insert(name, v);
             }
         }
@@ -168,6 +172,11 @@ mod tests {
         assert_eq!(h["x-count"], "42");
         assert_eq!(h.get_all("x-count").iter().count(), 1, "replaced, not appended");
         assert!(!h.contains_key("x-bad"), "an invalid value is left out");
+        assert!(
+            h["ratelimit-policy"].is_sensitive() && h["x-count"].is_sensitive(),
+            "never HPACK-indexed: an indexed value would pin the shared buffer"
+        );
+        assert!(!HeaderValue::from_static("old").is_sensitive());
     }
 
     #[test]
