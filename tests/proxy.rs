@@ -277,6 +277,13 @@ fn two_workers_share_one_limit(runtime: &str, logged: &str) {
         &[("TOKIO_WORKER_THREADS", "2")],
     );
     let pid = gw.child.id();
+    // The ports accept connections as soon as they are bound, a moment before the start is
+    // logged (and, with thread-per-core, before the second worker's thread exists).
+    assert!(
+        eventually_blocking(Duration::from_secs(10), || gw.log().contains("tollgate listening")),
+        "no start line: {}",
+        gw.log()
+    );
     // Thread-per-core: the second worker is a thread of its own.
     let worker_tid = std::fs::read_dir(format!("/proc/{pid}/task"))
         .unwrap()
