@@ -13,6 +13,7 @@ use crate::config::{GatewayConfig, Runtime};
 use crate::state::{StartError, State};
 
 mod conn;
+mod stop;
 
 use conn::{accept_loop, bind, spawn_worker, Worker};
 pub use conn::{serve, serve_with, H2_MAX_STREAMS, H2_PING_TIMEOUT};

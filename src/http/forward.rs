@@ -3,9 +3,7 @@
 
 use std::net::IpAddr;
 
-use std::fmt::Write;
-
-use super::value_buf::{Text, ValueBuf};
+use super::value_buf::ValueBuf;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{PathAndQuery, Uri};
 
@@ -56,39 +54,53 @@ pub fn upgrade_of(h: &HeaderMap) -> Option<HeaderValue> {
 /// Remove hop-by-hop headers, and every header named in `Connection`. With `keep_upgrade`,
 /// `Connection: upgrade` and `Upgrade` are re-added (an upgrade passes through).
 pub fn strip_hop_by_hop(h: &mut HeaderMap, keep_upgrade: Option<HeaderValue>) {
-    // One pass over the names; most requests (and many responses) have nothing to remove.
+    // One pass over the fields; most requests (and many responses) have nothing to remove, and
+    // a `Connection` that says only `keep-alive` or `close` (an upstream's usual answer) names no
+    // other header, so it is read here rather than looked up again.
     let mut present: [Option<&'static HeaderName>; 9] = [None; 9];
     let mut n = 0;
-    for k in h.keys() {
+    let mut names_others = false;
+    for (k, v) in h.iter() {
         if let Some(hop) = HOP_BY_HOP.iter().chain(std::iter::once(&UPGRADE)).find(|x| *x == k) {
+            if *hop == header::CONNECTION && !names_others {
+                names_others = connection_tokens(v).any(|t| !is_connection_option(t));
+            }
             if n < present.len() && !present[..n].contains(&Some(hop)) {
                 present[n] = Some(hop);
                 n += 1;
             }
         }
     }
-    if n > 0 {
+    if names_others {
         // Headers named in `Connection` are hop-by-hop too (RFC 9110 §7.6.1).
         let named: Vec<HeaderName> = h
             .get_all(header::CONNECTION)
             .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .map(str::trim)
-            .filter(|t| !t.eq_ignore_ascii_case("close") && !t.eq_ignore_ascii_case("keep-alive"))
+            .flat_map(connection_tokens)
+            .filter(|t| !is_connection_option(t))
             .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
             .collect();
         for name in named {
             h.remove(name);
         }
-        for hop in present[..n].iter().flatten() {
-            h.remove(*hop);
-        }
+    }
+    for hop in present[..n].iter().flatten() {
+        h.remove(*hop);
     }
     if let Some(up) = keep_upgrade {
         h.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
         h.insert(header::UPGRADE, up);
     }
+}
+
+/// The comma-separated tokens of one `Connection` value (none when it is not visible ASCII).
+fn connection_tokens(v: &HeaderValue) -> impl Iterator<Item = &str> {
+    v.to_str().ok().into_iter().flat_map(|v| v.split(',')).map(str::trim)
+}
+
+/// `close` and `keep-alive`: `Connection` options that name no header.
+fn is_connection_option(t: &str) -> bool {
+    t.is_empty() || t.eq_ignore_ascii_case("close") || t.eq_ignore_ascii_case("keep-alive")
 }
 
 /// Append this hop to `X-Forwarded-For`, `-Proto`, `-Host` and `Forwarded`, for a client that
@@ -103,69 +115,73 @@ pub fn add_forwarded_proto(h: &mut HeaderMap, peer: IpAddr, host: Option<&Header
     let peer = peer.to_canonical();
     let ip = crate::identity::ip_text(peer);
     let ip = ip.as_str();
-    let mut buf: ValueBuf = ValueBuf::new();
-    append_list(h, &X_FORWARDED_FOR, ip.as_bytes(), &mut buf);
-    append_static(h, &X_FORWARDED_PROTO, proto, &mut buf);
-    if let Some(host) = host {
-        append_value(h, &X_FORWARDED_HOST, host, &mut buf);
+    // Which of the four a client (or a proxy before us) sent: one pass over the names, as a
+    // request seldom carries any, so each is then inserted without being looked up first.
+    let mut had = [false; 4];
+    for k in h.keys() {
+        if let Some(i) = FORWARDING.iter().position(|n| *n == k) {
+            had[i] = true;
+        }
     }
-    // Pieces appended one by one: `write!` would run `core::fmt` (≈ 1k instructions a call).
-    let mut fwd = Text::<128>::new();
+    let mut buf = ValueBuf::new();
+    append_list(h, had[0], &X_FORWARDED_FOR, ip.as_bytes(), &mut buf);
+    if had[1] {
+        append_list(h, true, &X_FORWARDED_PROTO, proto.as_bytes(), &mut buf);
+    } else {
+        h.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static(proto));
+    }
+    if let Some(host) = host {
+        if !had[2] {
+            h.insert(X_FORWARDED_HOST.clone(), host.clone());
+        } else if host.to_str().is_ok() {
+            append_list(h, true, &X_FORWARDED_HOST, host.as_bytes(), &mut buf);
+        }
+    }
+    // `Forwarded`: the earlier hops, then this one, written piece by piece (`write!` would run
+    // `core::fmt`, about a thousand instructions a call).
+    if had[3] {
+        join_existing(h, &FORWARDED, &mut buf);
+    }
     let pieces: [&str; 3] = if peer.is_ipv6() {
         ["for=\"[", ip, "]\";proto="]
     } else {
         ["for=", ip, ";proto="]
     };
     for p in pieces.into_iter().chain([proto]) {
-        let _ = fwd.write_str(p);
+        buf.put(p.as_bytes());
     }
-    if let Some(host) = host.and_then(|v| v.to_str().ok()) {
-        if host.bytes().all(|b| b.is_ascii_graphic() && b != b'"' && b != b'\\') {
-            for p in [";host=\"", host, "\""] {
-                let _ = fwd.write_str(p);
+    if let Some(host) = host.map(HeaderValue::as_bytes) {
+        if host.iter().all(|&b| b.is_ascii_graphic() && b != b'"' && b != b'\\') {
+            for p in [&b";host=\""[..], host, b"\""] {
+                buf.put(p);
             }
         }
     }
-    append_list(h, &FORWARDED, fwd.as_str().as_bytes(), &mut buf);
+    buf.end(&FORWARDED);
     let _ = buf.finish(h);
 }
 
-/// [`append_list`] for a static item: no allocation when the header is absent.
-fn append_static(h: &mut HeaderMap, name: &HeaderName, item: &'static str, buf: &mut ValueBuf) {
-    if h.contains_key(name) {
-        append_list(h, name, item.as_bytes(), buf);
-    } else {
-        h.insert(name.clone(), HeaderValue::from_static(item));
-    }
-}
+/// The four forwarding headers, in the order [`add_forwarded_proto`] looks for them.
+static FORWARDING: [&HeaderName; 4] = [&X_FORWARDED_FOR, &X_FORWARDED_PROTO, &X_FORWARDED_HOST, &FORWARDED];
 
-/// [`append_list`] for a header value: shared, not copied, when the header is absent.
-fn append_value(h: &mut HeaderMap, name: &HeaderName, item: &HeaderValue, buf: &mut ValueBuf) {
-    if h.contains_key(name) {
-        if item.to_str().is_ok() {
-            append_list(h, name, item.as_bytes(), buf);
-        }
-    } else {
-        h.insert(name.clone(), item.clone());
-    }
-}
-
-/// Join every existing value of `name` and `item` into one comma-separated value of `name`,
-/// written into `buf` (it replaces them when `buf` is finished).
-fn append_list(h: &HeaderMap, name: &HeaderName, item: &[u8], buf: &mut ValueBuf) {
-    // Values that are not visible ASCII (obs-text) are dropped: the joined header must stay
-    // readable text that ends with this hop.
-    for v in h.get_all(name).iter().filter(|v| v.to_str().is_ok()) {
-        if buf.current_len() > 0 {
-            buf.put(b", ");
-        }
-        buf.put(v.as_bytes());
-    }
-    if buf.current_len() > 0 {
-        buf.put(b", ");
+/// Write `name`'s existing values (when `had`), then `item`, as one comma-separated value of
+/// `name` into `buf` (it replaces them when `buf` is finished).
+fn append_list(h: &HeaderMap, had: bool, name: &'static HeaderName, item: &[u8], buf: &mut ValueBuf) {
+    if had {
+        join_existing(h, name, buf);
     }
     buf.put(item);
-    buf.end(name.clone());
+    buf.end(name);
+}
+
+/// Write every existing value of `name`, each followed by `, `, into `buf`. Values that are not
+/// visible ASCII (obs-text) are dropped: the joined header must stay readable text that ends
+/// with this hop.
+fn join_existing(h: &HeaderMap, name: &HeaderName, buf: &mut ValueBuf) {
+    for v in h.get_all(name).iter().filter(|v| v.to_str().is_ok()) {
+        buf.put(v.as_bytes());
+        buf.put(b", ");
+    }
 }
 
 /// The origin-form request target (`/path?query`) sent to the upstream.

@@ -94,16 +94,16 @@ impl Binding<'_> {
 }
 
 /// Write the selected header families for `b` into `h`. `now_us` is the gateway's clock.
-/// Every value is cut from one allocation ([`ValueBuf`]).
+/// Every value is a slice of this thread's value chunk ([`ValueBuf`]).
 pub fn write(h: &mut HeaderMap, b: &Binding<'_>, ietf: bool, legacy: bool, now_us: u64) {
-    let mut buf: ValueBuf = ValueBuf::new();
+    let mut buf = ValueBuf::new();
     write_values(&mut buf, b, ietf, legacy, now_us);
     buf.finish(h);
 }
 
 /// [`write`] into `buf`, beside whatever else it holds (the 429 writes its body and
 /// `Retry-After` into the same buffer).
-pub fn write_values<const N: usize>(buf: &mut ValueBuf<N>, b: &Binding<'_>, ietf: bool, legacy: bool, now_us: u64) {
+pub fn write_values(buf: &mut ValueBuf, b: &Binding<'_>, ietf: bool, legacy: bool, now_us: u64) {
     let t = b.reset_secs();
     let remaining = b.remaining_requests();
     let quota = b.quota_requests();
@@ -118,14 +118,14 @@ pub fn write_values<const N: usize>(buf: &mut ValueBuf<N>, b: &Binding<'_>, ietf
             buf.put(b";w=");
             buf.put(n.format(b.window_secs()).as_bytes());
         }
-        buf.end(RATELIMIT_POLICY.clone());
+        buf.end(&RATELIMIT_POLICY);
         buf.put(b"\"");
         buf.put(b.rule.as_bytes());
         buf.put(b"\";r=");
         buf.put(n.format(remaining).as_bytes());
         buf.put(b";t=");
         buf.put(n.format(t).as_bytes());
-        buf.end(RATELIMIT.clone());
+        buf.end(&RATELIMIT);
     }
     if legacy {
         for (name, value) in [
@@ -134,7 +134,7 @@ pub fn write_values<const N: usize>(buf: &mut ValueBuf<N>, b: &Binding<'_>, ietf
             (&X_RESET, b.reset_at_secs(now_us)),
         ] {
             buf.put(n.format(value).as_bytes());
-            buf.end(name.clone());
+            buf.end(name);
         }
     }
 }

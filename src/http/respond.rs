@@ -204,9 +204,8 @@ fn push_rfc3339(s: &mut impl std::fmt::Write, t: SystemTime) {
     });
 }
 
-/// Room for a 429's body, `Retry-After` and rate-limit headers, with rule names of the usual
-/// length; longer ones spill to the heap.
-const LIMITED_TEXT: usize = 768;
+/// `Retry-After`, as a static for [`ValueBuf::end`].
+static RETRY_AFTER: http::HeaderName = header::RETRY_AFTER;
 
 /// A 429 for `b`, with the rate-limit headers of the denying limit. `now_us` is the one clock
 /// reading the body's `reset_at` and `X-RateLimit-Reset` both derive from.
@@ -214,8 +213,8 @@ const LIMITED_TEXT: usize = 768;
 /// Denials come in floods from one caller, and within a second each of its 429s is the same
 /// text: the last one made on this thread is kept ([`Last429`]) and copied while every value it
 /// was made from is equal (a header map clone shares the values; building one hashes each name).
-/// Otherwise the body, `Retry-After` and the rate-limit values are written on the stack and share
-/// one allocation.
+/// Otherwise the body, `Retry-After` and the rate-limit values are written into this thread's
+/// value chunk and shared from it ([`ValueBuf`]).
 pub fn rate_limited(b: &Binding<'_>, ietf: bool, legacy: bool, now_us: u64) -> Response<ProxyBody> {
     let inputs = Inputs429::of(b, ietf, legacy, now_us);
     let mut resp = Response::new(super::empty());
@@ -308,9 +307,9 @@ thread_local! {
 }
 
 /// Write the 429 of `b` (its values already worked out in `inputs`) into `h` and return its
-/// body: written on the stack, one allocation.
+/// body: the body and the values share this thread's value chunk.
 fn build_429(h: &mut http::HeaderMap, b: &Binding<'_>, inputs: &Inputs429, now_us: u64) -> Option<bytes::Bytes> {
-    let mut buf = ValueBuf::<LIMITED_TEXT>::new();
+    let mut buf = ValueBuf::new();
     write_rate_limited_body(
         &mut buf,
         b.rule,
@@ -321,7 +320,7 @@ fn build_429(h: &mut http::HeaderMap, b: &Binding<'_>, inputs: &Inputs429, now_u
     );
     buf.end_body();
     buf.put(itoa::Buffer::new().format(inputs.secs).as_bytes());
-    buf.end(header::RETRY_AFTER);
+    buf.end(&RETRY_AFTER);
     headers::write_values(&mut buf, b, inputs.ietf, inputs.legacy, now_us);
     // Room for these, the rate-limit headers and `X-Request-Id`, so a built map never regrows
     // (a reused one is a clone, sized to what it holds: `X-Request-Id` grows it once).

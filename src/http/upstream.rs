@@ -482,7 +482,9 @@ impl Upstream {
                 return Ok(Sender::H1(s));
             }
         }
-        Ok(match self.connect(i).await? {
+        // Boxed: connecting (TCP, TLS, the handshake) is a large state machine that a request
+        // on a pooled connection never enters; inline, every request's future would carry it.
+        Ok(match Box::pin(self.connect(i)).await? {
             Conn::H1(s) => Sender::H1(s),
             // `auto`, and ALPN agreed to h2: the connection joins the shared ones.
             Conn::H2(c) => {

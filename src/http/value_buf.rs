@@ -1,19 +1,32 @@
-//! Header values written on the stack and shared from one allocation (issue #15).
+//! Header values written into a per-thread chunk and shared from it (issue #15).
 //!
-//! A `BytesMut` that values are split from costs two allocations (its buffer, then the shared
-//! header `split` promotes it to), and a `String` per value costs one each. [`ValueBuf`]
-//! writes every value of one step (the rate-limit headers of a response, the forwarding headers
-//! of a request) into an inline array, and [`ValueBuf::finish`] moves it into a single
-//! `Bytes` (`Bytes::from_owner`: one allocation) that every value points into. Text past the
-//! inline room spills to the heap, still correct.
+//! A `String` per value costs an allocation each, and a buffer on the stack moved into its own
+//! `Bytes` costs a copy and an allocation per step. [`ValueBuf`] writes every value of one step
+//! (the rate-limit headers of a response, the forwarding headers of a request, a 429's body)
+//! straight into this thread's current [`CHUNK`]-byte chunk, and [`ValueBuf::finish`] freezes
+//! what it wrote: every value is a slice of the chunk (a reference count, no copy). The next
+//! step on the thread writes after it, and a chunk with less than [`MIN_ROOM`] bytes left is
+//! replaced by a new one: about one allocation per dozen requests. A value keeps its chunk
+//! alive, so a long-lived one pins at most [`CHUNK`] bytes; text past the room left still
+//! comes out whole (the chunk grows, with a copy).
 
-use bytes::Bytes;
+use std::cell::RefCell;
+
+use bytes::{Bytes, BytesMut};
 use http::header::{HeaderMap, HeaderName, HeaderValue};
 use smallvec::SmallVec;
 
-/// Inline room: more than the rate-limit or forwarding headers of a request take with rule
-/// names and hosts of the usual length.
-const INLINE: usize = 320;
+/// Bytes of one chunk.
+pub const CHUNK: usize = 4096;
+
+/// A step starts a new chunk when the current one has less room than this: more than the
+/// largest step (a 429 with its body and headers) takes with rule names of the usual length.
+pub const MIN_ROOM: usize = 1024;
+
+thread_local! {
+    /// This thread's current chunk: the room after what earlier steps wrote.
+    static ARENA: RefCell<BytesMut> = RefCell::new(BytesMut::new());
+}
 
 /// Text written on the stack (up to `N` bytes inline), readable as `&str`.
 #[derive(Default)]
@@ -44,106 +57,114 @@ impl<const N: usize> std::fmt::Write for Text<N> {
     }
 }
 
-/// Values being written for one header map: see the module documentation. `N` bytes of text
-/// fit inline; more spill to the heap (still correct, one allocation more).
-pub struct ValueBuf<const N: usize = INLINE> {
-    /// Every value's text, one after the other, while it fits.
-    inline: [u8; N],
-    /// Bytes written so far.
-    len: usize,
-    /// All the text once it outgrew `inline` (empty until then).
-    spill: Vec<u8>,
+/// Values being written for one header map: see the module documentation.
+pub struct ValueBuf {
+    /// The thread's chunk while this step writes into it: the text so far, then the room.
+    buf: BytesMut,
     /// Each value: its header and the range of its text.
-    values: SmallVec<[(HeaderName, usize, usize); 6]>,
+    values: SmallVec<[(&'static HeaderName, u32, u32); 6]>,
     /// The range of the body, when one was written ([`ValueBuf::end_body`]).
-    body: Option<(usize, usize)>,
+    body: Option<(u32, u32)>,
 }
 
-impl<const N: usize> Default for ValueBuf<N> {
+impl Default for ValueBuf {
     fn default() -> Self {
+        let buf = ARENA
+            .try_with(|a| {
+                a.try_borrow_mut()
+                    .map(|mut a| std::mem::take(&mut *a))
+                    .unwrap_or_default()
+            })
+            .unwrap_or_default();
+        let buf = if buf.capacity() < MIN_ROOM {
+            BytesMut::with_capacity(CHUNK)
+        } else {
+            buf
+        };
         ValueBuf {
-            inline: [0; N],
-            len: 0,
-            spill: Vec::new(),
+            buf,
             values: SmallVec::new(),
             body: None,
         }
     }
 }
 
-impl<const N: usize> ValueBuf<N> {
-    /// Empty.
+impl Drop for ValueBuf {
+    /// Give the chunk's room back to the thread (anything written and not finished is dropped).
+    fn drop(&mut self) {
+        let mut rest = std::mem::take(&mut self.buf);
+        rest.clear();
+        let _ = ARENA.try_with(|a| {
+            if let Ok(mut a) = a.try_borrow_mut() {
+                if rest.capacity() > a.capacity() {
+                    *a = rest;
+                }
+            }
+        });
+    }
+}
+
+impl ValueBuf {
+    /// Empty, writing into this thread's chunk.
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// Append `b` to the value being written. A bounds check and a copy while the text fits
-    /// inline (a `SmallVec` insert costs two library calls per append).
+    /// Append `b` to the value being written.
     pub fn put(&mut self, b: &[u8]) {
-        let end = self.len + b.len();
-        match self.inline.get_mut(self.len..end) {
-            Some(room) if self.spill.is_empty() => room.copy_from_slice(b),
-            _ => {
-                if self.spill.is_empty() {
-                    self.spill.reserve(end.max(2 * N));
-                    self.spill.extend_from_slice(&self.inline[..self.len]);
-                }
-                self.spill.extend_from_slice(b);
-            }
-        }
-        self.len = end;
+        self.buf.extend_from_slice(b);
+    }
+
+    /// Bytes written so far (offsets fit in `u32`: a step writes a few hundred bytes).
+    fn len(&self) -> u32 {
+        u32::try_from(self.buf.len()).unwrap_or(u32::MAX)
     }
 
     /// Where the value being written starts.
-    fn start(&self) -> usize {
+    fn start(&self) -> u32 {
         let v = self.values.last().map_or(0, |(_, _, end)| *end);
         self.body.map_or(v, |(_, end)| v.max(end))
     }
 
     /// Bytes of the value being written so far.
     pub fn current_len(&self) -> usize {
-        self.len - self.start()
+        (self.len() - self.start()) as usize
     }
 
     /// The value written since the last `end` is header `name`'s.
-    pub fn end(&mut self, name: HeaderName) {
-        self.values.push((name, self.start(), self.len));
+    pub fn end(&mut self, name: &'static HeaderName) {
+        let (start, len) = (self.start(), self.len());
+        self.values.push((name, start, len));
     }
 
     /// The text written since the last `end` is the body [`ValueBuf::finish`] returns.
     pub fn end_body(&mut self) {
-        self.body = Some((self.start(), self.len));
+        self.body = Some((self.start(), self.len()));
     }
 
     /// Insert every value into `h` (each replacing what `h` had for its header), marked never
     /// to be HPACK-indexed; a value that is not a valid header value is left out. Returns the
-    /// body, if one was written: it shares the values' allocation.
-    pub fn finish(self, h: &mut HeaderMap) -> Option<Bytes> {
+    /// body, if one was written: it shares the values' chunk.
+    pub fn finish(mut self, h: &mut HeaderMap) -> Option<Bytes> {
         if self.values.is_empty() && self.body.is_none() {
             return None;
         }
         h.reserve(self.values.len());
-        let all = if self.spill.is_empty() {
-            let mut all = Bytes::from_owner(self.inline);
-            all.truncate(self.len);
-            all
-        } else {
-            Bytes::from_owner(self.spill)
-        };
-        for (name, start, end) in self.values {
-            if let Ok(mut v) = HeaderValue::from_maybe_shared(all.slice(start..end)) {
-                // Never indexed by HTTP/2's HPACK: an indexed value would keep this whole
-                // buffer alive in the connection's header table for the connection's life
-                // (most of these values differ from one message to the next anyway).
+        let all = self.buf.split().freeze();
+        for &(name, start, end) in &self.values {
+            if let Ok(mut v) = HeaderValue::from_maybe_shared(all.slice(start as usize..end as usize)) {
+                // Never indexed by HTTP/2's HPACK: an indexed value would keep its chunk
+                // alive in the connection's header table for the connection's life (most of
+                // these values differ from one message to the next anyway).
                 v.set_sensitive(true);
-                h.insert(name, v);
+                h.insert(name.clone(), v);
             }
         }
-        self.body.map(|(a, b)| all.slice(a..b))
+        self.body.map(|(a, b)| all.slice(a as usize..b as usize))
     }
 }
 
-impl<const N: usize> std::fmt::Write for ValueBuf<N> {
+impl std::fmt::Write for ValueBuf {
     fn write_str(&mut self, s: &str) -> std::fmt::Result {
         self.put(s.as_bytes());
         Ok(())
@@ -157,14 +178,17 @@ mod tests {
 
     #[test]
     fn values_share_one_buffer_and_land_under_their_headers() {
-        let mut b = ValueBuf::<INLINE>::new();
+        static POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+        static COUNT: HeaderName = HeaderName::from_static("x-count");
+        static BAD: HeaderName = HeaderName::from_static("x-bad");
+        let mut b = ValueBuf::new();
         b.put(b"\"api\";q=10");
-        b.end(HeaderName::from_static("ratelimit-policy"));
+        b.end(&POLICY);
         write!(b, "{}", 42).unwrap(); // allow-panic: test
         assert_eq!(b.current_len(), 2);
-        b.end(HeaderName::from_static("x-count"));
+        b.end(&COUNT);
         b.put(b"bad\nvalue");
-        b.end(HeaderName::from_static("x-bad"));
+        b.end(&BAD);
         let mut h = HeaderMap::new();
         h.insert("x-count", HeaderValue::from_static("old"));
         b.finish(&mut h);
@@ -180,36 +204,67 @@ mod tests {
     }
 
     #[test]
+    fn steps_write_one_after_the_other_into_one_chunk() {
+        static A: HeaderName = HeaderName::from_static("x-a");
+        let mut h1 = HeaderMap::new();
+        let mut h2 = HeaderMap::new();
+        let mut b = ValueBuf::new();
+        b.put(b"first");
+        b.end(&A);
+        b.finish(&mut h1);
+        let mut b = ValueBuf::new();
+        b.put(b"second");
+        b.end(&A);
+        b.finish(&mut h2);
+        assert_eq!(
+            (h1["x-a"].as_bytes(), h2["x-a"].as_bytes()),
+            (&b"first"[..], &b"second"[..])
+        );
+        // An unfinished step leaves nothing behind.
+        let mut b = ValueBuf::new();
+        b.put(b"dropped");
+        drop(b);
+        let mut b = ValueBuf::new();
+        b.put(b"third");
+        b.end(&A);
+        b.finish(&mut h1);
+        assert_eq!(h1["x-a"], "third");
+        assert_eq!(h2["x-a"], "second", "earlier values are untouched");
+    }
+
+    #[test]
     fn a_body_shares_the_buffer_between_values() {
-        let mut b = ValueBuf::<16>::new();
+        static RETRY: HeaderName = HeaderName::from_static("retry-after");
+        static EMPTY: HeaderName = HeaderName::from_static("x-empty");
+        static ONE: HeaderName = HeaderName::from_static("x-one");
+        let mut b = ValueBuf::new();
         b.put(b"7");
-        b.end(HeaderName::from_static("retry-after"));
+        b.end(&RETRY);
         b.put(b"{\"error\":\"rate_limit_exceeded\"}");
         b.end_body();
-        b.end(HeaderName::from_static("x-empty"));
+        b.end(&EMPTY);
         b.put(b"1");
-        b.end(HeaderName::from_static("x-one"));
+        b.end(&ONE);
         let mut h = HeaderMap::new();
         let body = b.finish(&mut h);
-        assert_eq!(
-            body.as_deref(),
-            Some(&b"{\"error\":\"rate_limit_exceeded\"}"[..]),
-            "spilled past 16 bytes"
-        );
+        assert_eq!(body.as_deref(), Some(&b"{\"error\":\"rate_limit_exceeded\"}"[..]));
         assert_eq!(h["retry-after"], "7");
         assert_eq!(h["x-empty"], "");
         assert_eq!(h["x-one"], "1");
     }
 
     #[test]
-    fn text_past_the_inline_room_still_comes_out_whole() {
-        let mut b = ValueBuf::<INLINE>::new();
-        let long = "r".repeat(3 * INLINE);
-        b.put(long.as_bytes());
-        b.end(HeaderName::from_static("x-long"));
+    fn text_past_the_room_left_still_comes_out_whole() {
+        static LONG: HeaderName = HeaderName::from_static("x-long");
+        let long = "r".repeat(3 * CHUNK);
         let mut h = HeaderMap::new();
-        b.finish(&mut h);
-        assert_eq!(h["x-long"].as_bytes(), long.as_bytes());
+        for _ in 0..3 {
+            let mut b = ValueBuf::new();
+            b.put(long.as_bytes());
+            b.end(&LONG);
+            b.finish(&mut h);
+            assert_eq!(h["x-long"].as_bytes(), long.as_bytes());
+        }
 
         let mut t = Text::<8>::new();
         write!(t, "2001:db8::{}", 1).unwrap(); // allow-panic: test

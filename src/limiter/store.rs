@@ -141,7 +141,10 @@ impl Store for Backend {
     async fn check<C: AsRef<LimitCheck> + Sync>(&self, checks: &[C]) -> Checked {
         match self {
             Backend::Memory(m) => m.check(checks).await,
-            Backend::Redis(r) => r.check(checks).await,
+            // Boxed: the Redis call's state machine is kilobytes, and inline it would make
+            // every request's future that large, memory store included (memcpy per request).
+            // One allocation per store round trip is nothing beside the round trip.
+            Backend::Redis(r) => Box::pin(r.check(checks)).await,
         }
     }
     async fn refund(&self, spent: &[(LimitCheck, u64)]) -> Result<(), StoreError> {

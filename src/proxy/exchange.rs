@@ -54,7 +54,8 @@ impl State {
             h.insert(header::TE, HeaderValue::from_static("trailers"));
         }
         forward::add_forwarded_proto(&mut h, peer.ip(), host.as_ref(), self.config().tls.is_some());
-        if let Some(host) = host {
+        // HTTP/2 requests carry the host in the URI; a `Connection` may have named `Host`.
+        if let Some(host) = host.filter(|_| !h.contains_key(header::HOST)) {
             h.insert(header::HOST, host);
         }
         *out.headers_mut() = h;

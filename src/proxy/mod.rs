@@ -56,6 +56,10 @@ fn binding_of<'a>(
     }
 }
 
+/// Header fields tollgate may add to a request on its way upstream: `X-Request-Id`, `TE`,
+/// `X-Forwarded-For`, `-Proto`, `-Host` and `Forwarded`, and `Host` again.
+const FORWARD_ROOM: usize = 7;
+
 /// Refuses requests a proxy must not pass on.
 fn validate<B>(req: &Request<B>) -> Result<(), GatewayError> {
     let h = req.headers();
@@ -101,6 +105,9 @@ impl State {
     /// The request id (kept or generated) goes upstream and back; the access log, when on,
     /// gets one line.
     pub async fn handle(self: Arc<Self>, mut req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
+        // hyper sizes a request's header map to the fields it parsed; the request id and the
+        // forwarding headers would then regrow it (rehashing it) up to four times.
+        req.headers_mut().reserve(FORWARD_ROOM);
         let id = request_id::ensure(req.headers_mut());
         let logged = self.access_sampler().take().then(|| {
             (
@@ -317,6 +324,8 @@ impl State {
         if let Some((i, o, src)) = binding {
             let b = binding_of(&plan, &snap, i, &o, src);
             let lim = &self.config().limits;
+            // The rate-limit headers and the request id: one regrowth at most.
+            resp.headers_mut().reserve(6);
             headers::write(resp.headers_mut(), &b, lim.ietf_headers, lim.legacy_headers, now_us);
         }
         Ok(resp)

@@ -3,8 +3,11 @@
 //! handshake, hyper's HTTP/1.1 (parked while idle) or HTTP/2 connection, graceful shutdown, and
 //! the 503 for a connection over `max_connections`.
 
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::pin;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use hyper::body::Incoming;
@@ -13,6 +16,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 
+use super::stop::{Level, StopSignal, StopWatch};
 use crate::state::State;
 
 /// The HTTP/2 connection preface (RFC 9113 §3.4): a client speaking h2c with prior knowledge
@@ -46,8 +50,9 @@ async fn sniff_h2(stream: &tokio::net::TcpStream) -> Option<bool> {
 /// Each connection is sniffed once (`sniff_h2`, a peek) and then served by hyper's HTTP/1 or
 /// HTTP/2 connection directly. (hyper-util's `auto` connection did the same detection but kept
 /// a rewind wrapper in front of every read of the connection's life: about 2 % of the request
-/// path's instructions.) Shutdown: every connection task watches `stop`, asks its connection
-/// to finish gracefully, and holds a clone of `drained`; the loop waits until all are dropped.
+/// path's instructions.) Shutdown: every connection task watches the loop's [`StopSignal`]
+/// (raised when `stop` fires), asks its connection to finish gracefully, and holds a clone of
+/// `drained`; the loop waits until all are dropped.
 pub async fn serve(gw: Arc<State>, listener: TcpListener, stop: watch::Receiver<bool>) {
     serve_with(gw, listener, stop, None).await
 }
@@ -112,8 +117,9 @@ pub(super) async fn accept_loop(listener: TcpListener, w: Worker) {
     let (h1, h2) = (Arc::new(h1), Arc::new(h2));
     // Every connection task holds a sender; `recv` returns `None` once all of them are gone.
     let (drained, mut all_drained) = tokio::sync::mpsc::channel::<()>(1);
-    // Flipped when `shutdown_grace` has passed: every connection still open is dropped.
-    let (kill, killed) = watch::channel(false);
+    // What the connections watch: raised to `Graceful` when `stop` fires, to `Killed` when
+    // `shutdown_grace` has passed (every connection still open is dropped).
+    let signal = StopSignal::new();
     loop {
         let (stream, peer) = tokio::select! {
             x = crate::http::accept(&listener) => x,
@@ -126,18 +132,21 @@ pub(super) async fn accept_loop(listener: TcpListener, w: Worker) {
         };
         let _ = stream.set_nodelay(true);
         let gw2 = gw.clone();
-        let (h1, h2, drained, mut stop) = (h1.clone(), h2.clone(), drained.clone(), stop.clone());
-        let mut killed = killed.clone();
+        let (h1, h2, drained) = (h1.clone(), h2.clone(), drained.clone());
+        let watch = signal.watch();
         let open = crate::metrics::InFlight::enter(&gw.metrics().open_connections);
         let first_byte = sc.header_read_timeout;
         let tls = tls.clone();
         tokio::spawn(async move {
-            let serve = serve_stream(stream, peer, tls, gw2, &h1, &h2, &mut stop, first_byte);
-            let result = tokio::select! {
-                r = serve => r,
+            let mut serve = pin!(serve_stream(stream, peer, tls, gw2, &h1, &h2, &watch, first_byte));
+            let result = std::future::poll_fn(|cx| {
                 // The grace period passed: drop the connection, whatever it was doing.
-                _ = killed.changed() => Ok(()),
-            };
+                if watch.poll_level(cx) == Level::Killed {
+                    return Poll::Ready(Ok(()));
+                }
+                serve.as_mut().poll(cx)
+            })
+            .await;
             if let Err(e) = result {
                 tracing::debug!(error = %e, %peer, "connection ended with error");
             }
@@ -148,12 +157,13 @@ pub(super) async fn accept_loop(listener: TcpListener, w: Worker) {
     }
     drop(listener);
     drop(drained);
+    signal.raise(Level::Graceful);
     tracing::info!("shutting down: draining in-flight requests");
     tokio::select! {
         _ = all_drained.recv() => tracing::info!("drained"),
         _ = tokio::time::sleep(sc.shutdown_grace) => {
             tracing::warn!("shutdown grace period passed; closing the remaining connections");
-            let _ = kill.send(true);
+            signal.raise(Level::Killed);
         }
     }
 }
@@ -230,7 +240,7 @@ async fn serve_stream(
     gw: Arc<State>,
     h1: &hyper::server::conn::http1::Builder,
     h2: &hyper::server::conn::http2::Builder<TokioExecutor>,
-    stop: &mut watch::Receiver<bool>,
+    stop: &StopWatch,
     first_byte: Duration,
 ) -> Result<(), hyper::Error> {
     match tls {
@@ -242,7 +252,7 @@ async fn serve_stream(
                     Ok(Some(h2)) => h2,
                     _ => return Ok(()),
                 },
-                _ = stop.changed() => return Ok(()),
+                _ = stop.reached(Level::Graceful) => return Ok(()),
             };
             if is_h2 {
                 Box::pin(serve_conn(TokioIo::new(stream), true, gw, peer, h1, h2, stop)).await
@@ -264,7 +274,7 @@ async fn serve_tls(
     peer: SocketAddr,
     h1: &hyper::server::conn::http1::Builder,
     h2: &hyper::server::conn::http2::Builder<TokioExecutor>,
-    stop: &mut watch::Receiver<bool>,
+    stop: &StopWatch,
     first_byte: Duration,
 ) -> Result<(), hyper::Error> {
     let s = tokio::select! {
@@ -276,7 +286,7 @@ async fn serve_tls(
             }
             Err(_) => return Ok(()),
         },
-        _ = stop.changed() => return Ok(()),
+        _ = stop.reached(Level::Graceful) => return Ok(()),
     };
     let is_h2 = s.get_ref().1.alpn_protocol() == Some(b"h2");
     serve_conn(TokioIo::new(s), is_h2, gw, peer, h1, h2, stop).await
@@ -291,7 +301,7 @@ async fn serve_conn<I>(
     peer: SocketAddr,
     h1: &hyper::server::conn::http1::Builder,
     h2: &hyper::server::conn::http2::Builder<TokioExecutor>,
-    stop: &mut watch::Receiver<bool>,
+    stop: &StopWatch,
 ) -> Result<(), hyper::Error>
 where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
@@ -327,7 +337,7 @@ async fn serve_h1_parking(
     gw: Arc<State>,
     peer: SocketAddr,
     h1: &hyper::server::conn::http1::Builder,
-    stop: &mut watch::Receiver<bool>,
+    stop: &StopWatch,
     idle_timeout: Duration,
 ) -> Result<(), hyper::Error> {
     use crate::http::idle::{ConnShared, IdleIo, Tracked};
@@ -347,7 +357,7 @@ async fn serve_h1_parking(
         let parked = shared.take_parked();
         ended?;
         let Some(s) = parked else { return Ok(()) };
-        if *stop.borrow() {
+        if stop.level() >= Level::Graceful {
             return Ok(());
         }
         tokio::select! {
@@ -355,28 +365,33 @@ async fn serve_h1_parking(
                 Ok(Ok(())) => {}
                 _ => return Ok(()),
             },
-            _ = stop.changed() => return Ok(()),
+            _ = stop.reached(Level::Graceful) => return Ok(()),
         }
         stream = s;
     }
 }
 
-/// Drive `conn` to its end; once `stop` fires, ask it to finish gracefully (`shutdown`: answer
-/// what is in flight, then close) and keep driving it.
+/// Drive `conn` to its end; once `stop` is raised, ask it to finish gracefully (`shutdown`:
+/// answer what is in flight, then close) and keep driving it. Polling `stop` is an atomic load
+/// ([`StopWatch`]), so the connection's every wake-up pays nothing for it.
 async fn until_stopped<C, T>(
     mut conn: std::pin::Pin<Box<C>>,
-    stop: &mut watch::Receiver<bool>,
+    stop: &StopWatch,
     shutdown: impl FnOnce(std::pin::Pin<&mut C>),
 ) -> Result<T, hyper::Error>
 where
-    C: std::future::Future<Output = Result<T, hyper::Error>>,
+    C: Future<Output = Result<T, hyper::Error>>,
 {
-    tokio::select! {
-        r = conn.as_mut() => return r,
-        _ = stop.changed() => {}
-    }
-    shutdown(conn.as_mut());
-    conn.await
+    let mut shutdown = Some(shutdown);
+    std::future::poll_fn(|cx| {
+        if shutdown.is_some() && stop.poll_level(cx) >= Level::Graceful {
+            if let Some(f) = shutdown.take() {
+                f(conn.as_mut());
+            }
+        }
+        conn.as_mut().poll(cx)
+    })
+    .await
 }
 
 /// How long to wait before peeking again while a connection's first bytes trickle in (the

@@ -84,7 +84,8 @@ impl Upstream {
     pub(super) async fn h2_sender(self: &Arc<Self>, i: usize, fresh: bool) -> Result<Sender, UpstreamError> {
         let t = &self.targets[i];
         if fresh {
-            let c = self.h2_conn(i).await?;
+            // Boxed, like the HTTP/1.1 connect: rare, and a large state machine.
+            let c = Box::pin(self.h2_conn(i)).await?;
             let (s, stream) = c.take();
             let mut set = t.h2.lock();
             set.conns.retain(|c| !c.sender.is_closed());
