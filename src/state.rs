@@ -48,6 +48,9 @@ pub struct Snapshot {
     /// Some rule spends by response (`count_when` or `cost_from`): only then does the request
     /// path look at what each rule reserved after the response.
     pub settles: bool,
+    /// Per rule, per limit: the rate-limit header values every response it binds carries
+    /// unchanged (`RateLimit-Policy`, `X-RateLimit-Limit`), made once here.
+    pub rule_headers: Vec<Vec<crate::http::headers::FixedValues>>,
 }
 
 /// The gateway's shared state.
@@ -123,8 +126,19 @@ pub fn load_snapshot(config: &GatewayConfig, metrics: &Metrics) -> Result<Snapsh
         .rules
         .iter()
         .any(|r| r.count_when.is_some() || r.cost_from.is_some());
+    let rule_headers = rules
+        .rules
+        .iter()
+        .map(|r| {
+            r.limits
+                .iter()
+                .filter_map(|q| crate::http::headers::FixedValues::new(&r.name, *q, r.cost))
+                .collect()
+        })
+        .collect();
     Ok(Snapshot {
         settles,
+        rule_headers,
         rules,
         keys,
         rule_metrics,

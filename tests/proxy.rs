@@ -284,13 +284,21 @@ fn two_workers_share_one_limit(runtime: &str, logged: &str) {
         "no start line: {}",
         gw.log()
     );
-    // Thread-per-core: the second worker is a thread of its own.
-    let worker_tid = std::fs::read_dir(format!("/proc/{pid}/task"))
-        .unwrap()
-        .filter_map(|t| t.ok())
-        .find(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.starts_with("tollgate-worker")))
-        .map(|t| t.path());
+    // Thread-per-core: the second worker is a thread of its own. A new thread names itself
+    // once it runs, so a busy machine may show it unnamed for a moment: look for a while.
     let per_core = runtime == "thread_per_core";
+    let find_worker = || {
+        std::fs::read_dir(format!("/proc/{pid}/task"))
+            .unwrap()
+            .filter_map(|t| t.ok())
+            .find(|t| std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.starts_with("tollgate-worker")))
+            .map(|t| t.path())
+    };
+    let worker_tid = if per_core {
+        eventually_some_blocking(Duration::from_secs(5), find_worker)
+    } else {
+        find_worker()
+    };
     assert_eq!(worker_tid.is_some(), per_core, "tollgate-worker thread: {}", gw.log());
     assert!(gw.log().contains(runtime) || gw.log().contains(logged), "{}", gw.log());
     // 1,000 requests, each on a new connection, 16 at a time: the kernel spreads the

@@ -7,8 +7,9 @@ use super::value_buf::ValueBuf;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{PathAndQuery, Uri};
 
-/// The hop-by-hop headers every proxy removes.
-static HOP_BY_HOP: [HeaderName; 8] = [
+/// The hop-by-hop headers every proxy removes, and last `Upgrade` (hop-by-hop unless an upgrade
+/// passes through): [`hop_index`] numbers them in this order.
+static HOP_BY_HOP: [HeaderName; 9] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),
@@ -17,10 +18,25 @@ static HOP_BY_HOP: [HeaderName; 8] = [
     header::TE,
     header::TRAILER,
     header::TRANSFER_ENCODING,
+    header::UPGRADE,
 ];
 
-/// `Upgrade` (hop-by-hop unless an upgrade passes through).
-static UPGRADE: HeaderName = header::UPGRADE;
+/// The index of `k` in [`HOP_BY_HOP`]. A `match` on the name's text: most names differ in
+/// length from all nine, so a field costs a length compare, not nine name compares.
+fn hop_index(k: &HeaderName) -> Option<usize> {
+    Some(match k.as_str() {
+        "connection" => 0,
+        "keep-alive" => 1,
+        "proxy-connection" => 2,
+        "proxy-authenticate" => 3,
+        "proxy-authorization" => 4,
+        "te" => 5,
+        "trailer" => 6,
+        "transfer-encoding" => 7,
+        "upgrade" => 8,
+        _ => return None,
+    })
+}
 
 /// `X-Forwarded-For`.
 pub static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -57,18 +73,14 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap, keep_upgrade: Option<HeaderValue>) {
     // One pass over the fields; most requests (and many responses) have nothing to remove, and
     // a `Connection` that says only `keep-alive` or `close` (an upstream's usual answer) names no
     // other header, so it is read here rather than looked up again.
-    let mut present: [Option<&'static HeaderName>; 9] = [None; 9];
-    let mut n = 0;
+    let mut present = 0u16;
     let mut names_others = false;
     for (k, v) in h.iter() {
-        if let Some(hop) = HOP_BY_HOP.iter().chain(std::iter::once(&UPGRADE)).find(|x| *x == k) {
-            if *hop == header::CONNECTION && !names_others {
+        if let Some(i) = hop_index(k) {
+            if i == 0 && !names_others {
                 names_others = connection_tokens(v).any(|t| !is_connection_option(t));
             }
-            if n < present.len() && !present[..n].contains(&Some(hop)) {
-                present[n] = Some(hop);
-                n += 1;
-            }
+            present |= 1 << i;
         }
     }
     if names_others {
@@ -84,8 +96,10 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap, keep_upgrade: Option<HeaderValue>) {
             h.remove(name);
         }
     }
-    for hop in present[..n].iter().flatten() {
-        h.remove(*hop);
+    for (i, hop) in HOP_BY_HOP.iter().enumerate() {
+        if present & (1 << i) != 0 {
+            h.remove(hop);
+        }
     }
     if let Some(up) = keep_upgrade {
         h.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));

@@ -12,7 +12,7 @@
 //! (rounded up from the real instant, never early); `t` is the number of seconds until then.
 
 use super::value_buf::ValueBuf;
-use http::header::{HeaderMap, HeaderName};
+use http::header::{HeaderMap, HeaderName, HeaderValue};
 
 use crate::limiter::{Outcome, Quota};
 
@@ -39,6 +39,83 @@ pub struct Binding<'a> {
     pub cost: u64,
     /// The outcome.
     pub outcome: &'a Outcome,
+    /// The values that do not change from one response to the next (`RateLimit-Policy`,
+    /// `X-RateLimit-Limit`), made when the rules loaded, when the binding limit is the rule's
+    /// own (not an override's or a local share's).
+    pub fixed: Option<&'a FixedValues>,
+}
+
+/// The rate-limit header values of one limit of one rule that are the same on every response:
+/// made once when the rules load ([`FixedValues::new`]) and shared by every response they
+/// describe (a reference count, no formatting or validation per response).
+#[derive(Debug, Clone)]
+pub struct FixedValues {
+    /// The quota they describe.
+    pub quota: Quota,
+    /// The rule's cost.
+    pub cost: u64,
+    /// `RateLimit-Policy`.
+    pub policy: HeaderValue,
+    /// `X-RateLimit-Limit`.
+    pub limit: HeaderValue,
+}
+
+impl FixedValues {
+    /// The values for rule `rule`'s limit `quota` at `cost`; `None` when the rule name is not
+    /// header-safe text (never: names are validated to `[A-Za-z0-9_.-]`).
+    pub fn new(rule: &str, quota: Quota, cost: u64) -> Option<Self> {
+        let o = Outcome::default();
+        let b = Binding {
+            rule,
+            quota,
+            cost,
+            outcome: &o,
+            fixed: None,
+        };
+        let mut n = itoa::Buffer::new();
+        let mut policy = Vec::with_capacity(rule.len() + 32);
+        write_policy(&mut policy, &b, &mut n);
+        Some(FixedValues {
+            quota,
+            cost,
+            policy: HeaderValue::from_bytes(&policy).ok()?,
+            limit: HeaderValue::from_str(n.format(b.quota_requests())).ok()?,
+        })
+    }
+
+    /// These values, if they describe `quota` at `cost`.
+    pub fn describing(&self, quota: &Quota, cost: u64) -> Option<&Self> {
+        (self.quota == *quota && self.cost == cost).then_some(self)
+    }
+}
+
+/// Anything [`write_policy`] can write into.
+trait Put {
+    fn put(&mut self, b: &[u8]);
+}
+
+impl Put for Vec<u8> {
+    fn put(&mut self, b: &[u8]) {
+        self.extend_from_slice(b);
+    }
+}
+
+impl Put for ValueBuf {
+    fn put(&mut self, b: &[u8]) {
+        ValueBuf::put(self, b);
+    }
+}
+
+/// `"rule";q=Q;w=W` (no `w` for a concurrency limit: `q` requests in flight at once).
+fn write_policy(buf: &mut impl Put, b: &Binding<'_>, n: &mut itoa::Buffer) {
+    buf.put(b"\"");
+    buf.put(b.rule.as_bytes());
+    buf.put(b"\";q=");
+    buf.put(n.format(b.quota_requests()).as_bytes());
+    if b.quota.algorithm != crate::limiter::Algorithm::Concurrency {
+        buf.put(b";w=");
+        buf.put(n.format(b.window_secs()).as_bytes());
+    }
 }
 
 /// Seconds, rounded up, at least 1 — for `Retry-After` and `t` on a denial.
@@ -109,16 +186,13 @@ pub fn write_values(buf: &mut ValueBuf, b: &Binding<'_>, ietf: bool, legacy: boo
     let quota = b.quota_requests();
     let mut n = itoa::Buffer::new();
     if ietf {
-        buf.put(b"\"");
-        buf.put(b.rule.as_bytes());
-        buf.put(b"\";q=");
-        buf.put(n.format(quota).as_bytes());
-        // A concurrency limit has no window: `q` requests in flight at once, `r` still free.
-        if b.quota.algorithm != crate::limiter::Algorithm::Concurrency {
-            buf.put(b";w=");
-            buf.put(n.format(b.window_secs()).as_bytes());
+        match b.fixed {
+            Some(f) => buf.preset(&RATELIMIT_POLICY, f.policy.clone()),
+            None => {
+                write_policy(buf, b, &mut n);
+                buf.end(&RATELIMIT_POLICY);
+            }
         }
-        buf.end(&RATELIMIT_POLICY);
         buf.put(b"\"");
         buf.put(b.rule.as_bytes());
         buf.put(b"\";r=");
@@ -128,11 +202,14 @@ pub fn write_values(buf: &mut ValueBuf, b: &Binding<'_>, ietf: bool, legacy: boo
         buf.end(&RATELIMIT);
     }
     if legacy {
-        for (name, value) in [
-            (&X_LIMIT, quota),
-            (&X_REMAINING, remaining),
-            (&X_RESET, b.reset_at_secs(now_us)),
-        ] {
+        match b.fixed {
+            Some(f) => buf.preset(&X_LIMIT, f.limit.clone()),
+            None => {
+                buf.put(n.format(quota).as_bytes());
+                buf.end(&X_LIMIT);
+            }
+        }
+        for (name, value) in [(&X_REMAINING, remaining), (&X_RESET, b.reset_at_secs(now_us))] {
             buf.put(n.format(value).as_bytes());
             buf.end(name);
         }

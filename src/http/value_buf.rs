@@ -65,6 +65,8 @@ pub struct ValueBuf {
     values: SmallVec<[(&'static HeaderName, u32, u32); 6]>,
     /// The range of the body, when one was written ([`ValueBuf::end_body`]).
     body: Option<(u32, u32)>,
+    /// Values made beforehand ([`ValueBuf::preset`]), inserted with the others.
+    presets: SmallVec<[(&'static HeaderName, HeaderValue); 2]>,
 }
 
 impl Default for ValueBuf {
@@ -85,6 +87,7 @@ impl Default for ValueBuf {
             buf,
             values: SmallVec::new(),
             body: None,
+            presets: SmallVec::new(),
         }
     }
 }
@@ -137,6 +140,11 @@ impl ValueBuf {
         self.values.push((name, start, len));
     }
 
+    /// Header `name` gets `v`, made beforehand (inserted as it is, with the written values).
+    pub fn preset(&mut self, name: &'static HeaderName, v: HeaderValue) {
+        self.presets.push((name, v));
+    }
+
     /// The text written since the last `end` is the body [`ValueBuf::finish`] returns.
     pub fn end_body(&mut self) {
         self.body = Some((self.start(), self.len()));
@@ -146,10 +154,13 @@ impl ValueBuf {
     /// to be HPACK-indexed; a value that is not a valid header value is left out. Returns the
     /// body, if one was written: it shares the values' chunk.
     pub fn finish(mut self, h: &mut HeaderMap) -> Option<Bytes> {
+        h.reserve(self.values.len() + self.presets.len());
+        for (name, v) in self.presets.drain(..) {
+            h.insert(name.clone(), v);
+        }
         if self.values.is_empty() && self.body.is_none() {
             return None;
         }
-        h.reserve(self.values.len());
         let all = self.buf.split().freeze();
         for &(name, start, end) in &self.values {
             if let Ok(mut v) = HeaderValue::from_maybe_shared(all.slice(start as usize..end as usize)) {

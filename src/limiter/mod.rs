@@ -252,6 +252,16 @@ pub struct Limiter {
     pub leases: Option<lease::Leases>,
 }
 
+/// A check [`Limiter::begin`] could not decide without the store: what [`Limiter::ask`] needs
+/// to go on.
+#[derive(Debug)]
+pub struct Ask {
+    /// The instant the check began (this limiter's clock).
+    now: u64,
+    /// The deny-cache entries this request refreshes (indices into the checks).
+    refreshing: SmallVec<[usize; 2]>,
+}
+
 /// A random 64-bit start for [`Limiter::next_holder`].
 pub fn random_holder_start() -> u64 {
     use std::hash::{BuildHasher, Hasher};
@@ -270,7 +280,17 @@ pub fn random_holder_start() -> u64 {
 impl Limiter {
     /// Check `checks`, each with its rule's failure policy.
     pub async fn check<P: PolicedCheck>(&self, checks: &[P]) -> Verdict {
-        let now = self.clock.now_us();
+        match self.begin(checks, self.clock.now_us()) {
+            Ok(v) => v,
+            Err(ask) => self.ask(checks, ask).await,
+        }
+    }
+
+    /// Decide `checks` at `now` (this limiter's clock) without waiting, when that can be done:
+    /// a cached denial, a live lease for every limit, or the memory store (which never waits).
+    /// `Err` says the store must be asked: pass it to [`Limiter::ask`]. A plain function, so
+    /// the request path carries no store call's state when it decides locally.
+    pub fn begin<P: PolicedCheck>(&self, checks: &[P], now: u64) -> Result<Verdict, Ask> {
         // Deny-cache entries this request refreshes (see `deny_cache`: one refresh at a time).
         let mut refreshing: SmallVec<[usize; 2]> = SmallVec::new();
         if let Some(deny) = &self.deny {
@@ -299,18 +319,34 @@ impl Limiter {
                     at_us: now,
                     ..Outcome::default()
                 };
-                return Verdict {
+                return Ok(Verdict {
                     outcomes,
                     store_error: None,
-                };
+                });
             }
         }
+        if let Some(leases) = &self.leases {
+            if let Some(outcomes) = leases.decide(checks, now) {
+                return Ok(lease_verdict(outcomes));
+            }
+        }
+        if let Backend::Memory(m) = &self.store {
+            let checked = Checked {
+                outcomes: m.check_at(checks, now),
+                failed: Vec::new(),
+            };
+            return Ok(self.answered(checks, checked, now, &refreshing).0);
+        }
+        Err(Ask { now, refreshing })
+    }
+
+    /// Ask the store what [`Limiter::begin`] could not decide (taking or topping up leases on
+    /// the way), and apply each failed check's policy.
+    pub async fn ask<P: PolicedCheck>(&self, checks: &[P], ask: Ask) -> Verdict {
+        let Ask { now, refreshing } = ask;
         let mut asked: Option<Vec<LimitCheck>> = None;
         let mut asking = None;
         if let Some(leases) = &self.leases {
-            if let Some(outcomes) = leases.decide(checks, now) {
-                return lease_verdict(outcomes);
-            }
             let mut prep = leases.prepare(checks, now, true);
             if let Some((key, n)) = prep.wait.take() {
                 // Another request is asking for this key's lease: its grant will most likely
@@ -352,6 +388,22 @@ impl Limiter {
                 self.give_back(&replaced).await;
             }
         }
+        let (mut verdict, failed) = self.answered(checks, checked, now, &refreshing);
+        if !failed.is_empty() {
+            self.on_failure(checks, &failed, &mut verdict).await;
+        }
+        verdict
+    }
+
+    /// The verdict of what the store answered at `now`: its denials remembered in the deny
+    /// cache, the entries this request refreshed released, and the checks that failed.
+    fn answered<P: PolicedCheck>(
+        &self,
+        checks: &[P],
+        checked: Checked,
+        now: u64,
+        refreshing: &[usize],
+    ) -> (Verdict, Vec<(usize, StoreError)>) {
         if let Some(deny) = &self.deny {
             for (i, (o, c)) in checked
                 .outcomes
@@ -370,20 +422,17 @@ impl Limiter {
                 }
             }
             // A refresh that found no new denial lets the next requests ask the store.
-            for &i in &refreshing {
+            for &i in refreshing {
                 if let Some(c) = checks.get(i) {
                     deny.refreshed(&c.as_ref().key);
                 }
             }
         }
-        let mut verdict = Verdict {
+        let verdict = Verdict {
             outcomes: checked.outcomes.into_iter().map(|o| (o, Source::Store)).collect(),
             store_error: checked.failed.first().map(|(_, e)| e.clone()),
         };
-        if !checked.failed.is_empty() {
-            self.on_failure(checks, &checked.failed, &mut verdict).await;
-        }
-        verdict
+        (verdict, checked.failed)
     }
 
     /// One call to the primary store, within twice the store deadline.

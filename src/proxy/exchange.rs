@@ -8,6 +8,7 @@ use std::time::Instant;
 use http::{header, HeaderValue, Method, Request, Response, Version};
 use http_body_util::Limited;
 use hyper::body::Incoming;
+use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
 
 use crate::http::respond::GatewayError;
@@ -17,29 +18,36 @@ use crate::state::State;
 
 use super::{access, slots};
 
+/// A request made ready for the upstream.
+pub(super) struct Outbound {
+    /// The request as it is sent: origin-form URI, HTTP/1.1, hop-by-hop headers gone, this hop
+    /// appended to the forwarding headers.
+    req: Request<ProxyBody>,
+    /// The client's side of an upgrade it asked for.
+    client_upgrade: Option<OnUpgrade>,
+    /// Whether a failed attempt may be sent again ([`up::Retry`]): `None` no; `Some(None)`
+    /// only when it was never written; `Some(Some(copy))` from this copy.
+    replay: Option<Option<Replay>>,
+}
+
 impl State {
-    /// Send the request upstream and return its streamed response.
-    pub(super) async fn forward(
+    /// Make `req` ready to forward: strip its hop-by-hop headers, add this hop to
+    /// `X-Forwarded-*` and `Forwarded`, ask for trailers when the client (or a rule reading its
+    /// cost from one) wants them, and keep what a retry needs.
+    pub(super) fn outbound(
         &self,
         mut req: Request<Incoming>,
         peer: SocketAddr,
-        slots: Option<slots::SlotGuard>,
         want_trailers: bool,
-        note: Option<&mut access::Note>,
-    ) -> Result<Response<ProxyBody>, GatewayError> {
+    ) -> Result<Outbound, GatewayError> {
+        if req.method() == Method::CONNECT {
+            return Err(GatewayError::BadRequest("CONNECT is not supported"));
+        }
         let upgrade = forward::upgrade_of(req.headers());
         let client_upgrade = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut req));
         let body_is_end = hyper::body::Body::is_end_stream(req.body());
-        let (parts, body) = req.into_parts();
-        let mut out = Request::new(ProxyBody::Request(Limited::new(
-            body,
-            self.config().server.max_body_bytes as usize,
-        )));
-        let method = parts.method.clone(); // for the error log; no allocation for standard methods
-        *out.method_mut() = parts.method;
-        *out.uri_mut() = forward::origin_form(parts.uri.path_and_query());
-        *out.version_mut() = Version::HTTP_11;
-        let mut h = parts.headers;
+        let (mut parts, body) = req.into_parts();
+        let h = &mut parts.headers;
         let host = h.get(header::HOST).cloned().or_else(|| {
             parts
                 .uri
@@ -48,31 +56,56 @@ impl State {
         });
         // Trailers pass through (gRPC's status is one): a client that accepts them asks the
         // upstream for them too, as does a rule that reads its cost from one.
-        let client_trailers = forward::lists_token(&h, &header::TE, "trailers");
-        forward::strip_hop_by_hop(&mut h, upgrade);
+        let client_trailers = forward::lists_token(h, &header::TE, "trailers");
+        forward::strip_hop_by_hop(h, upgrade);
         if want_trailers || client_trailers {
             h.insert(header::TE, HeaderValue::from_static("trailers"));
         }
-        forward::add_forwarded_proto(&mut h, peer.ip(), host.as_ref(), self.config().tls.is_some());
+        forward::add_forwarded_proto(h, peer.ip(), host.as_ref(), self.config().tls.is_some());
         // HTTP/2 requests carry the host in the URI; a `Connection` may have named `Host`.
         if let Some(host) = host.filter(|_| !h.contains_key(header::HOST)) {
             h.insert(header::HOST, host);
         }
-        *out.headers_mut() = h;
-        if *out.method() == Method::CONNECT {
-            return Err(GatewayError::BadRequest("CONNECT is not supported"));
-        }
-
+        parts.uri = forward::origin_form(parts.uri.path_and_query());
+        parts.version = Version::HTTP_11;
+        // hyper's own markers of the client's connection are not the upstream's.
+        parts.extensions.clear();
+        let req = Request::from_parts(
+            parts,
+            ProxyBody::Request(Limited::new(body, self.config().server.max_body_bytes as usize)),
+        );
         // A retry may replay this request (DESIGN.md §11). With one target nothing is copied:
         // only an attempt that was never written is sent again.
         let replay =
-            (client_upgrade.is_none() && up::replayable(out.method(), out.headers(), body_is_end)).then(|| {
+            (client_upgrade.is_none() && up::replayable(req.method(), req.headers(), body_is_end)).then(|| {
                 (self.upstream().len() > 1).then(|| Replay {
-                    method: out.method().clone(),
-                    uri: out.uri().clone(),
-                    headers: out.headers().clone(),
+                    method: req.method().clone(),
+                    uri: req.uri().clone(),
+                    headers: req.headers().clone(),
                 })
             });
+        Ok(Outbound {
+            req,
+            client_upgrade,
+            replay,
+        })
+    }
+
+    /// Send `out` upstream (with its retry, within `request_timeout`) and return its streamed
+    /// response, hop-by-hop headers stripped; an upgrade is spliced through.
+    pub(super) async fn forward(
+        &self,
+        out: Outbound,
+        slots: Option<slots::SlotGuard>,
+        note: Option<&mut access::Note>,
+    ) -> Result<Response<ProxyBody>, GatewayError> {
+        let Outbound {
+            req,
+            client_upgrade,
+            replay,
+        } = out;
+        let method = req.method().clone(); // for the error log; no allocation for standard methods
+        let path = req.uri().clone(); // the same: a reference count
         let retry = match &replay {
             None => up::Retry::No,
             Some(None) => up::Retry::Unsent,
@@ -80,7 +113,7 @@ impl State {
         };
         let started = Instant::now();
         let result =
-            tokio::time::timeout(self.config().upstream.request_timeout, self.upstream().send(out, retry)).await;
+            tokio::time::timeout(self.config().upstream.request_timeout, self.upstream().send(req, retry)).await;
         let waited = started.elapsed();
         self.metrics().upstream_latency.observe(waited.as_secs_f64());
         if let Some(n) = note {
@@ -95,7 +128,7 @@ impl State {
             Err(_) => {
                 self.metrics().upstream_status[5].inc();
                 if let Some(suppressed) = self.upstream_log().allow() {
-                    tracing::warn!(method = %method, path = %parts.uri.path(), upstream = %self.config().upstream.authority, timeout_ms = self.config().upstream.request_timeout.as_millis() as u64, suppressed, "upstream timed out (repeats logged at most once a second, `suppressed` counts the others)");
+                    tracing::warn!(method = %method, path = %path.path(), upstream = %self.config().upstream.authority, timeout_ms = self.config().upstream.request_timeout.as_millis() as u64, suppressed, "upstream timed out (repeats logged at most once a second, `suppressed` counts the others)");
                 }
                 return Err(GatewayError::GatewayTimeout);
             }
@@ -107,7 +140,7 @@ impl State {
             Ok(Err(f)) => {
                 self.metrics().upstream_status[5].inc();
                 if let Some(suppressed) = self.upstream_log().allow() {
-                    tracing::warn!(method = %method, path = %parts.uri.path(), upstream = %f.target, attempts = f.attempts, error = %f.error, suppressed, "upstream request failed (repeats logged at most once a second, `suppressed` counts the others)");
+                    tracing::warn!(method = %method, path = %path.path(), upstream = %f.target, attempts = f.attempts, error = %f.error, suppressed, "upstream request failed (repeats logged at most once a second, `suppressed` counts the others)");
                 }
                 return Err(GatewayError::BadGateway(f.error.to_string()));
             }
@@ -122,7 +155,7 @@ impl State {
                 // A 101 the client never asked for would hand it a connection in a protocol
                 // it does not speak: refuse it (the upstream connection is dropped with it).
                 if let Some(suppressed) = self.upstream_log().allow() {
-                    tracing::warn!(method = %method, path = %parts.uri.path(), upstream = %self.config().upstream.authority, suppressed, "upstream answered 101 to a request that asked for no upgrade");
+                    tracing::warn!(method = %method, path = %path.path(), upstream = %self.config().upstream.authority, suppressed, "upstream answered 101 to a request that asked for no upgrade");
                 }
                 return Err(GatewayError::BadGateway(
                     "the upstream switched protocols for a request that asked for no upgrade".into(),

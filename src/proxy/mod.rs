@@ -53,6 +53,10 @@ fn binding_of<'a>(
         quota,
         cost,
         outcome: o,
+        fixed: snap
+            .rule_headers
+            .get(p.rule as usize)
+            .and_then(|f| f.iter().find_map(|f| f.describing(&quota, cost))),
     }
 }
 
@@ -109,36 +113,31 @@ impl State {
         // forwarding headers would then regrow it (rehashing it) up to four times.
         req.headers_mut().reserve(FORWARD_ROOM);
         let id = request_id::ensure(req.headers_mut());
-        let logged = self.access_sampler().take().then(|| {
-            (
-                Instant::now(),
-                req.method().clone(),
-                req.uri().path().to_owned(),
-                access::Note::default(),
-            )
+        let grpc = respond::is_grpc(req.headers());
+        let mut logged = self.access_sampler().take().then(|| Logged {
+            started: Instant::now(),
+            method: req.method().clone(),
+            path: req.uri().path().to_owned(),
+            note: access::Note::default(),
         });
-        let (mut resp, logged) = match logged {
-            None => (self.respond(req, peer, None).await, None),
-            Some((started, method, path, mut note)) => {
-                let r = self.respond(req, peer, Some(&mut note)).await;
-                (r, Some((started, method, path, note)))
-            }
-        };
-        if let Some((started, method, path, note)) = logged {
-            access::write(&id, &method, &path, resp.status().as_u16(), started, &note);
+        let result = self.serve(req, peer, logged.as_mut().map(|l| &mut l.note)).await;
+        let mut resp = self.response_of(result, grpc, logged.as_mut().map(|l| &mut l.note));
+        if let Some(l) = logged {
+            access::write(&id, &l.method, &l.path, resp.status().as_u16(), l.started, &l.note);
         }
         resp.headers_mut().insert(X_REQUEST_ID.clone(), id);
         resp
     }
 
-    async fn respond(
-        self: &Arc<Self>,
-        req: Request<Incoming>,
-        peer: SocketAddr,
-        mut note: Option<&mut access::Note>,
+    /// What the client gets for `result`: the response, or the error's; a gRPC client gets
+    /// limits and local failures as gRPC statuses.
+    fn response_of(
+        &self,
+        result: Result<Response<ProxyBody>, GatewayError>,
+        grpc: bool,
+        note: Option<&mut access::Note>,
     ) -> Response<ProxyBody> {
-        let grpc = respond::is_grpc(req.headers());
-        match self.clone().handle_inner(req, peer, note.as_deref_mut()).await {
+        match result {
             Ok(r) if grpc && r.status() == http::StatusCode::TOO_MANY_REQUESTS => {
                 let wait = r
                     .headers()
@@ -176,8 +175,11 @@ impl State {
         }
     }
 
-    async fn handle_inner(
-        self: Arc<Self>,
+    /// The request path proper: check the request, plan it, decide its limits, then answer
+    /// locally or forward it. The steps before the upstream exchange are plain functions (the
+    /// limiter waits only when it has to ask the store), so this future holds little.
+    async fn serve(
+        self: &Arc<Self>,
         req: Request<Incoming>,
         peer: SocketAddr,
         mut note: Option<&mut access::Note>,
@@ -198,130 +200,71 @@ impl State {
         // (store check, leaky-bucket wait, upstream exchange) without pinning an arc-swap slot.
         let snap = self.snapshot().load_full();
         let now_us = self.clock().now_us();
-        let parts = RequestParts {
-            method: req.method(),
-            uri: req.uri(),
-            headers: req.headers(),
-            peer: peer.ip(),
-        };
-        let runtime = self.runtime().load();
-        let mut plan = plan::plan(
-            &snap,
-            &runtime,
-            self.keys(),
-            &self.config().identity,
-            parts,
-            now_us / 1_000_000,
-        );
-        drop(runtime);
-        // Concurrency slots name the request that holds them.
-        let mut holder = 0;
-        for c in plan.checks.iter_mut().filter(|c| c.check.is_slot()) {
-            if holder == 0 {
-                holder = self.limiter().holder();
-            }
-            c.check.holder = holder;
-        }
-        let ident = &plan.identity;
+        let mut plan = self.plan_of(&snap, &req, peer, now_us);
         if let Some(n) = note.as_deref_mut() {
+            let ident = &plan.identity;
             n.identity_kind = ident.kind.as_str();
             n.identity = caller(ident).tag(self.keys(), "").to_string();
             n.decision = if plan.checks.is_empty() { "unmatched" } else { "allowed" };
         }
 
-        let mut binding: Option<(usize, crate::limiter::Outcome, Source)> = None;
-        let mut delay_us = 0u64;
-        let mut refund_guard = None;
-        let mut slot_guard = None;
-        // Rules whose spending depends on the response (count_when, cost_from): what they
-        // reserved, settled once the response is known.
-        let mut after: Vec<(u32, settle::Reserved)> = Vec::new();
+        let mut admitted = Admitted::default();
         if plan.checks.is_empty() {
             self.metrics().unmatched.inc();
         } else {
-            let started = Instant::now();
-            let verdict = self.limiter().check(&plan.checks).await;
-            self.metrics().check_latency.observe(started.elapsed().as_secs_f64());
-            self.account(&snap, &plan, &verdict, ident);
-            // Fail closed wins over everything: the store is down and the rule says so.
-            if let Some(i) = plan
-                .checks
-                .iter()
-                .zip(&verdict.outcomes)
-                .position(|(c, (_, s))| !c.check.shadow && *s == Source::FailClosed)
-            {
-                let rule = &snap.rules.rules[plan.checks[i].rule as usize];
-                return Err(GatewayError::LimiterUnavailable {
-                    rule: rule.name.to_string(),
-                    retry_after_secs: 1,
-                });
-            }
-            // Shadow limits never bind; nor do limits that went unchecked (store down, fail
-            // open): their quota is unknown, and `r=0` would stall a header-following client.
-            let idx = headers::binding_index(
-                plan.checks
-                    .iter()
-                    .zip(&verdict.outcomes)
-                    .map(|(c, (o, src))| (c.check.shadow || *src == Source::FailOpen, *o, c.check.cost)),
-            );
-            if let Some(i) = idx {
-                let (o, src) = verdict.outcomes[i];
-                if let Some(n) = note.as_deref_mut() {
-                    n.rule = Some(snap.rules.rules[plan.checks[i].rule as usize].name.clone());
+            // Concurrency slots name the request that holds them.
+            let mut holder = 0;
+            for c in plan.checks.iter_mut().filter(|c| c.check.is_slot()) {
+                if holder == 0 {
+                    holder = self.limiter().holder();
                 }
-                if !o.allowed {
-                    if let Some(n) = note.as_deref_mut() {
-                        n.decision = "limited";
-                    }
-                    let b = binding_of(&plan, &snap, i, &o, src);
-                    let lim = &self.config().limits;
-                    self.metrics().rate_limited();
-                    return Ok(respond::rate_limited(&b, lim.ietf_headers, lim.legacy_headers, now_us));
+                c.check.holder = holder;
+            }
+            let verdict = match self.limiter().begin(&plan.checks, now_us) {
+                Ok(v) => v,
+                Err(ask) => {
+                    let started = Instant::now();
+                    let v = self.limiter().ask(&plan.checks, ask).await;
+                    self.metrics().check_latency.observe(started.elapsed().as_secs_f64());
+                    v
                 }
-                binding = Some((i, o, src));
-            }
-            if holder != 0 {
-                slot_guard = self.hold_slots(&snap, &plan, &verdict, holder);
-            }
-            if snap.settles {
-                after = reserved_by_response_rules(&snap, &plan, &verdict);
-            }
-            delay_us = verdict
-                .outcomes
-                .iter()
-                .filter(|(_, s)| *s == Source::Store || *s == Source::Local)
-                .map(|(o, _)| o.delay_us)
-                .max()
-                .unwrap_or(0);
-            if delay_us > 0 {
-                refund_guard = Some(RefundGuard {
-                    gw: self.clone(),
-                    spent: Some(verdict.spent(&plan.checks)),
-                });
+            };
+            if let Some(denied) = self.decide(
+                &snap,
+                &plan,
+                &verdict,
+                holder,
+                now_us,
+                note.as_deref_mut(),
+                &mut admitted,
+            ) {
+                return denied;
             }
         }
-        if delay_us > 0 {
+        if admitted.delay_us > 0 {
             // Leaky bucket: wait our turn. If the client leaves, this future is dropped and the
             // guard gives the slot back.
             let _queued = crate::metrics::InFlight::enter(&self.metrics().leaky_queue);
-            tokio::time::sleep(Duration::from_micros(delay_us)).await;
+            tokio::time::sleep(Duration::from_micros(admitted.delay_us)).await;
         }
-        if let Some(mut g) = refund_guard.take() {
+        if let Some(mut g) = admitted.refund_guard.take() {
             g.spent = None;
         }
 
         // A cost reported in a trailer: ask the upstream for trailers (an HTTP/1.1 server sends
         // them only to a request that says `TE: trailers`).
-        let want_trailers = after
+        let want_trailers = admitted
+            .after
             .iter()
             .any(|(ri, _)| snap.rules.rules[*ri as usize].cost_from.is_some());
-        let result = self.forward(req, peer, slot_guard, want_trailers, note).await;
-        let mut resp = if after.is_empty() {
+        let out = self.outbound(req, peer, want_trailers)?;
+        let result = self.forward(out, admitted.slots, note).await;
+        let mut resp = if admitted.after.is_empty() {
             result?
         } else {
-            self.settle_after(&snap, after, result)?
+            self.settle_after(&snap, admitted.after, result)?
         };
-        if let Some((i, o, src)) = binding {
+        if let Some((i, o, src)) = admitted.binding {
             let b = binding_of(&plan, &snap, i, &o, src);
             let lim = &self.config().limits;
             // The rate-limit headers and the request id: one regrowth at most.
@@ -329,6 +272,111 @@ impl State {
             headers::write(resp.headers_mut(), &b, lim.ietf_headers, lim.legacy_headers, now_us);
         }
         Ok(resp)
+    }
+
+    /// The request's plan at `now_us`, against the snapshot and the runtime overrides in force.
+    fn plan_of(
+        &self,
+        snap: &crate::state::Snapshot,
+        req: &Request<Incoming>,
+        peer: SocketAddr,
+        now_us: u64,
+    ) -> RequestPlan {
+        let parts = RequestParts {
+            method: req.method(),
+            uri: req.uri(),
+            headers: req.headers(),
+            peer: peer.ip(),
+        };
+        let runtime = self.runtime().load();
+        plan::plan(
+            snap,
+            &runtime,
+            self.keys(),
+            &self.config().identity,
+            parts,
+            now_us / 1_000_000,
+        )
+    }
+
+    /// Act on the limiter's verdict: count it, and either answer now (`Some`: a 429, or a 503
+    /// for a fail-closed rule whose store is down) or fill `admitted` with what the admitted
+    /// request holds on its way upstream.
+    #[allow(clippy::too_many_arguments)]
+    fn decide(
+        self: &Arc<Self>,
+        snap: &crate::state::Snapshot,
+        plan: &RequestPlan,
+        verdict: &Verdict,
+        holder: u64,
+        now_us: u64,
+        note: Option<&mut access::Note>,
+        admitted: &mut Admitted,
+    ) -> Option<Result<Response<ProxyBody>, GatewayError>> {
+        self.account(snap, plan, verdict, &plan.identity);
+        // Fail closed wins over everything: the store is down and the rule says so.
+        if let Some(i) = plan
+            .checks
+            .iter()
+            .zip(&verdict.outcomes)
+            .position(|(c, (_, s))| !c.check.shadow && *s == Source::FailClosed)
+        {
+            let rule = &snap.rules.rules[plan.checks[i].rule as usize];
+            return Some(Err(GatewayError::LimiterUnavailable {
+                rule: rule.name.to_string(),
+                retry_after_secs: 1,
+            }));
+        }
+        // Shadow limits never bind; nor do limits that went unchecked (store down, fail
+        // open): their quota is unknown, and `r=0` would stall a header-following client.
+        let idx = headers::binding_index(
+            plan.checks
+                .iter()
+                .zip(&verdict.outcomes)
+                .map(|(c, (o, src))| (c.check.shadow || *src == Source::FailOpen, *o, c.check.cost)),
+        );
+        let mut note = note;
+        if let Some(i) = idx {
+            let (o, src) = verdict.outcomes[i];
+            if let Some(n) = note.as_deref_mut() {
+                n.rule = Some(snap.rules.rules[plan.checks[i].rule as usize].name.clone());
+            }
+            if !o.allowed {
+                if let Some(n) = note {
+                    n.decision = "limited";
+                }
+                let b = binding_of(plan, snap, i, &o, src);
+                let lim = &self.config().limits;
+                self.metrics().rate_limited();
+                return Some(Ok(respond::rate_limited(
+                    &b,
+                    lim.ietf_headers,
+                    lim.legacy_headers,
+                    now_us,
+                )));
+            }
+            admitted.binding = Some((i, o, src));
+        }
+        if holder != 0 {
+            admitted.slots = self.hold_slots(snap, plan, verdict, holder);
+        }
+        if snap.settles {
+            admitted.after = reserved_by_response_rules(snap, plan, verdict);
+        }
+        admitted.delay_us = verdict
+            .outcomes
+            .iter()
+            .filter(|(_, s)| *s == Source::Store || *s == Source::Local)
+            .map(|(o, _)| o.delay_us)
+            .max()
+            .unwrap_or(0);
+        if admitted.delay_us > 0 {
+            admitted.refund_guard = Some(RefundGuard {
+                gw: self.clone(),
+                spent: Some(verdict.spent(&plan.checks)),
+            });
+        }
+        None
     }
 
     /// Settle what response-dependent rules reserved, now that the response (or the error that
@@ -457,6 +505,33 @@ impl State {
             };
         }
     }
+}
+
+/// An access-logged request: what its line needs besides the response.
+struct Logged {
+    /// When it arrived.
+    started: Instant,
+    /// Its method.
+    method: http::Method,
+    /// Its path, without the query.
+    path: String,
+    /// What the request path learned.
+    note: access::Note,
+}
+
+/// What an admitted request holds on its way upstream.
+#[derive(Default)]
+struct Admitted {
+    /// The limit whose headers the response carries: its check, outcome and source.
+    binding: Option<(usize, crate::limiter::Outcome, Source)>,
+    /// The concurrency slots it took.
+    slots: Option<slots::SlotGuard>,
+    /// What its `count_when` / `cost_from` rules reserved, settled once the response is known.
+    after: Vec<(u32, settle::Reserved)>,
+    /// The leaky bucket's wait before it is forwarded, microseconds.
+    delay_us: u64,
+    /// Gives back what it spent if the client leaves during that wait.
+    refund_guard: Option<RefundGuard>,
 }
 
 /// What each `count_when` / `cost_from` rule of an admitted request reserved, by rule.

@@ -105,7 +105,12 @@ pub fn plan(
     let info = RequestInfo {
         method: req.method,
         path: &path,
-        host: request_host(req.headers, req.uri),
+        // Only rules with a `host` condition read it.
+        host: if snap.rules.uses_host {
+            request_host(req.headers, req.uri)
+        } else {
+            None
+        },
         headers: req.headers,
         tier: &ident.tier,
     };

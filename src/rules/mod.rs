@@ -252,6 +252,8 @@ pub struct RuleSet {
     kind_slot: Vec<u32>,
     /// SHA-256 (hex, 16 chars) of the file content.
     pub version: String,
+    /// Some rule matches on `host`: only then does a request's host need working out.
+    pub uses_host: bool,
 }
 
 impl RuleSet {

@@ -70,6 +70,7 @@ impl RuleSet {
             trie.insert(&r.pattern, i as u32);
         }
         self.trie = trie;
+        self.uses_host = self.rules.iter().any(|r| r.host.is_some());
     }
 
     /// The chosen rule of each key kind for `req` (rule indices, one per kind that matched).

@@ -59,6 +59,7 @@ fn q_and_r_count_requests_of_the_rules_cost() {
         quota,
         cost: 5,
         outcome: &out,
+        fixed: None,
     };
     assert_eq!((b.quota_requests(), b.remaining_requests()), (20, 1));
     let mut h = HeaderMap::new();
@@ -85,10 +86,45 @@ fn the_reset_second_is_never_before_the_real_instant() {
             quota,
             cost: 1,
             outcome: &out,
+            fixed: None,
         };
         let at = b.reset_at_secs(0);
         let free = out.at_us + retry;
         assert!(at * 1_000_000 >= free, "retry {retry}: reset {at} is before {free}");
         assert!(at * 1_000_000 < free + 1_000_000, "retry {retry}: reset {at} is late");
+    }
+}
+
+#[test]
+fn values_made_at_load_say_what_each_response_would() {
+    let window = Quota::window(
+        Algorithm::SlidingWindow,
+        NonZeroU64::new(30).unwrap(),
+        NonZeroU64::new(60_000_000).unwrap(),
+    );
+    let slots = Quota::window(
+        Algorithm::Concurrency,
+        NonZeroU64::new(4).unwrap(),
+        NonZeroU64::new(30_000_000).unwrap(),
+    );
+    for (quota, cost) in [(window, 1), (window, 3), (slots, 1)] {
+        let fixed = FixedValues::new("search-free", quota, cost).unwrap();
+        let out = o(true, 12, 41_000_000, 0);
+        let mut made = HeaderMap::new();
+        let mut preset = HeaderMap::new();
+        let mut b = Binding {
+            rule: "search-free",
+            quota,
+            cost,
+            outcome: &out,
+            fixed: None,
+        };
+        write(&mut made, &b, true, true, 1_800_000_000_000_000);
+        b.fixed = fixed.describing(&quota, cost);
+        assert!(b.fixed.is_some());
+        write(&mut preset, &b, true, true, 1_800_000_000_000_000);
+        assert_eq!(made, preset, "{quota:?} at cost {cost}");
+        // Another quota (an override's) or cost is not described by them.
+        assert!(fixed.describing(&quota, cost + 1).is_none());
     }
 }

@@ -37,6 +37,7 @@ fn deny(rule: &str, limit: u64, retry_us: u64, at_us: u64) -> http::Response<cra
         quota,
         cost: 1,
         outcome: &outcome,
+        fixed: None,
     };
     super::rate_limited(&b, true, true, at_us)
 }
