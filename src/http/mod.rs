@@ -1,8 +1,10 @@
 //! HTTP plumbing: the response body type, the one place errors become responses
 //! ([`respond`]), rate-limit headers ([`headers`]), forwarding helpers ([`forward`]) and the
 //! upstream targets and their pools ([`upstream`]), TLS ([`tls`]), request ids
-//! ([`request_id`]) and idle HTTP/1.1 connections without buffers ([`idle`]).
+//! ([`request_id`]), idle HTTP/1.1 connections without buffers ([`idle`]) and the coarse
+//! deadlines of the request path ([`coarse_timer`]).
 
+pub mod coarse_timer;
 pub mod forward;
 pub mod headers;
 pub mod idle;

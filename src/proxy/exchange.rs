@@ -112,8 +112,13 @@ impl State {
             Some(Some(r)) => up::Retry::Copy(r),
         };
         let started = Instant::now();
-        let result =
-            tokio::time::timeout(self.config().upstream.request_timeout, self.upstream().send(req, retry)).await;
+        // A coarse deadline (`http::coarse_timer`): within a few ms, and cheaper than a
+        // tokio timer registered and cancelled for every request.
+        let result = crate::http::coarse_timer::timeout(
+            self.config().upstream.request_timeout,
+            self.upstream().send(req, retry),
+        )
+        .await;
         let waited = started.elapsed();
         self.metrics().upstream_latency.observe(waited.as_secs_f64());
         if let Some(n) = note {

@@ -100,7 +100,9 @@ pub(super) async fn accept_loop(listener: TcpListener, w: Worker) {
     } = w;
     let sc = gw.config().server.clone();
     let mut h1 = hyper::server::conn::http1::Builder::new();
-    h1.timer(TokioTimer::new())
+    // The header-read timeout is armed for every request head: a coarse deadline, not a
+    // tokio timer (`http::coarse_timer`).
+    h1.timer(crate::http::coarse_timer::CoarseTimer)
         .header_read_timeout(sc.header_read_timeout)
         // Twice the configured size: within it tollgate checks the limit itself and answers a
         // JSON 431 (`respond.rs`); past it hyper's parser answers an empty one. The field count
