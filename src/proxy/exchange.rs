@@ -16,6 +16,7 @@ use crate::http::upstream::{self as up, Replay};
 use crate::http::{forward, ProxyBody};
 use crate::state::State;
 
+use super::facts::Facts;
 use super::{access, slots};
 
 /// A request made ready for the upstream.
@@ -37,18 +38,19 @@ impl State {
     pub(super) fn outbound(
         &self,
         mut req: Request<Incoming>,
+        facts: &Facts,
         peer: SocketAddr,
         want_trailers: bool,
     ) -> Result<Outbound, GatewayError> {
         if req.method() == Method::CONNECT {
             return Err(GatewayError::BadRequest("CONNECT is not supported"));
         }
-        let upgrade = forward::upgrade_of(req.headers());
+        let upgrade = super::facts::upgrade_of(req.headers(), facts);
         let client_upgrade = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut req));
         let body_is_end = hyper::body::Body::is_end_stream(req.body());
         let (mut parts, body) = req.into_parts();
         let h = &mut parts.headers;
-        let host = h.get(header::HOST).cloned().or_else(|| {
+        let host = facts.host.clone().or_else(|| {
             parts
                 .uri
                 .authority()
@@ -56,9 +58,8 @@ impl State {
         });
         // Trailers pass through (gRPC's status is one): a client that accepts them asks the
         // upstream for them too, as does a rule that reads its cost from one.
-        let client_trailers = forward::lists_token(h, &header::TE, "trailers");
         forward::strip_hop_by_hop(h, upgrade);
-        if want_trailers || client_trailers {
+        if want_trailers || facts.te_trailers {
             h.insert(header::TE, HeaderValue::from_static("trailers"));
         }
         forward::add_forwarded_proto(h, peer.ip(), host.as_ref(), self.config().tls.is_some());

@@ -14,7 +14,7 @@ use http::{header, Request, Response, Version};
 use hyper::body::Incoming;
 
 use crate::http::headers::{self, Binding};
-use crate::http::request_id::{self, X_REQUEST_ID};
+use crate::http::request_id::X_REQUEST_ID;
 use crate::http::respond::{self, GatewayError};
 use crate::http::ProxyBody;
 use crate::identity::Identity;
@@ -24,10 +24,12 @@ use crate::state::State;
 
 pub mod access;
 mod exchange;
+mod facts;
 pub mod plan;
 mod settle;
 mod slots;
 
+use facts::Facts;
 pub use plan::host_for_matching;
 use plan::{RequestParts, RequestPlan};
 
@@ -64,23 +66,26 @@ fn binding_of<'a>(
 /// `X-Forwarded-For`, `-Proto`, `-Host` and `Forwarded`, and `Host` again.
 const FORWARD_ROOM: usize = 7;
 
-/// Refuses requests a proxy must not pass on.
-fn validate<B>(req: &Request<B>) -> Result<(), GatewayError> {
-    let h = req.headers();
-    if h.contains_key(header::TRANSFER_ENCODING) && h.contains_key(header::CONTENT_LENGTH) {
+/// Refuses requests a proxy must not pass on, and bodies over `max_body_bytes` by their
+/// `Content-Length`.
+fn validate<B>(req: &Request<B>, f: &Facts, max_body_bytes: u64) -> Result<(), GatewayError> {
+    if f.transfer_encoding && f.content_lengths > 0 {
         return Err(GatewayError::BadRequest("both Content-Length and Transfer-Encoding"));
     }
-    if h.get_all(header::CONTENT_LENGTH).iter().count() > 1 {
+    if f.content_lengths > 1 {
         return Err(GatewayError::BadRequest("more than one Content-Length"));
     }
-    let hosts = h.get_all(header::HOST).iter().count();
-    if hosts > 1 {
+    if f.hosts > 1 {
         return Err(GatewayError::BadRequest("more than one Host header"));
     }
-    if hosts == 0 && req.version() == Version::HTTP_11 {
+    if f.hosts == 0 && req.version() == Version::HTTP_11 {
         return Err(GatewayError::BadRequest("HTTP/1.1 request without Host"));
     }
-    Ok(())
+    match f.content_length {
+        Some(Err(())) => Err(GatewayError::BadRequest("invalid Content-Length")),
+        Some(Ok(len)) if len > max_body_bytes => Err(GatewayError::PayloadTooLarge),
+        _ => Ok(()),
+    }
 }
 
 /// Most header fields a request may carry: hyper's own parser's default limit (a request with
@@ -89,15 +94,11 @@ fn validate<B>(req: &Request<B>) -> Result<(), GatewayError> {
 pub const MAX_HEADERS: usize = 100;
 
 /// The header section within `server.max_header_bytes` and [`MAX_HEADERS`] fields.
-fn headers_within<B>(req: &Request<B>, max_bytes: usize) -> Result<(), GatewayError> {
-    let h = req.headers();
-    if h.len() > MAX_HEADERS {
+fn headers_within<B>(req: &Request<B>, f: &Facts, max_bytes: usize) -> Result<(), GatewayError> {
+    if f.fields > MAX_HEADERS {
         return Err(GatewayError::HeadersTooLarge);
     }
-    let mut size = req.uri().path_and_query().map_or(1, |p| p.as_str().len()) + 16;
-    for (k, v) in h {
-        size += k.as_str().len() + v.len() + 4;
-    }
+    let size = req.uri().path_and_query().map_or(1, |p| p.as_str().len()) + 16 + f.bytes;
     if size > max_bytes {
         return Err(GatewayError::HeadersTooLarge);
     }
@@ -112,15 +113,18 @@ impl State {
         // hyper sizes a request's header map to the fields it parsed; the request id and the
         // forwarding headers would then regrow it (rehashing it) up to four times.
         req.headers_mut().reserve(FORWARD_ROOM);
-        let id = request_id::ensure(req.headers_mut());
-        let grpc = respond::is_grpc(req.headers());
+        let facts = Facts::of(req.headers());
+        let id = facts::ensure_request_id(req.headers_mut(), &facts);
+        let grpc = facts.grpc;
         let mut logged = self.access_sampler().take().then(|| Logged {
             started: Instant::now(),
             method: req.method().clone(),
             path: req.uri().path().to_owned(),
             note: access::Note::default(),
         });
-        let result = self.serve(req, peer, logged.as_mut().map(|l| &mut l.note)).await;
+        let result = self
+            .serve(req, &facts, peer, logged.as_mut().map(|l| &mut l.note))
+            .await;
         let mut resp = self.response_of(result, grpc, logged.as_mut().map(|l| &mut l.note));
         if let Some(l) = logged {
             access::write(&id, &l.method, &l.path, resp.status().as_u16(), l.started, &l.note);
@@ -181,21 +185,13 @@ impl State {
     async fn serve(
         self: &Arc<Self>,
         req: Request<Incoming>,
+        facts: &Facts,
         peer: SocketAddr,
         mut note: Option<&mut access::Note>,
     ) -> Result<Response<ProxyBody>, GatewayError> {
-        validate(&req)?;
-        headers_within(&req, self.config().server.max_header_bytes)?;
-        if let Some(len) = req.headers().get(header::CONTENT_LENGTH) {
-            let len: u64 = len
-                .to_str()
-                .ok()
-                .and_then(|s| s.parse().ok())
-                .ok_or(GatewayError::BadRequest("invalid Content-Length"))?;
-            if len > self.config().server.max_body_bytes {
-                return Err(GatewayError::PayloadTooLarge);
-            }
-        }
+        let sc = &self.config().server;
+        validate(&req, facts, sc.max_body_bytes)?;
+        headers_within(&req, facts, sc.max_header_bytes)?;
         // An owned handle, not a guard: the snapshot stays alive across the awaits below
         // (store check, leaky-bucket wait, upstream exchange) without pinning an arc-swap slot.
         let snap = self.snapshot().load_full();
@@ -257,7 +253,7 @@ impl State {
             .after
             .iter()
             .any(|(ri, _)| snap.rules.rules[*ri as usize].cost_from.is_some());
-        let out = self.outbound(req, peer, want_trailers)?;
+        let out = self.outbound(req, facts, peer, want_trailers)?;
         let result = self.forward(out, admitted.slots, note).await;
         let mut resp = if admitted.after.is_empty() {
             result?
