@@ -384,7 +384,18 @@ fn identity_checks(
         let mut planned = crate::proxy::plan::PlannedChecks::new();
         let value = crate::rules::KeyValue::Value(ns, who.as_bytes());
         let ri = u32::try_from(ri).unwrap_or(u32::MAX);
-        crate::proxy::plan::rule_checks(snap, runtime, now_secs, keys, ri, value, who, &mut None, &mut planned);
+        let who_id = crate::identity::IdText::from(who);
+        crate::proxy::plan::rule_checks(
+            snap,
+            runtime,
+            now_secs,
+            keys,
+            ri,
+            value,
+            &who_id,
+            &mut None,
+            &mut planned,
+        );
         for p in planned {
             checks.push(Candidate {
                 check: LimitCheck { cost: 0, ..p.check },

@@ -142,6 +142,11 @@ pub struct IpText {
 }
 
 impl IpText {
+    /// The text's bytes (ASCII), without the UTF-8 check [`IpText::as_str`] makes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.buf[..usize::from(self.len)]
+    }
+
     /// The text.
     pub fn as_str(&self) -> &str {
         // Only `write_ip`'s ASCII is ever written.
@@ -173,6 +178,14 @@ pub enum IdText {
 }
 
 impl IdText {
+    /// The id's bytes (for hashing), without the UTF-8 check reading it as `&str` makes.
+    pub fn as_bytes(&self) -> &[u8] {
+        match self {
+            IdText::Shared(s) => s.as_bytes(),
+            IdText::Ip(t) => t.as_bytes(),
+        }
+    }
+
     /// The id as text.
     pub fn as_str(&self) -> &str {
         match self {

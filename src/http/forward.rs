@@ -128,7 +128,7 @@ pub fn add_forwarded_proto(h: &mut HeaderMap, peer: IpAddr, host: Option<&Header
     let proto = if https { "https" } else { "http" };
     let peer = peer.to_canonical();
     let ip = crate::identity::ip_text(peer);
-    let ip = ip.as_str();
+    let ip = ip.as_bytes();
     // Which of the four a client (or a proxy before us) sent: one pass over the names, as a
     // request seldom carries any, so each is then inserted without being looked up first.
     let mut had = [false; 4];
@@ -138,7 +138,7 @@ pub fn add_forwarded_proto(h: &mut HeaderMap, peer: IpAddr, host: Option<&Header
         }
     }
     let mut buf = ValueBuf::new();
-    append_list(h, had[0], &X_FORWARDED_FOR, ip.as_bytes(), &mut buf);
+    append_list(h, had[0], &X_FORWARDED_FOR, ip, &mut buf);
     if had[1] {
         append_list(h, true, &X_FORWARDED_PROTO, proto.as_bytes(), &mut buf);
     } else {
@@ -156,13 +156,13 @@ pub fn add_forwarded_proto(h: &mut HeaderMap, peer: IpAddr, host: Option<&Header
     if had[3] {
         join_existing(h, &FORWARDED, &mut buf);
     }
-    let pieces: [&str; 3] = if peer.is_ipv6() {
-        ["for=\"[", ip, "]\";proto="]
+    let pieces: [&[u8]; 3] = if peer.is_ipv6() {
+        [b"for=\"[", ip, b"]\";proto="]
     } else {
-        ["for=", ip, ";proto="]
+        [b"for=", ip, b";proto="]
     };
-    for p in pieces.into_iter().chain([proto]) {
-        buf.put(p.as_bytes());
+    for p in pieces.into_iter().chain([proto.as_bytes()]) {
+        buf.put(p);
     }
     if let Some(host) = host.map(HeaderValue::as_bytes) {
         if host.iter().all(|&b| b.is_ascii_graphic() && b != b'"' && b != b'\\') {

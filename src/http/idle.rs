@@ -31,7 +31,6 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::{Buf, BytesMut};
-use http::{header, Method, Request};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
@@ -76,10 +75,11 @@ impl Default for ConnShared {
 
 impl ConnShared {
     /// Called by the service for each request, before anything else: counts it and publishes
-    /// how its body is delimited.
-    pub fn on_request<B>(&self, req: &Request<B>) {
+    /// how its body is delimited (`framing`: its length, `None` when the reader cannot follow it;
+    /// see `proxy::facts::Facts::framing`).
+    pub fn on_request(&self, framing: Option<u64>) {
         self.started.fetch_add(1, Ordering::Relaxed);
-        let framing = body_length(req).unwrap_or(UNTRACKABLE);
+        let framing = framing.filter(|&n| n < UNTRACKABLE).unwrap_or(UNTRACKABLE);
         if self.framing.swap(framing, Ordering::Relaxed) != NO_FRAMING {
             // The reader has not seen the previous request's framing: out of step.
             self.framing.store(UNTRACKABLE, Ordering::Relaxed);
@@ -94,26 +94,6 @@ impl ConnShared {
     fn idle(&self, flushed: u32) -> bool {
         let finished = self.finished.load(Ordering::Relaxed);
         self.started.load(Ordering::Relaxed) == finished && flushed == finished
-    }
-}
-
-/// The request body's length as hyper will read it, when the reader can follow it: `0` for
-/// none, `n` for `Content-Length: n`; `None` for chunked bodies, upgrades and anything odd.
-fn body_length<B>(req: &Request<B>) -> Option<u64> {
-    let h = req.headers();
-    if req.method() == Method::CONNECT || h.contains_key(header::UPGRADE) || h.contains_key(header::TRANSFER_ENCODING) {
-        return None;
-    }
-    let mut lengths = h.get_all(header::CONTENT_LENGTH).iter();
-    match (lengths.next(), lengths.next()) {
-        (None, _) => Some(0),
-        (Some(v), None) => v
-            .to_str()
-            .ok()
-            .filter(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
-            .and_then(|s| s.parse::<u64>().ok())
-            .filter(|&n| n < UNTRACKABLE),
-        _ => None,
     }
 }
 
@@ -430,27 +410,5 @@ mod tests {
         assert_eq!(head_end(2, b"X"), Err(0));
         assert_eq!(head_end(0, b"abc\r"), Err(1));
         assert_eq!(head_end(0, b""), Err(0));
-    }
-
-    fn req(method: &str, headers: &[(&str, &str)]) -> Request<()> {
-        let mut b = Request::builder().method(method).uri("/");
-        for (k, v) in headers {
-            b = b.header(*k, *v);
-        }
-        b.body(()).unwrap() // allow-panic: test
-    }
-
-    #[test]
-    fn body_length_follows_only_what_it_can_delimit() {
-        assert_eq!(body_length(&req("GET", &[])), Some(0));
-        assert_eq!(body_length(&req("POST", &[("content-length", "12")])), Some(12));
-        assert_eq!(body_length(&req("POST", &[("content-length", "+12")])), None);
-        assert_eq!(
-            body_length(&req("POST", &[("content-length", "1"), ("content-length", "1")])),
-            None
-        );
-        assert_eq!(body_length(&req("POST", &[("transfer-encoding", "chunked")])), None);
-        assert_eq!(body_length(&req("GET", &[("upgrade", "websocket")])), None);
-        assert_eq!(body_length(&req("CONNECT", &[])), None);
     }
 }

@@ -6,6 +6,7 @@
 //! its text (a length compare for most), and the steps read the facts.
 
 use http::header::{self, HeaderMap, HeaderValue};
+use http::Method;
 
 use crate::http::request_id;
 
@@ -55,7 +56,8 @@ impl Facts {
                 }
                 "content-length" => {
                     if f.content_lengths == 0 {
-                        f.content_length = Some(value.to_str().ok().and_then(|s| s.parse::<u64>().ok()).ok_or(()));
+                        // Digits only (hyper's own parser refuses anything else).
+                        f.content_length = Some(digits(value).ok_or(()));
                     }
                     f.content_lengths += 1;
                 }
@@ -74,6 +76,34 @@ impl Facts {
         }
         f
     }
+}
+
+/// The request body's length as [`crate::http::idle::IdleIo`] follows it: `0` for none, `n`
+/// for `Content-Length: n`; `None` for chunked bodies, upgrades, `CONNECT` and anything odd (the
+/// connection is then never parked). One pass over the fields, like [`Facts::of`] (which runs
+/// later, inside the request's future: carrying its facts from here cost more in moves).
+pub(crate) fn framing(method: &Method, h: &HeaderMap) -> Option<u64> {
+    if method == Method::CONNECT {
+        return None;
+    }
+    let mut length = None;
+    for (name, value) in h {
+        match name.as_str() {
+            "upgrade" | "transfer-encoding" => return None,
+            "content-length" if length.is_some() => return None,
+            "content-length" => length = Some(digits(value)?),
+            _ => {}
+        }
+    }
+    Some(length.unwrap_or(0))
+}
+
+/// A `Content-Length` value: digits only (hyper's own parser refuses anything else).
+fn digits(v: &HeaderValue) -> Option<u64> {
+    std::str::from_utf8(v.as_bytes())
+        .ok()
+        .filter(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
+        .and_then(|s| s.parse::<u64>().ok())
 }
 
 /// Does the comma-separated list `v` hold `token` (compared without regard to case)?
@@ -155,6 +185,21 @@ mod tests {
         assert_eq!(f.content_length, Some(Err(())));
         assert!(f.transfer_encoding && !f.te_trailers && !f.grpc && !f.connection_upgrade);
         assert!(upgrade_of(&h, &f).is_none());
+    }
+
+    #[test]
+    fn the_framing_follows_only_what_idle_parking_can_delimit() {
+        let framing = |method: Method, fields: &[(&'static str, &'static str)]| framing(&method, &map(fields));
+        assert_eq!(framing(Method::GET, &[]), Some(0));
+        assert_eq!(framing(Method::POST, &[("content-length", "12")]), Some(12));
+        assert_eq!(framing(Method::POST, &[("content-length", "+12")]), None);
+        assert_eq!(
+            framing(Method::POST, &[("content-length", "1"), ("content-length", "1")]),
+            None
+        );
+        assert_eq!(framing(Method::POST, &[("transfer-encoding", "chunked")]), None);
+        assert_eq!(framing(Method::GET, &[("upgrade", "websocket")]), None);
+        assert_eq!(framing(Method::CONNECT, &[]), None);
     }
 
     #[test]

@@ -24,7 +24,7 @@ use crate::state::State;
 
 pub mod access;
 mod exchange;
-mod facts;
+pub(crate) mod facts;
 pub mod plan;
 mod settle;
 mod slots;

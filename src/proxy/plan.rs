@@ -125,7 +125,12 @@ pub fn plan(
         };
         let mut last: Option<(KeyValue<'_>, crate::limiter::keys::Tag)> = None;
         for ri in selected {
-            if let Some(value) = key_value(&snap.rules.rules[ri as usize].key, &ident, req.headers, &ip_text) {
+            if let Some(value) = key_value(
+                &snap.rules.rules[ri as usize].key,
+                &ident,
+                req.headers,
+                ip_text.as_bytes(),
+            ) {
                 rule_checks(
                     snap,
                     runtime,
@@ -157,7 +162,7 @@ pub fn rule_checks<'v>(
     keys: &KeyBuilder,
     ri: u32,
     value: KeyValue<'v>,
-    who: &str,
+    who: &crate::identity::IdText,
     last: &mut Option<(KeyValue<'v>, crate::limiter::keys::Tag)>,
     out: &mut PlannedChecks,
 ) {
@@ -179,7 +184,12 @@ pub fn rule_checks<'v>(
         lease: None,
     };
     let file_limits = || {
-        let limits = rule.limits_for_id(who);
+        // Read as text only when the rule has overrides to look it up in.
+        let limits = if rule.overrides.is_empty() {
+            rule.limits.as_slice()
+        } else {
+            rule.limits_for_id(who)
+        };
         let from = if std::ptr::eq(limits, rule.limits.as_slice()) {
             LimitsFrom::Rule
         } else {

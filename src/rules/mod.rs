@@ -292,11 +292,11 @@ pub fn key_value<'a>(
     kind: &KeyKind,
     identity: &'a Identity,
     headers: &'a HeaderMap,
-    ip_text: &'a str,
+    ip_text: &'a [u8],
 ) -> Option<KeyValue<'a>> {
     Some(match kind {
         KeyKind::User => caller(identity),
-        KeyKind::Ip => KeyValue::Value(Namespace::Ip, ip_text.as_bytes()),
+        KeyKind::Ip => KeyValue::Value(Namespace::Ip, ip_text),
         KeyKind::Org => KeyValue::Value(Namespace::Org, identity.org.as_deref()?.as_bytes()),
         KeyKind::Global => KeyValue::Global,
         KeyKind::Header(h) => KeyValue::Value(Namespace::Header, headers.get(h)?.as_bytes()),

@@ -348,7 +348,7 @@ async fn serve_h1_parking(
         let io = TokioIo::new(IdleIo::new(stream, shared.clone()));
         let (gw, conn_shared) = (gw.clone(), shared.clone());
         let svc = service_fn(move |req: hyper::Request<Incoming>| {
-            conn_shared.on_request(&req);
+            conn_shared.on_request(crate::proxy::facts::framing(req.method(), req.headers()));
             let (gw, shared) = (gw.clone(), conn_shared.clone());
             async move { Ok::<_, std::convert::Infallible>(gw.handle(req, peer).await.map(|b| Tracked::new(b, shared))) }
         });
