@@ -8,12 +8,18 @@
 
 pub mod auth;
 pub mod dashboard;
+mod identities;
 mod overrides;
+mod views;
+
+use identities::{identity_checks, identity_hash, Candidate};
+pub use views::{explain, rules_json};
+use views::{live_json, quota_json};
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
-use http::{HeaderMap, Method, Request, Response, StatusCode};
+use http::{Method, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::service::service_fn;
@@ -22,15 +28,11 @@ use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use crate::config::GatewayConfig;
 use crate::http::respond::{self, GatewayError};
 use crate::http::ProxyBody;
-use crate::limiter::keys::{KeyBuilder, Namespace};
 use crate::limiter::{LimitCheck, Store, StoreKey};
-use crate::proxy::plan::{request_host, LimitsFrom, RequestParts};
-use crate::rules::runtime::RuntimeOverrides;
-use crate::rules::{caller, normalize, window_text, KeyKind, RequestInfo, Rule};
-use crate::state::{Snapshot, State};
+use crate::proxy::plan::RequestParts;
+use crate::state::State;
 
 /// Time an admin client has to send its request headers (the admin port is for people and
 /// scrapers on a short network path; a slow one is cut off instead of holding a task).
@@ -311,301 +313,4 @@ async fn route(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Resp
         }
         _ => GatewayError::NotFound.into_response(),
     }
-}
-
-/// One counter an identity value may have.
-struct Candidate {
-    /// The check (cost 0) naming the counter.
-    check: LimitCheck,
-    /// Its rule.
-    rule: String,
-    /// The rule's key kind.
-    kind: String,
-    /// The rule certainly applies to this value (a registered key id's user rules, an IP's ip
-    /// and user rules, a registered org's org rules); otherwise only when a counter exists.
-    certain: bool,
-}
-
-/// What `/keys/{identity}` knows about a value before looking at the store.
-struct Candidates {
-    /// Every counter it may have.
-    checks: Vec<Candidate>,
-    /// Known without counters: a registered key id or org, an IP, or an override's id.
-    known: bool,
-    /// What the value was taken for: `api_key`, `ip`, `org` or `user` (a JWT user, a header value).
-    kind: &'static str,
-}
-
-/// Every counter an identity value (user id, key id, IP, org, header value) can have, with
-/// the namespace each rule's key kind gives that value (see `limiter::keys`): a registered key
-/// id is an API key, an address is an IP, anything else a JWT user.
-fn identity_checks(
-    keys: &KeyBuilder,
-    snap: &Snapshot,
-    runtime: &RuntimeOverrides,
-    who: &str,
-    now_secs: u64,
-) -> Candidates {
-    let is_ip = who.parse::<IpAddr>().is_ok();
-    let is_key = snap.keys.has_id(who);
-    let is_org = snap.keys.entries().any(|(_, e)| e.org.as_deref() == Some(who));
-    let caller_ns = if is_key {
-        Namespace::ApiKey
-    } else if is_ip {
-        Namespace::Ip
-    } else {
-        Namespace::Jwt
-    };
-    // The caller's tier is known for a registered key (its tier) and for an IP as a caller
-    // (anonymous): a `user` rule for another tier applies only if a counter says it once did
-    // (the key's tier changed). `ip` and `org` rules are shared by callers of every tier.
-    let key_tier: Option<std::sync::Arc<str>> = match snap.keys.entries().find(|(_, e)| &*e.id == who) {
-        Some((_, e)) => Some(e.tier.clone()),
-        None if is_ip => Some(std::sync::Arc::from(crate::identity::ANONYMOUS)),
-        None => None,
-    };
-    let mut checks = Vec::new();
-    let mut has_override = false;
-    for (ri, r) in snap.rules.rules.iter().enumerate() {
-        let other_tier =
-            r.key == KeyKind::User && matches!((&r.tier, &key_tier), (Some(t), Some(k)) if t.as_str() != &**k);
-        let (ns, certain) = match r.key {
-            KeyKind::Global => continue,
-            KeyKind::User => (caller_ns, is_key || is_ip),
-            KeyKind::Ip if is_ip => (Namespace::Ip, true),
-            KeyKind::Ip => continue,
-            KeyKind::Org if is_ip => continue,
-            KeyKind::Org => (Namespace::Org, is_org),
-            KeyKind::Header(_) => (Namespace::Header, false),
-        };
-        let over = r.overrides.get(who);
-        has_override |= over.is_some();
-        // The keys the proxy would use for this value: the plan's own key builder.
-        let mut planned = crate::proxy::plan::PlannedChecks::new();
-        let value = crate::rules::KeyValue::Value(ns, who.as_bytes());
-        let ri = u32::try_from(ri).unwrap_or(u32::MAX);
-        let who_id = crate::identity::IdText::from(who);
-        crate::proxy::plan::rule_checks(
-            snap,
-            runtime,
-            now_secs,
-            keys,
-            ri,
-            value,
-            &who_id,
-            &mut None,
-            &mut planned,
-        );
-        for p in planned {
-            checks.push(Candidate {
-                check: LimitCheck { cost: 0, ..p.check },
-                rule: r.name.to_string(),
-                kind: r.key.to_text(),
-                certain: (certain && !other_tier) || over.is_some(),
-            });
-        }
-    }
-    let kind = if is_key {
-        "api_key"
-    } else if is_ip {
-        "ip"
-    } else if is_org {
-        "org"
-    } else {
-        "user"
-    };
-    Candidates {
-        checks,
-        known: is_key || is_ip || is_org || has_override,
-        kind,
-    }
-}
-
-/// What the store holds for a limit now, beyond remaining and reset: requests in flight for a
-/// concurrency limit, and the time left in the penalty box.
-fn live_json(c: &LimitCheck, state: Option<&crate::limiter::Outcome>) -> Value {
-    let mut v = json!({});
-    if c.is_slot() {
-        let limit = c.quota.limit.get();
-        let free = state.map_or(limit, |o| if o.penalty_us > 0 { limit } else { o.remaining });
-        v["in_flight"] = json!(limit.saturating_sub(free));
-    }
-    if c.penalty.is_some() {
-        let left = state.map_or(0, |o| o.penalty_us);
-        v["penalty_left_ms"] = json!(left.div_ceil(1000));
-    }
-    v
-}
-
-/// A limit as it is written: `{rate, capacity}` for a bucket, `{limit, window}` for a window,
-/// `{limit}` (in flight at once) for concurrency.
-fn quota_json(q: &crate::limiter::Quota) -> Value {
-    use crate::limiter::Algorithm;
-    match q.algorithm {
-        Algorithm::TokenBucket | Algorithm::LeakyBucket => {
-            json!({"rate": crate::describe::rate(q.interval_us.get()), "capacity": q.limit.get()})
-        }
-        Algorithm::Concurrency => json!({"limit": q.limit.get(), "slot_ttl": window_text(q.window_us.get())}),
-        _ if q.calendar.is_some() => {
-            use crate::limiter::algorithm::calendar::CalendarUnit;
-            let (unit, off) = q.calendar.map_or((CalendarUnit::Day, 0), |c| (c.unit, c.offset_s));
-            let w = match unit {
-                CalendarUnit::Day => "1d",
-                CalendarUnit::Week => "1w",
-                CalendarUnit::Month => "1mo",
-            };
-            let a = off.unsigned_abs();
-            let tz = format!(
-                "{}{:02}:{:02}",
-                if off < 0 { '-' } else { '+' },
-                a / 3600,
-                a % 3600 / 60
-            );
-            json!({"limit": q.limit.get(), "window": w, "align": "calendar", "timezone": tz})
-        }
-        _ => json!({"limit": q.limit.get(), "window": window_text(q.window_us.get())}),
-    }
-}
-
-/// The hash an identity value is logged under (its caller namespace, as in `identity_checks`).
-fn identity_hash(keys: &KeyBuilder, snap: &Snapshot, who: &str) -> String {
-    let ns = if snap.keys.has_id(who) {
-        Namespace::ApiKey
-    } else if who.parse::<IpAddr>().is_ok() {
-        Namespace::Ip
-    } else {
-        Namespace::Jwt
-    };
-    keys.tag(ns, who.as_bytes()).to_string()
-}
-
-fn rule_json(r: &Rule) -> Value {
-    json!({
-        "name": &*r.name,
-        "line": r.line,
-        "match": {
-            "path": r.pattern.source,
-            "methods": r.methods.as_ref().map(|m| m.iter().map(|x| x.to_string()).collect::<Vec<_>>()),
-            "tier": r.tier, "host": r.host,
-            "header": r.headers.iter().map(|(k, v)| (k.to_string(), v.clone())).collect::<std::collections::BTreeMap<_, _>>(),
-        },
-        "key": r.key.to_text(),
-        "algorithm": r.limits.first().map(|q| q.algorithm.as_str()),
-        "limits": r.limits.iter().map(quota_json).collect::<Vec<_>>(),
-        "cost": r.cost,
-        "failure": crate::describe::failure(&r.failure),
-        "shadow": r.shadow,
-        "penalty": r.penalty.map(|p| json!({"base": window_text(p.base_us.get()), "max": window_text(p.max_us.get())})),
-        "count_when": r.count_when.as_ref().map(|m| m.to_text()),
-        "cost_from": r.cost_from.as_ref().map(|c| json!({"header": c.header.as_str(), "max": c.max})),
-        "overrides": r.overrides.keys().collect::<Vec<_>>(),
-    })
-}
-
-/// `GET /rules`.
-pub fn rules_json(snap: &Snapshot) -> Value {
-    json!({
-        "version": snap.rules.version,
-        "loaded_at": humantime::format_rfc3339_seconds(snap.loaded_at).to_string(),
-        "api_keys": snap.keys.len(),
-        "rules": snap.rules.rules.iter().map(rule_json).collect::<Vec<_>>(),
-    })
-}
-
-/// What `tollgate explain` and `GET /explain` show: identity, each matching rule and why it won
-/// or lost, and the store keys.
-#[allow(clippy::too_many_arguments)]
-pub fn explain(
-    config: &GatewayConfig,
-    keys: &KeyBuilder,
-    snap: &Snapshot,
-    runtime: &RuntimeOverrides,
-    method: &Method,
-    path: &str,
-    headers: &HeaderMap,
-    ip: IpAddr,
-    now_secs: u64,
-) -> Value {
-    // The same plan the proxy builds for this request: one place decides the keys.
-    let uri: http::Uri = path.parse().unwrap_or_else(|_| http::Uri::from_static("/"));
-    let parts = RequestParts {
-        method,
-        uri: &uri,
-        headers,
-        peer: ip,
-    };
-    let plan = crate::proxy::plan::plan(snap, runtime, keys, &config.identity, parts, now_secs);
-    let ident = &plan.identity;
-    let norm = normalize(uri.path());
-    let info = RequestInfo {
-        method,
-        path: &norm,
-        host: request_host(headers, &uri),
-        headers,
-        tier: &ident.tier,
-    };
-    let matches: Vec<Value> = snap
-        .rules
-        .explain(&info)
-        .into_iter()
-        .map(|c| {
-            let r = &snap.rules.rules[c.rule as usize];
-            let s = r.specificity;
-            let mut v = json!({
-                "rule": &*r.name,
-                "key": r.key.to_text(),
-                "chosen": c.chosen,
-                "why": format!(
-                    "{:?} path {} (literal length {}), {}, {}{}",
-                    s.class, r.pattern.source, s.literal_len,
-                    if s.methods { "method-specific" } else { "any method" },
-                    if s.tier { "tier-specific" } else { "any tier" },
-                    if c.chosen { "; most specific of its key kind" } else { "; a more specific rule of the same key kind wins" }
-                ),
-                "shadow": r.shadow,
-            });
-            if c.chosen {
-                let planned: Vec<Value> = plan
-                    .checks
-                    .iter()
-                    .filter(|p| p.rule == c.rule)
-                    .map(|p| {
-                        let q = &p.check.quota;
-                        json!({"store_key": p.check.key.as_str(), "algorithm": q.algorithm.as_str(), "limit": q.limit.get(), "window": window_text(q.window_us.get()), "cost": p.check.cost})
-                    })
-                    .collect();
-                if planned.is_empty() {
-                    v["skipped"] = Value::String("the request has no value for this key kind (no org / no header)".into());
-                } else {
-                    v["limits"] = Value::Array(planned);
-                    let from = plan.checks.iter().find(|p| p.rule == c.rule).map(|p| p.from);
-                    v["override"] = match from {
-                        Some(LimitsFrom::Runtime { expires_at_us }) => json!({
-                            "source": "runtime",
-                            "expires_at": expires_at_us / 1_000_000,
-                            "why": if r.overrides.contains_key(&*ident.id) {
-                                "set through the admin API (PUT /overrides); it beats this identity's override in the rules file"
-                            } else {
-                                "set through the admin API (PUT /overrides)"
-                            },
-                        }),
-                        Some(LimitsFrom::FileOverride) => json!({"source": "rules_file", "why": "this identity's override in the rules file"}),
-                        _ => Value::Null,
-                    };
-                }
-            }
-            v
-        })
-        .collect();
-    json!({
-        "request": {"method": method.as_str(), "path": uri.path(), "normalized_path": &*norm},
-        "identity": {
-            "kind": ident.kind.as_str(),
-            "id": if ident.kind == crate::identity::IdentityKind::Ip { ident.id.to_string() } else { format!("{} (hash {})", ident.id, caller(ident).tag(keys, "")) },
-            "tier": &*ident.tier,
-            "org": ident.org.as_deref(),
-            "ip": ident.ip.to_string(),
-        },
-        "matches": matches,
-    })
 }

@@ -17,11 +17,11 @@
 //! | [`proxy`] | the request path: plan (`proxy::plan`, one `RequestPlan` per request) → check → forward (`proxy::exchange`) / respond |
 //! | [`background`] | low-priority threads for reloads and for freeing replaced snapshots, so neither competes with requests |
 //! | [`activity`] | what the admin dashboard shows over time: per-second rule rates, most limited hashes, store and reload history |
-//! | [`admin`] | admin listener: health, readiness, status, metrics, rules, reload, explain, counters; token auth |
+//! | [`admin`] | admin listener: health, readiness, status, metrics, rules, reload, explain, counters (`identities`), JSON views of rules and limits (`views`); token auth |
 //! | [`config`] | raw serde structs, validation into typed config, the file watcher; errors and parsing in a leaf |
 //! | [`identity`] | request → [`identity::Identity`] (JWT, API key, client IP); pure, no I/O |
-//! | [`rules`] | types, `compile` (validation, specificity), `trie` (matching); pure, no I/O |
-//! | [`limiter`] | algorithms, the [`limiter::Store`] trait, memory and Redis stores (`redis/{conn,protocol,slots,batch}`), key schema (`keys`), deny cache, per-shard breakers, failure policy |
+//! | [`rules`] | types, `compile` (validation, specificity; `compile/fields` for a rule's penalty, calendar, `count_when`, `cost_from`, failure policy), `trie` (matching); pure, no I/O |
+//! | [`limiter`] | the request's checks and verdict (`check`), algorithms, the [`limiter::Store`] trait, memory and Redis stores (`redis/{conn,protocol,slots,batch}`), key schema (`keys`), deny cache, per-shard breakers, failure policy |
 //! | [`http`] | `respond` (every locally made response), rate-limit headers, forwarding helpers, the upstream (`upstream/{h1,h2,balance}`: pool, shared HTTP/2 connections, balancing and ejection) |
 //! | [`metrics`] | Prometheus metrics with handles resolved at rule load |
 //! | [`clock`] | injectable time ([`clock::FakeClock`] for tests) |

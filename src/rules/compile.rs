@@ -2,7 +2,7 @@
 //! and rule; specificity; unreachable rules.
 
 use std::collections::{HashMap, HashSet};
-use std::num::{NonZeroU32, NonZeroU64};
+use std::num::NonZeroU64;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -10,20 +10,24 @@ use http::{HeaderName, Method};
 use serde_saphyr::{Location, Spanned};
 use sha2::Digest;
 
-use super::{CostFrom, KeyKind, Pattern, Rule, RuleSet, Specificity, StatusMatch};
+use super::{KeyKind, Pattern, Rule, RuleSet, Specificity};
 use crate::config::error::{parse_str_sized, Sized};
-use crate::config::raw::{RawCostFrom, RawCountWhen, RawOverride, RawPenalty, RawRule, RawRules, RawStatus, RawWindow};
+use crate::config::raw::{RawOverride, RawRule, RawRules, RawWindow};
 use crate::config::{duration, ConfigError};
 
 /// Rules a rules file may hold unless `limits.max_rules` says otherwise.
 pub const DEFAULT_MAX_RULES: usize = 50_000;
-use crate::limiter::algorithm::calendar::{self, Calendar, CalendarUnit};
-use crate::limiter::{Algorithm, FailurePolicy, Penalty, Quota};
+use crate::limiter::algorithm::calendar::CalendarUnit;
+use crate::limiter::{Algorithm, FailurePolicy, Quota};
 
 /// How long a concurrency slot lives without renewal unless `store.concurrency_ttl` says
 /// otherwise: a running request renews its slots every third of it, and the slots of a gateway
 /// that died free themselves after it.
 pub const DEFAULT_SLOT_TTL_US: u64 = 30_000_000;
+
+mod fields;
+pub use fields::MAX_PENALTY_US;
+use fields::{align, calendar_of, cost_from, count_when, failure_policy, penalty};
 
 fn name_ok(s: &str) -> bool {
     !s.is_empty() && s.len() <= 64 && s.chars().all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c))
@@ -221,178 +225,6 @@ impl Ctx<'_> {
             }),
         }
     }
-}
-
-/// Longest penalty a rule may set (a penalty key expires with it; a day is long enough to mean
-/// "blocked" and short enough that a mistake lifts itself).
-pub const MAX_PENALTY_US: u64 = 86_400_000_000;
-
-/// `penalty: 10m` or `penalty: {base: 1m, max: 1h}`, validated: at least 1 s, at most a day,
-/// and `max` not below `base`.
-fn penalty(file: &Path, rule: &str, p: &Spanned<RawPenalty>) -> Result<Penalty, ConfigError> {
-    let at = |m: String| ConfigError::at(file, &p.referenced, format!("rule {rule:?}: penalty: {m}"));
-    let parse = |s: &str| -> Result<u64, ConfigError> {
-        let d = humantime::parse_duration(s.trim()).map_err(|e| at(format!("invalid duration {s:?}: {e}")))?;
-        let us = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
-        if us < 1_000_000 {
-            return Err(at(format!("{s:?} is under 1s")));
-        }
-        if us > MAX_PENALTY_US {
-            return Err(at(format!("{s:?} is over the longest penalty, 24h")));
-        }
-        Ok(us)
-    };
-    let (base, max) = match &p.value {
-        RawPenalty::Fixed(d) => {
-            let b = parse(d)?;
-            (b, b)
-        }
-        RawPenalty::Escalating { base, max } => (parse(base)?, parse(max)?),
-    };
-    if max < base {
-        return Err(at("max is shorter than base".to_owned()));
-    }
-    Ok(Penalty {
-        base_us: NonZeroU64::new(base).unwrap_or(NonZeroU64::MIN),
-        max_us: NonZeroU64::new(max).unwrap_or(NonZeroU64::MIN),
-    })
-}
-
-/// `align: calendar` (with an optional `timezone`) on a fixed or sliding window: the UTC
-/// offset its windows follow; `None` for epoch-aligned windows.
-fn calendar_of(
-    file: &Path,
-    rule: &str,
-    alg: Algorithm,
-    align: &Option<Spanned<String>>,
-    timezone: &Option<Spanned<String>>,
-) -> Result<Option<i32>, ConfigError> {
-    let Some(a) = align else {
-        if let Some(tz) = timezone {
-            return Err(ConfigError::at(
-                file,
-                &tz.referenced,
-                format!("rule {rule:?}: timezone needs align: calendar"),
-            ));
-        }
-        return Ok(None);
-    };
-    if a.value.trim() != "calendar" {
-        return Err(ConfigError::at(
-            file,
-            &a.referenced,
-            format!("rule {rule:?}: unknown align {:?} (calendar)", a.value),
-        ));
-    }
-    if !matches!(alg, Algorithm::FixedWindow | Algorithm::SlidingWindow) {
-        return Err(ConfigError::at(
-            file,
-            &a.referenced,
-            format!(
-                "rule {rule:?}: align: calendar works with fixed_window and sliding_window, not {}",
-                alg.as_str()
-            ),
-        ));
-    }
-    match timezone {
-        None => Ok(Some(0)),
-        Some(tz) => calendar::parse_offset(&tz.value).map(Some).ok_or_else(|| {
-            ConfigError::at(
-                file,
-                &tz.referenced,
-                format!(
-                    "rule {rule:?}: timezone {:?}: want UTC or +HH:MM / -HH:MM (at most 18h)",
-                    tz.value
-                ),
-            )
-        }),
-    }
-}
-
-/// Give calendar-aligned quotas their unit (from the nominal window) and offset.
-fn align(qs: &mut [Quota], offset: Option<i32>) {
-    let Some(offset_s) = offset else { return };
-    for q in qs {
-        let unit = [CalendarUnit::Day, CalendarUnit::Week, CalendarUnit::Month]
-            .into_iter()
-            .find(|u| u.nominal_us() == q.window_us.get());
-        if let Some(unit) = unit {
-            q.calendar = Some(Calendar { unit, offset_s });
-        }
-    }
-}
-
-/// `count_when: {status: [...]}`: codes 100-599 and classes `1xx`-`5xx`, at least one.
-fn count_when(file: &Path, rule: &str, cw: &Spanned<RawCountWhen>) -> Result<StatusMatch, ConfigError> {
-    let at = |m: String| ConfigError::at(file, &cw.referenced, format!("rule {rule:?}: count_when: {m}"));
-    let mut out = StatusMatch::default();
-    for s in &cw.value.status {
-        match s {
-            RawStatus::Code(c) if (100..=599).contains(c) => out.codes.push(*c as u16),
-            RawStatus::Code(c) => return Err(at(format!("{c} is not an HTTP status (100-599)"))),
-            RawStatus::Class(t) => {
-                let b = t.trim().as_bytes();
-                match b {
-                    [d @ b'1'..=b'5', b'x' | b'X', b'x' | b'X'] => out.classes |= 1 << (d - b'0'),
-                    _ => return Err(at(format!("{t:?} is neither a status nor a class like 4xx"))),
-                }
-            }
-        }
-    }
-    if out.classes == 0 && out.codes.is_empty() {
-        return Err(at("status lists nothing".to_owned()));
-    }
-    Ok(out)
-}
-
-/// `cost_from: {header, max}`: a valid header name, and `max` from the rule's `cost` (the
-/// estimate) up to the largest supported cost.
-fn cost_from(file: &Path, rule: &str, cf: &Spanned<RawCostFrom>, estimate: u64) -> Result<CostFrom, ConfigError> {
-    let at = |m: String| ConfigError::at(file, &cf.referenced, format!("rule {rule:?}: cost_from: {m}"));
-    let header = HeaderName::from_bytes(cf.value.header.trim().as_bytes())
-        .map_err(|_| at(format!("invalid header name {:?}", cf.value.header)))?;
-    let max = u64::try_from(cf.value.max).unwrap_or(0);
-    if max < estimate || max > crate::limiter::algorithm::MAX_UNITS {
-        return Err(at(format!(
-            "max must be at least the rule's cost ({estimate}) and at most {}",
-            crate::limiter::algorithm::MAX_UNITS
-        )));
-    }
-    Ok(CostFrom { header, max })
-}
-
-fn failure_policy(
-    file: &Path,
-    f: &Option<Spanned<String>>,
-    share: Option<&Spanned<u32>>,
-    default: FailurePolicy,
-) -> Result<FailurePolicy, ConfigError> {
-    let share = match share {
-        Some(s) => Some(
-            NonZeroU32::new(s.value)
-                .ok_or_else(|| ConfigError::at(file, &s.referenced, "local_share must be at least 1"))?,
-        ),
-        None => None,
-    };
-    let mut p = match f {
-        None => default,
-        Some(f) => match f.value.as_str() {
-            "open" => FailurePolicy::Open,
-            "closed" => FailurePolicy::Closed,
-            "local" => FailurePolicy::Local { share: NonZeroU32::MIN },
-            other => {
-                return Err(ConfigError::at(
-                    file,
-                    &f.referenced,
-                    format!("unknown failure policy {other:?} (open | closed | local)"),
-                ))
-            }
-        },
-    };
-    if let (FailurePolicy::Local { share: s }, Some(n)) = (&mut p, share) {
-        *s = n;
-    }
-    Ok(p)
 }
 
 impl RuleSet {
