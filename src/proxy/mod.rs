@@ -6,7 +6,6 @@
 //! `.await`; metric handles were resolved when the rules loaded.
 
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -17,12 +16,12 @@ use crate::http::headers::{self, Binding};
 use crate::http::request_id::X_REQUEST_ID;
 use crate::http::respond::{self, GatewayError};
 use crate::http::ProxyBody;
-use crate::identity::Identity;
-use crate::limiter::{local_share, FailurePolicy, LimitCheck, Source, StoreError, Verdict};
+use crate::limiter::{local_share, FailurePolicy, Source, Verdict};
 use crate::rules::caller;
 use crate::state::State;
 
 pub mod access;
+mod account;
 mod exchange;
 pub(crate) mod facts;
 pub mod plan;
@@ -357,7 +356,7 @@ impl State {
             admitted.slots = self.hold_slots(snap, plan, verdict, holder);
         }
         if snap.settles {
-            admitted.after = reserved_by_response_rules(snap, plan, verdict);
+            admitted.after = settle::reserved_by_response_rules(snap, plan, verdict);
         }
         admitted.delay_us = verdict
             .outcomes
@@ -367,139 +366,12 @@ impl State {
             .max()
             .unwrap_or(0);
         if admitted.delay_us > 0 {
-            admitted.refund_guard = Some(RefundGuard {
+            admitted.refund_guard = Some(settle::RefundGuard {
                 gw: self.clone(),
                 spent: Some(verdict.spent(&plan.checks)),
             });
         }
         None
-    }
-
-    /// Settle what response-dependent rules reserved, now that the response (or the error that
-    /// replaced it) is known: refund a `count_when` rule whose status does not match; settle a
-    /// `cost_from` rule from the response header, or from the trailers as the body streams.
-    fn settle_after(
-        self: &Arc<Self>,
-        snap: &crate::state::Snapshot,
-        after: Vec<(u32, settle::Reserved)>,
-        result: Result<Response<ProxyBody>, GatewayError>,
-    ) -> Result<Response<ProxyBody>, GatewayError> {
-        let status = match &result {
-            Ok(r) => r.status().as_u16(),
-            Err(e) => e.status().as_u16(),
-        };
-        let mut waiting = Vec::new();
-        for (ri, spent) in after {
-            let rule = &snap.rules.rules[ri as usize];
-            if rule.count_when.as_ref().is_some_and(|m| !m.matches(status)) {
-                settle::spawn_refund(self, spent);
-                continue;
-            }
-            let (Some(cf), Ok(resp)) = (&rule.cost_from, &result) else {
-                continue;
-            };
-            match resp.headers().get(&cf.header) {
-                Some(v) => match cf.parse(v) {
-                    Some(actual) => settle::spawn_settle(self, spent, actual),
-                    None => {
-                        tracing::debug!(rule = %rule.name, header = %cf.header, "unusable cost header; the estimate stays spent")
-                    }
-                },
-                None => waiting.push((cf.clone(), spent)),
-            }
-        }
-        let resp = result?;
-        Ok(if waiting.is_empty() {
-            resp
-        } else {
-            let gw = self.clone();
-            resp.map(|b| ProxyBody::boxed(settle::SettleBody::new(b, gw, waiting)))
-        })
-    }
-
-    /// Register the concurrency slots an admitted request took (with the limiter, for renewal,
-    /// and in the per-rule gauges) and return the guard that releases them; `None` when it took
-    /// none (the rules failed open, or a shadow limit denied).
-    fn hold_slots(
-        self: &Arc<Self>,
-        snap: &crate::state::Snapshot,
-        plan: &RequestPlan,
-        verdict: &Verdict,
-        holder: u64,
-    ) -> Option<slots::SlotGuard> {
-        let mut held = Vec::new();
-        let mut gauges = Vec::new();
-        for (p, (o, src)) in plan.checks.iter().zip(&verdict.outcomes) {
-            if p.check.is_slot() && o.allowed && matches!(src, Source::Store | Source::Local) {
-                let c = match (src, p.policy) {
-                    (Source::Local, FailurePolicy::Local { share }) => local_share(&p.check, share),
-                    _ => p.check.clone(),
-                };
-                held.push((c, *src));
-                gauges.push(snap.rule_metrics[p.rule as usize].in_flight.clone());
-            }
-        }
-        if held.is_empty() {
-            return None;
-        }
-        self.limiter().hold(holder, held);
-        Some(slots::SlotGuard::new(self.clone(), holder, gauges))
-    }
-
-    /// Metrics and logs for one verdict.
-    fn account(&self, snap: &crate::state::Snapshot, plan: &RequestPlan, verdict: &Verdict, ident: &Identity) {
-        if let Some(e) = &verdict.store_error {
-            match e {
-                StoreError::Timeout => self.metrics().store_timeout.inc(),
-                StoreError::CircuitOpen => self.metrics().store_circuit_open.inc(),
-                _ => self.metrics().store_error.inc(),
-            };
-        }
-        let mut last_rule = u32::MAX;
-        for (p, (o, src)) in plan.checks.iter().zip(&verdict.outcomes) {
-            let (c, ri) = (&p.check, &p.rule);
-            // One count per rule: its first denying limit, else its first limit.
-            let first_of_rule = *ri != last_rule;
-            last_rule = *ri;
-            let m = &snap.rule_metrics[*ri as usize];
-            let rule = &snap.rules.rules[*ri as usize];
-            if *src == Source::DenyCache && !o.allowed {
-                self.metrics().deny_cache_hits.inc();
-            }
-            if o.penalty_started {
-                m.penalty_started.inc();
-                tracing::info!(rule = %rule.name, identity_kind = ident.kind.as_str(), identity = %caller(ident).tag(self.keys(), ""), penalty_ms = o.penalty_us / 1000, "penalty box: key blocked");
-            }
-            if !first_of_rule && o.allowed {
-                continue;
-            }
-            match (src, o.allowed, c.shadow) {
-                (Source::FailOpen, _, _) => m.fail_open.inc(),
-                (Source::FailClosed, _, _) => m.fail_closed.inc(),
-                (Source::Local, true, _) => m.local.inc(),
-                (_, true, _) => m.allowed.inc(),
-                (_, false, true) => {
-                    let n = self.shadow_seen().fetch_add(1, Ordering::Relaxed);
-                    if n % self.config().limits.shadow_log_sample == 0 {
-                        tracing::info!(rule = %rule.name, identity_kind = ident.kind.as_str(), identity = %caller(ident).tag(self.keys(), ""), retry_after_ms = o.retry_after_us / 1000, sampled_one_in = self.config().limits.shadow_log_sample, "shadow rule would deny");
-                    }
-                    m.would_deny.inc()
-                }
-                (_, false, false) => {
-                    if *src != Source::DenyCache {
-                        tracing::info!(rule = %rule.name, identity_kind = ident.kind.as_str(), identity = %caller(ident).tag(self.keys(), ""), retry_after_ms = o.retry_after_us / 1000, "denied");
-                    }
-                    if matches!(src, Source::Local) {
-                        m.local.inc();
-                    }
-                    // The dashboard's "most limited": the hash already in the counter's key.
-                    if let Some(kind) = crate::activity::limited_kind(&rule.key) {
-                        self.activity().denied(c.key.hash_tag(), &rule.name, kind);
-                    }
-                    m.denied.inc()
-                }
-            };
-        }
     }
 }
 
@@ -527,56 +399,5 @@ struct Admitted {
     /// The leaky bucket's wait before it is forwarded, microseconds.
     delay_us: u64,
     /// Gives back what it spent if the client leaves during that wait.
-    refund_guard: Option<RefundGuard>,
-}
-
-/// What each `count_when` / `cost_from` rule of an admitted request reserved, by rule.
-fn reserved_by_response_rules(
-    snap: &crate::state::Snapshot,
-    plan: &RequestPlan,
-    verdict: &Verdict,
-) -> Vec<(u32, settle::Reserved)> {
-    let mut out: Vec<(u32, settle::Reserved)> = Vec::new();
-    for (p, (o, src)) in plan.checks.iter().zip(&verdict.outcomes) {
-        let rule = &snap.rules.rules[p.rule as usize];
-        if (rule.count_when.is_none() && rule.cost_from.is_none())
-            || !o.allowed
-            || p.check.cost == 0
-            || !matches!(src, Source::Store | Source::Local)
-        {
-            continue;
-        }
-        let c = match (src, p.policy) {
-            (Source::Local, FailurePolicy::Local { share }) => local_share(&p.check, share),
-            _ => p.check.clone(),
-        };
-        match out.last_mut() {
-            Some((ri, v)) if *ri == p.rule => v.push((c, o.at_us, *src)),
-            _ => out.push((p.rule, vec![(c, o.at_us, *src)])),
-        }
-    }
-    out
-}
-
-/// Gives back a leaky-bucket slot, and everything else the request spent, when the waiting
-/// request is dropped (client disconnected): each in the store and the window it was spent in.
-struct RefundGuard {
-    /// The gateway (for its limiter).
-    gw: Arc<State>,
-    /// What to refund; `None` once the request went through.
-    spent: Option<Vec<(LimitCheck, u64, Source)>>,
-}
-
-impl Drop for RefundGuard {
-    fn drop(&mut self) {
-        if let Some(spent) = self.spent.take() {
-            let gw = self.gw.clone();
-            if let Ok(h) = tokio::runtime::Handle::try_current() {
-                h.spawn(async move {
-                    gw.limiter().refund(&spent).await;
-                    tracing::debug!("client left while queued; leaky-bucket slot refunded");
-                });
-            }
-        }
-    }
+    refund_guard: Option<settle::RefundGuard>,
 }

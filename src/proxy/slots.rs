@@ -11,7 +11,10 @@ use hyper::body::{Body, Frame, SizeHint};
 use prometheus_client::metrics::gauge::Gauge;
 
 use crate::http::{BoxError, ProxyBody};
+use crate::limiter::{local_share, FailurePolicy, Source, Verdict};
 use crate::state::State;
+
+use super::plan::RequestPlan;
 
 /// Holds a request's slots; dropping it releases them (in a spawned task: a drop cannot wait)
 /// and lowers the per-rule in-flight gauges.
@@ -87,5 +90,36 @@ impl Body for GuardedBody {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+impl State {
+    /// Register the concurrency slots an admitted request took (with the limiter, for renewal,
+    /// and in the per-rule gauges) and return the guard that releases them; `None` when it took
+    /// none (the rules failed open, or a shadow limit denied).
+    pub(super) fn hold_slots(
+        self: &Arc<Self>,
+        snap: &crate::state::Snapshot,
+        plan: &RequestPlan,
+        verdict: &Verdict,
+        holder: u64,
+    ) -> Option<SlotGuard> {
+        let mut held = Vec::new();
+        let mut gauges = Vec::new();
+        for (p, (o, src)) in plan.checks.iter().zip(&verdict.outcomes) {
+            if p.check.is_slot() && o.allowed && matches!(src, Source::Store | Source::Local) {
+                let c = match (src, p.policy) {
+                    (Source::Local, FailurePolicy::Local { share }) => local_share(&p.check, share),
+                    _ => p.check.clone(),
+                };
+                held.push((c, *src));
+                gauges.push(snap.rule_metrics[p.rule as usize].in_flight.clone());
+            }
+        }
+        if held.is_empty() {
+            return None;
+        }
+        self.limiter().hold(holder, held);
+        Some(SlotGuard::new(self.clone(), holder, gauges))
     }
 }
