@@ -4,20 +4,23 @@
 //! A tokio timer costs each request a registration in the runtime's timer wheel, a lock of its
 //! driver on the way in and out and a fresh `Sleep` (hyper boxes one per request head): about
 //! 1,400 instructions for the two deadlines of a proxied request (issue #15). Here a deadline is
-//! an entry in one process-wide wheel of [`TICK`]-long buckets, each a doubly linked list in a
-//! slab, behind a `parking_lot` mutex held for a few dozen instructions (never across an
-//! `.await`): registering and cancelling are each a lock, a link change and an unlock, and a
-//! poll before the deadline is an atomic load. A thread of its own ("tollgate-timer") advances
-//! the wheel every tick while any deadline is registered and sleeps otherwise; it wakes the
-//! expired deadlines' tasks from outside their runtime, so one wheel serves every runtime (the
-//! thread-per-core workers, the work-stealing pool, and each test's own runtime).
+//! an entry in a wheel of [`TICK`]-long buckets, each a doubly linked list in a slab, behind a
+//! `parking_lot` mutex held for a few dozen instructions (never across an `.await`):
+//! registering and cancelling are each a lock, a link change and an unlock, and a poll before
+//! the deadline is an atomic load. There is one wheel per core (a thread keeps to one), so
+//! thread-per-core workers never contend for a lock or share a cache line here. A thread of
+//! its own ("tollgate-timer") advances every wheel each tick while any deadline is registered
+//! and sleeps otherwise; it wakes the expired deadlines' tasks from outside their runtime, so
+//! the wheels serve every runtime (the thread-per-core workers, the work-stealing pool, and
+//! each test's own runtime).
 //!
 //! A deadline fires at the first tick at or after it: never early, and late by at most one
 //! [`TICK`] plus the wake-up of the timer thread.
 
+use std::cell::Cell;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
@@ -32,6 +35,9 @@ const BUCKETS: usize = 4096;
 
 /// No entry (the end of a bucket's list).
 const NONE: u32 = u32::MAX;
+
+/// The tick of a deadline that never fires.
+const NEVER: u64 = u64::MAX;
 
 /// [`TICK`] in nanoseconds.
 const TICK_NANOS: u64 = TICK.as_nanos() as u64;
@@ -71,30 +77,61 @@ struct Wheel {
     done: u64,
 }
 
-/// The process-wide timer.
+/// One shard of the wheel: its buckets, and the count the timer thread reads without the lock.
+struct Shard {
+    /// The wheel proper.
+    wheel: Mutex<Wheel>,
+    /// `wheel.live`, mirrored for the timer thread's "is anything registered" check.
+    live: AtomicUsize,
+}
+
+/// The process-wide timer: one wheel per shard, each behind its own mutex. A thread keeps to
+/// one shard (given round-robin on its first deadline), so the workers of a thread-per-core
+/// server each lock a mutex of their own and no cache line is shared between them on the
+/// request path; only the timer thread visits every shard, once a tick. A deadline remembers
+/// its shard, so a task that moves between threads (work-stealing) cancels it where it lives.
 struct Timer {
     /// Instants count from here.
     epoch: Instant,
-    /// The wheel.
-    wheel: Mutex<Wheel>,
-    /// Woken when the first deadline is registered into an empty wheel.
+    /// The shards.
+    shards: Box<[Shard]>,
+    /// Set (under this mutex) when a deadline lands in an empty shard, so the sleeping timer
+    /// thread cannot miss it between its check and its wait.
+    pending: Mutex<bool>,
+    /// Woken with `pending`.
     work: Condvar,
     /// The last tick the timer thread processed: a deadline at or before it has fired.
     now_tick: AtomicU64,
 }
 
+/// Hands each thread its shard.
+static NEXT_SHARD: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    /// This thread's shard, once it registered a deadline (`usize::MAX` before).
+    static MY_SHARD: Cell<usize> = const { Cell::new(usize::MAX) };
+}
+
 fn timer() -> &'static Timer {
     static T: OnceLock<&'static Timer> = OnceLock::new();
     T.get_or_init(|| {
+        let n = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 64);
+        let shards = (0..n)
+            .map(|_| Shard {
+                wheel: Mutex::new(Wheel {
+                    slab: Vec::new(),
+                    free: Vec::new(),
+                    heads: vec![NONE; BUCKETS],
+                    live: 0,
+                    done: 0,
+                }),
+                live: AtomicUsize::new(0),
+            })
+            .collect();
         let t: &'static Timer = Box::leak(Box::new(Timer {
             epoch: Instant::now(),
-            wheel: Mutex::new(Wheel {
-                slab: Vec::new(),
-                free: Vec::new(),
-                heads: vec![NONE; BUCKETS],
-                live: 0,
-                done: 0,
-            }),
+            shards,
+            pending: Mutex::new(false),
             work: Condvar::new(),
             now_tick: AtomicU64::new(0),
         }));
@@ -121,16 +158,31 @@ impl Timer {
         nanos(self.epoch.elapsed()) / TICK_NANOS
     }
 
-    /// Register a deadline at `tick` that wakes `waker`: its slot and generation, or `None`
-    /// when the tick has already been processed (the deadline is due).
-    fn insert(&self, tick: u64, waker: &Waker) -> Option<(u32, u32)> {
-        let mut w = self.wheel.lock();
+    /// The calling thread's shard.
+    fn my_shard(&self) -> usize {
+        MY_SHARD
+            .try_with(|s| {
+                if s.get() == usize::MAX {
+                    s.set(NEXT_SHARD.fetch_add(1, Ordering::Relaxed) % self.shards.len());
+                }
+                s.get()
+            })
+            .unwrap_or(0)
+    }
+
+    /// Register a deadline at `tick` that wakes `waker`: its shard, slot and generation, or
+    /// `None` when the tick has already been processed (the deadline is due).
+    fn insert(&self, tick: u64, waker: &Waker) -> Option<(u32, u32, u32)> {
+        let si = self.my_shard();
+        let shard = &self.shards[si];
+        let mut w = shard.wheel.lock();
         if w.live == 0 {
-            // The thread slept while the wheel was empty: the ticks it skipped held nothing.
+            // This shard held nothing: the ticks the thread skipped (or slept through) held
+            // nothing of it either.
             let skipped = self.tick_now().saturating_sub(1);
             if skipped > w.done {
                 w.done = skipped;
-                self.now_tick.store(skipped, Ordering::Release);
+                self.now_tick.fetch_max(skipped, Ordering::AcqRel);
             }
         }
         if tick <= w.done {
@@ -139,7 +191,7 @@ impl Timer {
         let idx = match w.free.pop() {
             Some(i) => i,
             None => {
-                let i = u32::try_from(w.slab.len()).unwrap_or(NONE - 1);
+                let i = u32::try_from(w.slab.len()).ok().filter(|&i| i < NONE)?;
                 w.slab.push(Entry {
                     tick: 0,
                     waker: None,
@@ -163,10 +215,16 @@ impl Timer {
         let generation = e.generation;
         w.heads[bucket] = idx;
         w.live += 1;
-        if w.live == 1 {
+        shard.live.store(w.live, Ordering::Release);
+        let first = w.live == 1;
+        drop(w);
+        if first {
+            // After the shard's lock is released: the timer thread takes `pending` and then the
+            // shards, never the other way round.
+            *self.pending.lock() = true;
             self.work.notify_one();
         }
-        Some((idx, generation))
+        Some((si as u32, idx, generation))
     }
 
     /// Unlink entry `idx` (live, generation checked by the caller) and free its slot.
@@ -192,56 +250,81 @@ impl Timer {
         waker
     }
 
-    /// Cancel the deadline `(idx, generation)` if it has not fired.
-    fn cancel(&self, idx: u32, generation: u32) {
-        let mut w = self.wheel.lock();
+    /// Cancel the deadline `(shard, idx, generation)` if it has not fired.
+    fn cancel(&self, shard: u32, idx: u32, generation: u32) {
+        let Some(shard) = self.shards.get(shard as usize) else {
+            return;
+        };
+        let mut w = shard.wheel.lock();
         if w.slab.get(idx as usize).is_some_and(|e| e.generation == generation) {
             let _waker = Self::remove_at(&mut w, idx);
+            shard.live.store(w.live, Ordering::Release);
         }
     }
 
-    /// Point the deadline `(idx, generation)` at another task, if it has not fired.
-    fn rewake(&self, idx: u32, generation: u32, waker: &Waker) {
-        let mut w = self.wheel.lock();
-        if let Some(e) = w.slab.get_mut(idx as usize).filter(|e| e.generation == generation) {
-            e.waker = Some(waker.clone());
+    /// Point the deadline `(shard, idx, generation)` at another task. `false` when it has
+    /// fired already (its slot moved on): the caller must not wait for a wake-up.
+    fn rewake(&self, shard: u32, idx: u32, generation: u32, waker: &Waker) -> bool {
+        let Some(shard) = self.shards.get(shard as usize) else {
+            return false;
+        };
+        let mut w = shard.wheel.lock();
+        match w.slab.get_mut(idx as usize).filter(|e| e.generation == generation) {
+            Some(e) => {
+                e.waker = Some(waker.clone());
+                true
+            }
+            None => false,
         }
     }
 
-    /// The timer thread: every tick, fire the deadlines that are due; sleep while none is
-    /// registered.
+    /// The timer thread: every tick, fire the deadlines that are due in every shard; sleep
+    /// while no shard holds any.
     fn run(&self) {
         let mut due: Vec<Waker> = Vec::new();
         loop {
             {
-                let mut w = self.wheel.lock();
-                while w.live == 0 {
-                    self.work.wait(&mut w);
+                let mut pending = self.pending.lock();
+                while !*pending && self.shards.iter().all(|s| s.live.load(Ordering::Acquire) == 0) {
+                    self.work.wait(&mut pending);
                 }
-                let now = self.tick_now();
-                // At most one turn of the wheel per pass: every bucket once.
-                let from = w.done.saturating_add(1).max(now.saturating_sub(BUCKETS as u64 - 1));
-                for t in from..=now {
-                    let mut i = w.heads[(t % BUCKETS as u64) as usize];
-                    while i != NONE {
-                        let (next, tick) = {
-                            let e = &w.slab[i as usize];
-                            (e.next, e.tick)
-                        };
-                        if tick <= now {
-                            due.extend(Self::remove_at(&mut w, i));
+                *pending = false;
+            }
+            let now = self.tick_now();
+            for shard in self.shards.iter() {
+                let mut w = shard.wheel.lock();
+                if w.live > 0 {
+                    // At most one turn of the wheel per pass: every bucket once.
+                    let from = w.done.saturating_add(1).max(now.saturating_sub(BUCKETS as u64 - 1));
+                    for t in from..=now {
+                        let mut i = w.heads[(t % BUCKETS as u64) as usize];
+                        while i != NONE {
+                            let (next, tick) = {
+                                let e = &w.slab[i as usize];
+                                (e.next, e.tick)
+                            };
+                            if tick <= now {
+                                due.extend(Self::remove_at(&mut w, i));
+                            }
+                            i = next;
                         }
-                        i = next;
                     }
+                    shard.live.store(w.live, Ordering::Release);
                 }
                 w.done = w.done.max(now);
-                self.now_tick.store(now, Ordering::Release);
             }
+            self.now_tick.fetch_max(now, Ordering::AcqRel);
             for waker in due.drain(..) {
                 waker.wake();
             }
             std::thread::sleep(TICK);
         }
+    }
+
+    /// Live deadlines in every shard (for tests).
+    #[cfg(test)]
+    fn live(&self) -> usize {
+        self.shards.iter().map(|s| s.wheel.lock().live).sum()
     }
 }
 
@@ -249,8 +332,8 @@ impl Timer {
 pub struct Deadline {
     /// Its tick.
     tick: u64,
-    /// Its entry, once registered (slot, generation), and the waker stored there.
-    entry: Option<(u32, u32, Waker)>,
+    /// Its entry, once registered (shard, slot, generation), and the waker stored there.
+    entry: Option<(u32, u32, u32, Waker)>,
 }
 
 impl Deadline {
@@ -262,9 +345,15 @@ impl Deadline {
         }
     }
 
-    /// A deadline `after` from now.
+    /// A deadline `after` from now; one too far to name (`Instant` overflows) never fires.
     pub fn after(after: Duration) -> Self {
-        Self::at(Instant::now() + after)
+        match Instant::now().checked_add(after) {
+            Some(at) => Self::at(at),
+            None => Deadline {
+                tick: NEVER,
+                entry: None,
+            },
+        }
     }
 
     /// Move the deadline to `at` (cancelling the registration it had).
@@ -274,8 +363,8 @@ impl Deadline {
     }
 
     fn cancel(&mut self) {
-        if let Some((idx, generation, _)) = self.entry.take() {
-            timer().cancel(idx, generation);
+        if let Some((shard, idx, generation, _)) = self.entry.take() {
+            timer().cancel(shard, idx, generation);
         }
     }
 }
@@ -285,6 +374,9 @@ impl Future for Deadline {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
         let this = self.get_mut();
+        if this.tick == NEVER {
+            return Poll::Pending;
+        }
         let t = timer();
         if t.now_tick.load(Ordering::Acquire) >= this.tick {
             this.cancel();
@@ -292,12 +384,16 @@ impl Future for Deadline {
         }
         match &mut this.entry {
             None => match t.insert(this.tick, cx.waker()) {
-                Some((idx, generation)) => this.entry = Some((idx, generation, cx.waker().clone())),
+                Some((shard, idx, generation)) => this.entry = Some((shard, idx, generation, cx.waker().clone())),
                 // The thread passed the tick between the load above and the insert.
                 None => return Poll::Ready(()),
             },
-            Some((idx, generation, w)) if !w.will_wake(cx.waker()) => {
-                t.rewake(*idx, *generation, cx.waker());
+            Some((shard, idx, generation, w)) if !w.will_wake(cx.waker()) => {
+                if !t.rewake(*shard, *idx, *generation, cx.waker()) {
+                    // It fired between the load above and the lock, waking the old task.
+                    this.entry = None;
+                    return Poll::Ready(());
+                }
                 *w = cx.waker().clone();
             }
             Some(_) => {}
@@ -385,13 +481,40 @@ mod tests {
             let mut cx = Context::from_waker(&waker);
             assert!(Pin::new(&mut d).poll(&mut cx).is_pending());
         }
-        let live = timer().wheel.lock().live;
+        let live = timer().live();
         assert!(live < 100, "dropped deadlines stay registered: {live}");
         let (a, b) = tokio::join!(
             timeout(Duration::from_millis(10), std::future::pending::<()>()),
             timeout(Duration::from_millis(40), std::future::pending::<()>())
         );
         assert_eq!((a, b), (Err(Elapsed), Err(Elapsed)));
+    }
+
+    #[tokio::test]
+    async fn a_timeout_too_long_to_name_never_fires_and_never_panics() {
+        // `Instant::now() + Duration::MAX` overflows; a configured `request_timeout` that large
+        // must mean "no deadline", not a panic on every request.
+        assert_eq!(timeout(Duration::MAX, async { 7 }).await, Ok(7));
+        let mut d = Deadline::after(Duration::MAX);
+        let waker = futures_util::task::noop_waker();
+        assert!(Pin::new(&mut d).poll(&mut Context::from_waker(&waker)).is_pending());
+    }
+
+    #[test]
+    fn a_deadline_registered_on_one_thread_is_cancelled_from_another() {
+        // A work-stealing runtime moves tasks between threads: the deadline keeps its shard.
+        let mut d = Deadline::after(Duration::from_secs(60));
+        let waker = futures_util::task::noop_waker();
+        assert!(Pin::new(&mut d).poll(&mut Context::from_waker(&waker)).is_pending());
+        let shard = d.entry.as_ref().map(|e| e.0);
+        let (live_shard, idx, generation) = d.entry.as_ref().map(|e| (e.0, e.1, e.2)).unwrap_or_default();
+        std::thread::spawn(move || drop(d)).join().unwrap_or_default();
+        let w = timer().shards[live_shard as usize].wheel.lock();
+        assert!(shard.is_some(), "the deadline was registered");
+        assert!(
+            w.slab.get(idx as usize).is_none_or(|e| e.generation != generation),
+            "cancelled from another thread, the entry is freed in its own shard"
+        );
     }
 
     #[test]
