@@ -399,3 +399,33 @@ async fn a_daily_limit_resets_at_local_midnight() {
     );
     gw.stop().await;
 }
+
+/// A request refused on its way upstream (CONNECT, which a reverse proxy does not tunnel) is
+/// settled like any other response: a `count_when` rule it does not match gets its units back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_connect_gives_back_its_count_when_reservation() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = counting_upstream().await;
+    let rules = r#"rules:
+  - { name: only-ok, match: { path: "/**" }, key: ip, algorithm: fixed_window, limit: 1, window: 1h, count_when: { status: [200] } }
+"#;
+    let gw = gateway(&up.url(), &store_yaml("memory", &[]), rules, None).await;
+    for i in 0..3 {
+        let mut s = tokio::net::TcpStream::connect(gw.addr()).await.unwrap();
+        s.write_all(b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\nX-Forwarded-For: 10.9.0.1\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = vec![0u8; 4096];
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        let head = String::from_utf8_lossy(&buf[..n]);
+        assert!(head.starts_with("HTTP/1.1 400"), "CONNECT {i}: {head}");
+    }
+    // The one unit is still there: the CONNECTs were refunded.
+    let c = client();
+    let ok = format!("{}/status/200", gw.url);
+    assert_eq!(send(&c, reqwest::Method::GET, &ok, "10.9.0.1").await, 200);
+    assert_eq!(send(&c, reqwest::Method::GET, &ok, "10.9.0.1").await, 429);
+}

@@ -252,8 +252,12 @@ impl State {
             .after
             .iter()
             .any(|(ri, _)| snap.rules.rules[*ri as usize].cost_from.is_some());
-        let out = self.outbound(req, facts, peer, want_trailers)?;
-        let result = self.forward(out, admitted.slots, note).await;
+        // A request refused on its way out (CONNECT) is settled like an upstream error: a
+        // `count_when` rule it does not match gets its reservation back.
+        let result = match self.outbound(req, facts, peer, want_trailers) {
+            Ok(out) => self.forward(out, admitted.slots, note).await,
+            Err(e) => Err(e),
+        };
         let mut resp = if admitted.after.is_empty() {
             result?
         } else {
