@@ -189,10 +189,10 @@ fn append_list(h: &HeaderMap, had: bool, name: &'static HeaderName, item: &[u8],
 }
 
 /// Write every existing value of `name`, each followed by `, `, into `buf`. Values that are not
-/// visible ASCII (obs-text) are dropped: the joined header must stay readable text that ends
-/// with this hop.
+/// visible ASCII (obs-text) are dropped, and so are empty ones: the joined header must stay a
+/// readable list without empty members that ends with this hop.
 fn join_existing(h: &HeaderMap, name: &HeaderName, buf: &mut ValueBuf) {
-    for v in h.get_all(name).iter().filter(|v| v.to_str().is_ok()) {
+    for v in h.get_all(name).iter().filter(|v| !v.is_empty() && v.to_str().is_ok()) {
         buf.put(v.as_bytes());
         buf.put(b", ");
     }

@@ -28,3 +28,13 @@ fn appends_forwarding_headers() {
     assert_eq!(h[&X_FORWARDED_HOST], "api.example");
     assert_eq!(h[&FORWARDED], "for=10.0.0.1;proto=http;host=\"api.example\"");
 }
+
+#[test]
+fn empty_earlier_values_leave_no_empty_list_member() {
+    let mut h = HeaderMap::new();
+    h.append(&X_FORWARDED_FOR, HeaderValue::from_static(""));
+    h.append(&FORWARDED, HeaderValue::from_static(""));
+    add_forwarded(&mut h, "10.0.0.1".parse().unwrap(), None);
+    assert_eq!(h[&X_FORWARDED_FOR], "10.0.0.1");
+    assert_eq!(h[&FORWARDED], "for=10.0.0.1;proto=http");
+}
