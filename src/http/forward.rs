@@ -47,24 +47,10 @@ pub static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-h
 /// `Forwarded`.
 pub static FORWARDED: HeaderName = HeaderName::from_static("forwarded");
 
-/// Does the comma-separated list header `name` (every field of it) hold `token`, compared
-/// without regard to case (`Connection: keep-alive, Upgrade`, `TE: trailers`)?
-pub fn lists_token(h: &HeaderMap, name: &HeaderName, token: &str) -> bool {
-    h.get_all(name)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|t| t.trim().eq_ignore_ascii_case(token))
-}
-
-/// Is this an HTTP/1.1 upgrade request (`Connection: upgrade` + `Upgrade`)? Returns the
-/// `Upgrade` value to keep.
-pub fn upgrade_of(h: &HeaderMap) -> Option<HeaderValue> {
-    if lists_token(h, &header::CONNECTION, "upgrade") {
-        h.get(header::UPGRADE).cloned()
-    } else {
-        None
-    }
+/// Does the comma-separated list value `v` hold `token`, compared without regard to case
+/// (`Connection: keep-alive, Upgrade`, `TE: trailers`)?
+pub fn lists(v: &HeaderValue, token: &str) -> bool {
+    connection_tokens(v).any(|t| t.eq_ignore_ascii_case(token))
 }
 
 /// Remove hop-by-hop headers, and every header named in `Connection`. With `keep_upgrade`,
@@ -107,7 +93,8 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap, keep_upgrade: Option<HeaderValue>) {
     }
 }
 
-/// The comma-separated tokens of one `Connection` value (none when it is not visible ASCII).
+/// The comma-separated tokens of one list value such as `Connection`'s (none when it is not
+/// visible ASCII).
 fn connection_tokens(v: &HeaderValue) -> impl Iterator<Item = &str> {
     v.to_str().ok().into_iter().flat_map(|v| v.split(',')).map(str::trim)
 }

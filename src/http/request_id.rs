@@ -6,7 +6,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
-use http::{HeaderMap, HeaderName, HeaderValue};
+use http::{HeaderName, HeaderValue};
 
 /// `X-Request-Id`.
 pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
@@ -112,20 +112,6 @@ pub fn is_valid(v: &HeaderValue) -> bool {
     !b.is_empty() && b.len() <= MAX_LEN && b.iter().all(|c| c.is_ascii_alphanumeric() || b"-_.:/+=@".contains(c))
 }
 
-/// The request's id: its own valid `X-Request-Id` (kept), or a new one written into `h`.
-pub fn ensure(h: &mut HeaderMap) -> HeaderValue {
-    if let Some(v) = h.get(&X_REQUEST_ID) {
-        if is_valid(v) && h.get_all(&X_REQUEST_ID).iter().count() == 1 {
-            let mut v = v.clone();
-            v.set_sensitive(true);
-            return v;
-        }
-    }
-    let id = generate();
-    h.insert(X_REQUEST_ID.clone(), id.clone());
-    id
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -140,25 +126,5 @@ mod tests {
             assert!(id.is_sensitive(), "never HPACK-indexed (it pins its block of ids)");
             assert!(seen.insert(id), "an id repeated");
         }
-    }
-
-    #[test]
-    fn a_valid_id_is_kept_and_a_bad_one_replaced() {
-        let mut h = HeaderMap::new();
-        h.insert(X_REQUEST_ID.clone(), HeaderValue::from_static("abc-123"));
-        let kept = ensure(&mut h);
-        assert_eq!(kept, "abc-123");
-        assert!(kept.is_sensitive(), "a kept id is never HPACK-indexed either");
-        let mut h = HeaderMap::new();
-        h.insert(X_REQUEST_ID.clone(), HeaderValue::from_static("has space"));
-        let id = ensure(&mut h);
-        assert_eq!(id.len(), 32);
-        assert_eq!(h.get(&X_REQUEST_ID), Some(&id));
-        let long = "a".repeat(MAX_LEN + 1);
-        let mut h = HeaderMap::new();
-        h.insert(X_REQUEST_ID.clone(), HeaderValue::from_str(&long).unwrap()); // allow-panic: test
-        assert_ne!(ensure(&mut h), long.as_str());
-        let mut h = HeaderMap::new();
-        assert_eq!(ensure(&mut h).len(), 32);
     }
 }

@@ -340,12 +340,10 @@ pub enum GrpcCode {
     Unavailable = 14,
 }
 
-/// True for a gRPC request (`content-type: application/grpc`, `application/grpc+proto`, …):
+/// True for a gRPC request's `Content-Type` (`application/grpc`, `application/grpc+proto`, …):
 /// its client reads the outcome from `grpc-status`, not from the HTTP status.
-pub fn is_grpc(headers: &http::HeaderMap) -> bool {
-    headers
-        .get(header::CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+pub fn is_grpc(content_type: &http::HeaderValue) -> bool {
+    content_type.as_bytes().starts_with(b"application/grpc")
 }
 
 /// Turn a locally made response into what a gRPC client understands: HTTP 200, an empty body,

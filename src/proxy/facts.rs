@@ -8,7 +8,7 @@
 use http::header::{self, HeaderMap, HeaderValue};
 use http::Method;
 
-use crate::http::request_id;
+use crate::http::{forward, request_id, respond};
 
 /// The facts of one request's header section.
 #[derive(Debug, Default, Clone)]
@@ -62,15 +62,15 @@ impl Facts {
                     f.content_lengths += 1;
                 }
                 "transfer-encoding" => f.transfer_encoding = true,
-                "content-type" => f.grpc |= value.as_bytes().starts_with(b"application/grpc"),
+                "content-type" => f.grpc |= respond::is_grpc(value),
                 "x-request-id" => {
                     if f.request_ids == 0 {
                         f.request_id_valid = request_id::is_valid(value);
                     }
                     f.request_ids += 1;
                 }
-                "connection" => f.connection_upgrade |= lists(value, "upgrade"),
-                "te" => f.te_trailers |= lists(value, "trailers"),
+                "connection" => f.connection_upgrade |= forward::lists(value, "upgrade"),
+                "te" => f.te_trailers |= forward::lists(value, "trailers"),
                 _ => {}
             }
         }
@@ -106,15 +106,9 @@ fn digits(v: &HeaderValue) -> Option<u64> {
         .and_then(|s| s.parse::<u64>().ok())
 }
 
-/// Does the comma-separated list `v` hold `token` (compared without regard to case)?
-fn lists(v: &HeaderValue, token: &str) -> bool {
-    v.to_str()
-        .is_ok_and(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case(token)))
-}
-
 /// `X-Request-Id` as [`Facts`] saw it: the request's own id when it sent exactly one valid one
-/// (kept), otherwise a new one written into `h`. Like [`request_id::ensure`], without looking
-/// the field up when the request has none.
+/// (kept), otherwise a new one written into `h`; the field is not looked up when the request has
+/// none.
 pub(super) fn ensure_request_id(h: &mut HeaderMap, f: &Facts) -> HeaderValue {
     if f.request_ids == 1 && f.request_id_valid {
         if let Some(v) = h.get(&request_id::X_REQUEST_ID) {
@@ -222,5 +216,31 @@ mod tests {
                 assert_eq!(h[&request_id::X_REQUEST_ID], id);
             }
         }
+    }
+
+    /// The request path's id step, as `handle` runs it: the facts first, then the id.
+    fn ensure(h: &mut HeaderMap) -> HeaderValue {
+        let f = Facts::of(h);
+        ensure_request_id(h, &f)
+    }
+
+    #[test]
+    fn a_valid_id_is_kept_and_a_bad_one_replaced() {
+        let mut h = HeaderMap::new();
+        h.insert(request_id::X_REQUEST_ID.clone(), HeaderValue::from_static("abc-123"));
+        let kept = ensure(&mut h);
+        assert_eq!(kept, "abc-123");
+        assert!(kept.is_sensitive(), "a kept id is never HPACK-indexed either");
+        let mut h = HeaderMap::new();
+        h.insert(request_id::X_REQUEST_ID.clone(), HeaderValue::from_static("has space"));
+        let id = ensure(&mut h);
+        assert_eq!(id.len(), 32);
+        assert_eq!(h.get(&request_id::X_REQUEST_ID), Some(&id));
+        let long = "a".repeat(request_id::MAX_LEN + 1);
+        let mut h = HeaderMap::new();
+        h.insert(request_id::X_REQUEST_ID.clone(), HeaderValue::from_str(&long).unwrap()); // allow-panic: test
+        assert_ne!(ensure(&mut h), long.as_str());
+        let mut h = HeaderMap::new();
+        assert_eq!(ensure(&mut h).len(), 32);
     }
 }
