@@ -184,12 +184,7 @@ pub fn rule_checks<'v>(
         lease: None,
     };
     let file_limits = || {
-        // Read as text only when the rule has overrides to look it up in.
-        let limits = if rule.overrides.is_empty() {
-            rule.limits.as_slice()
-        } else {
-            rule.limits_for_id(who)
-        };
+        let limits = rule.limits_for_id(who);
         let from = if std::ptr::eq(limits, rule.limits.as_slice()) {
             LimitsFrom::Rule
         } else {

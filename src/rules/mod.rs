@@ -181,10 +181,10 @@ impl Rule {
     }
 
     /// The limits that apply to the identity `id` (key id, JWT user, IP): its override if
-    /// any, else the rule's.
-    pub fn limits_for_id(&self, id: &str) -> &[Quota] {
+    /// any, else the rule's. The id is read as text only when the rule has overrides.
+    pub fn limits_for_id(&self, id: &crate::identity::IdText) -> &[Quota] {
         if !self.overrides.is_empty() {
-            if let Some(o) = self.overrides.get(id) {
+            if let Some(o) = self.overrides.get(id.as_str()) {
                 return o;
             }
         }
