@@ -405,13 +405,8 @@ async fn a_daily_limit_resets_at_local_midnight() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_connect_gives_back_its_count_when_reservation() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let up = counting_upstream().await;
-    let rules = r#"rules:
-  - { name: only-ok, match: { path: "/**" }, key: ip, algorithm: fixed_window, limit: 1, window: 1h, count_when: { status: [200] } }
-"#;
-    let gw = gateway(&up.url(), &store_yaml("memory", &[]), rules, None).await;
-    for i in 0..3 {
-        let mut s = tokio::net::TcpStream::connect(gw.addr()).await.unwrap();
+    async fn connect_status(addr: std::net::SocketAddr) -> String {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
         s.write_all(b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\nX-Forwarded-For: 10.9.0.1\r\n\r\n")
             .await
             .unwrap();
@@ -420,12 +415,36 @@ async fn a_refused_connect_gives_back_its_count_when_reservation() {
             .await
             .unwrap()
             .unwrap();
-        let head = String::from_utf8_lossy(&buf[..n]);
-        assert!(head.starts_with("HTTP/1.1 400"), "CONNECT {i}: {head}");
+        String::from_utf8_lossy(&buf[..n])
+            .lines()
+            .next()
+            .unwrap_or("")
+            .to_owned()
+    }
+    let up = counting_upstream().await;
+    let rules = r#"rules:
+  - { name: only-ok, match: { path: "/**" }, key: ip, algorithm: fixed_window, limit: 1, window: 1h, count_when: { status: [200] } }
+"#;
+    let gw = gateway(&up.url(), &store_yaml("memory", &[]), rules, None).await;
+    let addr = gw.addr();
+    for i in 0..3 {
+        // The refund runs in a task of its own, and a CONNECT that races it is denied (and the
+        // denial cached, for at most a second): poll. Without the refund the unit stays spent
+        // for the hour, and every later CONNECT gets 429.
+        let refused = eventually(Duration::from_secs(5), || async move {
+            connect_status(addr).await.starts_with("HTTP/1.1 400")
+        })
+        .await;
+        assert!(refused, "CONNECT {i} never got its 400: its quota was not given back");
     }
     // The one unit is still there: the CONNECTs were refunded.
     let c = client();
     let ok = format!("{}/status/200", gw.url);
-    assert_eq!(send(&c, reqwest::Method::GET, &ok, "10.9.0.1").await, 200);
+    let passed = eventually(Duration::from_secs(5), || {
+        let (c, ok) = (c.clone(), ok.clone());
+        async move { send(&c, reqwest::Method::GET, &ok, "10.9.0.1").await == 200 }
+    })
+    .await;
+    assert!(passed, "the unit the CONNECTs reserved never came back");
     assert_eq!(send(&c, reqwest::Method::GET, &ok, "10.9.0.1").await, 429);
 }

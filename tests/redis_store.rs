@@ -31,15 +31,7 @@ fn lc(key: &str, algorithm: Algorithm, limit: u64, period_us: u64, cost: u64) ->
     } else {
         Quota::window(algorithm, nz(limit), nz(period_us))
     };
-    LimitCheck {
-        key: StoreKey::from(key.to_owned()),
-        quota,
-        cost,
-        shadow: false,
-        holder: 0,
-        penalty: None,
-        lease: None,
-    }
+    LimitCheck::new(StoreKey::from(key.to_owned()), quota, cost)
 }
 
 fn shadow(mut c: LimitCheck) -> LimitCheck {

@@ -117,14 +117,19 @@ pub(super) fn identity_checks(
     }
 }
 
-/// The hash an identity value is logged under (its caller namespace, as in `identity_checks`).
-pub(super) fn identity_hash(keys: &KeyBuilder, snap: &Snapshot, who: &str) -> String {
-    let ns = if snap.keys.has_id(who) {
+/// The namespace a caller value hashes in: a registered key id is an API key, an address an
+/// IP, anything else a JWT user (as in `identity_checks`).
+pub(super) fn caller_namespace(snap: &Snapshot, who: &str) -> Namespace {
+    if snap.keys.has_id(who) {
         Namespace::ApiKey
     } else if who.parse::<IpAddr>().is_ok() {
         Namespace::Ip
     } else {
         Namespace::Jwt
-    };
-    keys.tag(ns, who.as_bytes()).to_string()
+    }
+}
+
+/// The hash an identity value is logged under (its caller namespace).
+pub(super) fn identity_hash(keys: &KeyBuilder, snap: &Snapshot, who: &str) -> String {
+    keys.tag(caller_namespace(snap, who), who.as_bytes()).to_string()
 }

@@ -74,16 +74,7 @@ fn tag_of(gw: &State, snap: &Snapshot, kind: &str, value: &str) -> Result<String
             keys.tag(Namespace::Ip, ip.to_string().as_bytes())
         }
         "org" => keys.tag(Namespace::Org, value.as_bytes()),
-        "user" => {
-            let ns = if snap.keys.has_id(value) {
-                Namespace::ApiKey
-            } else if value.parse::<IpAddr>().is_ok() {
-                Namespace::Ip
-            } else {
-                Namespace::Jwt
-            };
-            keys.tag(ns, value.as_bytes())
-        }
+        "user" => keys.tag(super::identities::caller_namespace(snap, value), value.as_bytes()),
         k if k.starts_with("header:") => keys.tag(Namespace::Header, value.as_bytes()),
         other => return Err(format!("unknown key kind {other:?} (user | ip | org | header:<Name>)")),
     }
