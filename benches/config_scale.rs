@@ -64,6 +64,7 @@ fn bench_rules(c: &mut Criterion) {
             b.iter(|| {
                 let info = RequestInfo {
                     method: &Method::GET,
+                    method_override: None,
                     path: black_box(&path),
                     host: None,
                     headers: &headers,

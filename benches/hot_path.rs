@@ -54,6 +54,7 @@ fn bench_matching(c: &mut Criterion) {
                 let norm = normalize(black_box(path));
                 let info = RequestInfo {
                     method: &Method::GET,
+                    method_override: None,
                     path: &norm,
                     host: None,
                     headers: &h,

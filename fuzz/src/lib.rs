@@ -90,6 +90,7 @@ fn probe_rules(set: &RuleSet) {
         for tier in ["anonymous", "free", "pro"] {
             let info = RequestInfo {
                 method: &m,
+                method_override: None,
                 path: p,
                 host: Some("api.example"),
                 headers: &h,

@@ -118,8 +118,10 @@ pub fn explain(
     let plan = crate::proxy::plan::plan(snap, runtime, keys, &config.identity, parts, now_secs);
     let ident = &plan.identity;
     let norm = normalize(uri.path());
+    let overridden = crate::rules::method_override(headers);
     let info = RequestInfo {
         method,
+        method_override: overridden.as_ref(),
         path: &norm,
         host: request_host(headers, &uri),
         headers,

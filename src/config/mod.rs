@@ -235,6 +235,11 @@ pub struct ServerConfig {
     pub shutdown_grace: Duration,
     /// How the proxy's connections are spread over the worker threads.
     pub runtime: Runtime,
+    /// What a request path with an encoded `/` or `\` gets.
+    pub encoded_slashes: crate::rules::EncodedSlashes,
+    /// The protocols (lower case) a client may upgrade to; other `Upgrade` requests are
+    /// forwarded as plain requests, without the upgrade.
+    pub upgrades: Vec<String>,
 }
 
 /// How the proxy's connections are spread over its worker threads (`server.runtime`). The
@@ -663,6 +668,11 @@ impl GatewayConfig {
                 Some(raw::RawRuntime::WorkStealing) => Runtime::WorkStealing,
                 Some(raw::RawRuntime::ThreadPerCore) => Runtime::ThreadPerCore,
             },
+            encoded_slashes: match sv.encoded_slashes {
+                None | Some(raw::RawEncodedSlashes::Reject) => crate::rules::EncodedSlashes::Reject,
+                Some(raw::RawEncodedSlashes::Keep) => crate::rules::EncodedSlashes::Keep,
+            },
+            upgrades: upgrades(f, &sv.upgrades)?,
         };
         if server.shutdown_grace < upstream.request_timeout {
             notes.push(format!(
@@ -706,3 +716,31 @@ impl GatewayConfig {
 
 #[cfg(test)]
 mod tests;
+
+/// `server.upgrades`: protocol names (an `Upgrade` token without its `/version`), lower case;
+/// `[websocket]` when absent.
+fn upgrades(f: &Path, raw: &Option<Vec<Spanned<String>>>) -> Result<Vec<String>, ConfigError> {
+    let Some(list) = raw else {
+        return Ok(vec!["websocket".to_owned()]);
+    };
+    let mut out = Vec::with_capacity(list.len());
+    for p in list {
+        let name = p.value.trim();
+        let token = !name.is_empty()
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
+        if !token {
+            return Err(ConfigError::at(
+                f,
+                &p.referenced,
+                format!(
+                    "server.upgrades: {:?} is not a protocol name (a token such as websocket)",
+                    p.value
+                ),
+            ));
+        }
+        out.push(name.to_ascii_lowercase());
+    }
+    Ok(out)
+}

@@ -255,6 +255,20 @@ pub struct RawServer {
     pub shutdown_grace: Option<Spanned<String>>,
     /// `work_stealing` or `thread_per_core`.
     pub runtime: Option<RawRuntime>,
+    /// `reject` (default) or `keep`: what a path with `%2F` / `%5C` gets.
+    pub encoded_slashes: Option<RawEncodedSlashes>,
+    /// The protocols a client may upgrade to (`Upgrade:`); default `[websocket]`.
+    pub upgrades: Option<Vec<Spanned<String>>>,
+}
+
+/// `server.encoded_slashes`.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RawEncodedSlashes {
+    /// 400.
+    Reject,
+    /// Kept encoded, as data.
+    Keep,
 }
 
 /// `server.runtime`.
@@ -398,6 +412,12 @@ pub struct RawMatch {
     /// Exact header values.
     #[serde(default)]
     pub header: BTreeMap<String, String>,
+    /// Match the path without regard to letter case (for upstreams that route that way).
+    #[serde(default)]
+    pub ignore_case: bool,
+    /// `methods` also match the method named by `X-HTTP-Method-Override`, `X-HTTP-Method` or
+    /// `X-Method-Override` (default true: upstreams that honour them run that method).
+    pub method_override: Option<bool>,
 }
 
 /// One `{limit, window}`.

@@ -190,5 +190,23 @@ pub fn origin_form(pq: Option<&PathAndQuery>) -> Uri {
     Uri::from(pq.cloned().unwrap_or_else(|| PathAndQuery::from_static("/")))
 }
 
+/// Every protocol an `Upgrade` value offers (`websocket`, `h2c`, `foo/2`: by name, without its
+/// version, any case) is in `allowed` (lower case).
+pub fn upgrade_allowed(v: &HeaderValue, allowed: &[String]) -> bool {
+    let mut any = false;
+    for p in v.as_bytes().split(|&b| b == b',') {
+        let p = p.trim_ascii();
+        let name = p.split(|&b| b == b'/').next().unwrap_or(p);
+        if name.is_empty() {
+            continue;
+        }
+        any = true;
+        if !allowed.iter().any(|a| a.as_bytes().eq_ignore_ascii_case(name)) {
+            return false;
+        }
+    }
+    any
+}
+
 #[cfg(test)]
 mod tests;

@@ -30,6 +30,10 @@ pub enum GatewayError {
     /// A malformed request.
     #[error("bad request: {0}")]
     BadRequest(&'static str),
+    /// The request uses something tollgate does not implement (a transfer coding other than
+    /// `chunked`).
+    #[error("not implemented: {0}")]
+    NotImplemented(&'static str),
     /// The body is larger than `max_body_bytes`.
     #[error("request body too large")]
     PayloadTooLarge,
@@ -58,6 +62,7 @@ impl GatewayError {
             GatewayError::BadGateway(_) => StatusCode::BAD_GATEWAY,
             GatewayError::GatewayTimeout => StatusCode::GATEWAY_TIMEOUT,
             GatewayError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            GatewayError::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
             GatewayError::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             GatewayError::NotFound | GatewayError::UnknownIdentity => StatusCode::NOT_FOUND,
             GatewayError::HeadersTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
@@ -86,6 +91,7 @@ impl GatewayError {
                 json!({"error": "gateway_timeout", "message": "The upstream did not answer in time."})
             }
             GatewayError::BadRequest(why) => json!({"error": "bad_request", "message": why}),
+            GatewayError::NotImplemented(why) => json!({"error": "not_implemented", "message": why}),
             GatewayError::PayloadTooLarge => {
                 json!({"error": "payload_too_large", "message": "The request body is larger than this gateway accepts."})
             }

@@ -420,7 +420,7 @@ impl Upstream {
             };
             let result = match sender {
                 Sender::H1(mut s) => {
-                    to_h1(&mut req);
+                    to_h1(&mut req, &self.targets[i].host_header);
                     let r = s.try_send_request(req).await;
                     if r.is_ok() {
                         self.checkin(i, s);

@@ -45,7 +45,11 @@ impl State {
         if req.method() == Method::CONNECT {
             return Err(GatewayError::BadRequest("CONNECT is not supported"));
         }
-        let upgrade = super::facts::upgrade_of(req.headers(), facts);
+        // Only allow-listed upgrades (`server.upgrades`) pass. Any other (`h2c`, say) is
+        // forwarded as a plain request: an upgraded connection is one request to the limits,
+        // and a tunnel of HTTP/2 through it would pass every later request unchecked.
+        let upgrade = super::facts::upgrade_of(req.headers(), facts)
+            .filter(|v| forward::upgrade_allowed(v, &self.config().server.upgrades));
         let client_upgrade = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut req));
         let body_is_end = hyper::body::Body::is_end_stream(req.body());
         let (mut parts, body) = req.into_parts();

@@ -27,6 +27,9 @@ pub(super) struct Facts {
     pub(super) content_length: Option<Result<u64, ()>>,
     /// A `Transfer-Encoding` field is present.
     pub(super) transfer_encoding: bool,
+    /// A `Transfer-Encoding` names a coding other than `chunked` (which tollgate cannot pass on
+    /// without decoding it: a 501).
+    pub(super) other_coding: bool,
     /// `Content-Type` says gRPC (`application/grpc`, `application/grpc+proto`, …).
     pub(super) grpc: bool,
     /// `X-Request-Id` fields, and whether the first one is an id worth keeping.
@@ -61,7 +64,13 @@ impl Facts {
                     }
                     f.content_lengths += 1;
                 }
-                "transfer-encoding" => f.transfer_encoding = true,
+                "transfer-encoding" => {
+                    f.transfer_encoding = true;
+                    f.other_coding |= value
+                        .as_bytes()
+                        .split(|&b| b == b',')
+                        .any(|c| !c.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+                }
                 "content-type" => f.grpc |= respond::is_grpc(value),
                 "x-request-id" => {
                     if f.request_ids == 0 {
@@ -177,7 +186,10 @@ mod tests {
         ]);
         let f = Facts::of(&h);
         assert_eq!(f.content_length, Some(Err(())));
-        assert!(f.transfer_encoding && !f.te_trailers && !f.grpc && !f.connection_upgrade);
+        assert!(f.transfer_encoding && !f.other_coding && !f.te_trailers && !f.grpc && !f.connection_upgrade);
+        assert!(Facts::of(&map(&[("transfer-encoding", "gzip, chunked")])).other_coding);
+        assert!(Facts::of(&map(&[("transfer-encoding", "Chunked")])).transfer_encoding);
+        assert!(!Facts::of(&map(&[("transfer-encoding", "Chunked")])).other_coding);
         assert!(upgrade_of(&h, &f).is_none());
     }
 

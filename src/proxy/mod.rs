@@ -27,6 +27,7 @@ pub(crate) mod facts;
 pub mod plan;
 mod settle;
 mod slots;
+mod target;
 
 use facts::Facts;
 pub use plan::host_for_matching;
@@ -68,6 +69,9 @@ const FORWARD_ROOM: usize = 7;
 /// Refuses requests a proxy must not pass on, and bodies over `max_body_bytes` by their
 /// `Content-Length`.
 fn validate<B>(req: &Request<B>, f: &Facts, max_body_bytes: u64) -> Result<(), GatewayError> {
+    if f.other_coding {
+        return Err(GatewayError::NotImplemented("a transfer coding other than chunked"));
+    }
     if f.transfer_encoding && f.content_lengths > 0 {
         return Err(GatewayError::BadRequest("both Content-Length and Transfer-Encoding"));
     }
@@ -112,7 +116,7 @@ impl State {
         // hyper sizes a request's header map to the fields it parsed; the request id and the
         // forwarding headers would then regrow it (rehashing it) up to four times.
         req.headers_mut().reserve(FORWARD_ROOM);
-        let facts = Facts::of(req.headers());
+        let mut facts = Facts::of(req.headers());
         let id = facts::ensure_request_id(req.headers_mut(), &facts);
         let grpc = facts.grpc;
         let mut logged = self.access_sampler().take().then(|| Logged {
@@ -122,7 +126,7 @@ impl State {
             note: access::Note::default(),
         });
         let result = self
-            .serve(req, &facts, peer, logged.as_mut().map(|l| &mut l.note))
+            .serve(req, &mut facts, peer, logged.as_mut().map(|l| &mut l.note))
             .await;
         let mut resp = self.response_of(result, grpc, logged.as_mut().map(|l| &mut l.note));
         if let Some(l) = logged {
@@ -183,14 +187,15 @@ impl State {
     /// limiter waits only when it has to ask the store), so this future holds little.
     async fn serve(
         self: &Arc<Self>,
-        req: Request<Incoming>,
-        facts: &Facts,
+        mut req: Request<Incoming>,
+        facts: &mut Facts,
         peer: SocketAddr,
         mut note: Option<&mut access::Note>,
     ) -> Result<Response<ProxyBody>, GatewayError> {
         let sc = &self.config().server;
         validate(&req, facts, sc.max_body_bytes)?;
         headers_within(&req, facts, sc.max_header_bytes)?;
+        target::settle(&mut req, facts, sc.encoded_slashes)?;
         // An owned handle, not a guard: the snapshot stays alive across the awaits below
         // (store check, leaky-bucket wait, upstream exchange) without pinning an arc-swap slot.
         let snap = self.snapshot().load_full();

@@ -14,7 +14,7 @@ use crate::identity::{identify, Identity, IdentityKind};
 use crate::limiter::keys::KeyBuilder;
 use crate::limiter::{FailurePolicy, LimitCheck, PolicedCheck};
 use crate::rules::runtime::RuntimeOverrides;
-use crate::rules::{key_value, normalize, KeyValue, RequestInfo};
+use crate::rules::{key_value, method_override, normalize, KeyValue, RequestInfo};
 use crate::state::Snapshot;
 
 /// One limit of the plan: what to check, what happens when the store cannot answer for it,
@@ -102,8 +102,14 @@ pub fn plan(
 ) -> RequestPlan {
     let ident = identify(req.headers, req.peer, &snap.keys, identity, now_secs);
     let path = normalize(req.uri.path());
+    let overridden = if snap.rules.uses_method_override {
+        method_override(req.headers)
+    } else {
+        None
+    };
     let info = RequestInfo {
         method: req.method,
+        method_override: overridden.as_ref(),
         path: &path,
         // Only rules with a `host` condition read it.
         host: if snap.rules.uses_host {
@@ -235,13 +241,13 @@ pub fn rule_checks<'v>(
     );
 }
 
-/// Host without port, from `Host` or the URI authority (HTTP/2).
+/// Host without port: the target's authority when it has one (HTTP/2 `:authority`,
+/// absolute-form; RFC 9112 §3.2.2, RFC 9113 §8.3.1), else `Host`.
 pub fn request_host<'a>(headers: &'a HeaderMap, uri: &'a Uri) -> Option<&'a str> {
-    let raw = match headers.get(header::HOST) {
-        Some(h) => h.to_str().ok()?,
-        None => uri.host()?,
-    };
-    Some(host_for_matching(raw))
+    if let Some(h) = uri.host() {
+        return Some(host_for_matching(h));
+    }
+    Some(host_for_matching(headers.get(header::HOST)?.to_str().ok()?))
 }
 
 /// A `Host` value as rules match it: without the port, and without a trailing dot

@@ -409,8 +409,11 @@ impl RuleSet {
                 overrides.insert(who.clone(), qs);
             }
             let m = &r.matcher;
-            let pattern = Pattern::parse(&m.path.value)
+            let mut pattern = Pattern::parse(&m.path.value)
                 .map_err(|e| ctx.err(&m.path.referenced, format!("rule {name:?}: {e}")))?;
+            if m.ignore_case {
+                pattern.lowercase();
+            }
             let methods = match &m.methods {
                 None => None,
                 Some(ms) => {
@@ -447,6 +450,8 @@ impl RuleSet {
                 index,
                 pattern,
                 methods,
+                method_override: m.method_override.unwrap_or(true),
+                ignore_case: m.ignore_case,
                 tier: m.tier.clone(),
                 host: m.host.as_ref().map(|h| h.to_ascii_lowercase()),
                 headers,

@@ -15,6 +15,7 @@ pub mod path;
 pub mod runtime;
 mod trie;
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -25,7 +26,7 @@ use crate::identity::{Identity, IdentityKind};
 use crate::limiter::keys::{KeyBuilder, Namespace};
 use crate::limiter::{FailurePolicy, Penalty, Quota};
 pub use compile::{parse_rate, DEFAULT_MAX_RULES, DEFAULT_SLOT_TTL_US, MAX_PENALTY_US};
-pub use path::{normalize, Pattern, PatternClass};
+pub use path::{canonical, normalize, EncodedSlashes, PathError, Pattern, PatternClass};
 use trie::Node;
 
 /// What one counter is shared by.
@@ -141,6 +142,10 @@ pub struct Rule {
     pub pattern: Pattern,
     /// Allowed methods; `None` = any.
     pub methods: Option<Vec<Method>>,
+    /// `methods` also match a method-override header's method.
+    pub method_override: bool,
+    /// The path is matched without regard to case (its pattern's literals are lower case).
+    pub ignore_case: bool,
     /// Required tier.
     pub tier: Option<String>,
     /// Required host (lower-case, without port).
@@ -193,13 +198,19 @@ impl Rule {
 
     /// The rule's conditions and path both match.
     fn matches(&self, req: &RequestInfo<'_>) -> bool {
-        self.matches_conditions(req) && self.pattern.matches(req.path)
+        let path = if self.ignore_case {
+            lower(req.path)
+        } else {
+            Cow::Borrowed(req.path)
+        };
+        self.matches_conditions(req) && self.pattern.matches(&path)
     }
 
     /// Everything but the path: methods, tier, host, headers.
     fn matches_conditions(&self, req: &RequestInfo<'_>) -> bool {
         if let Some(m) = &self.methods {
-            if !m.iter().any(|x| x == req.method) {
+            let overridden = |x: &Method| self.method_override && req.method_override == Some(x);
+            if !m.iter().any(|x| x == req.method || overridden(x)) {
                 return false;
             }
         }
@@ -224,11 +235,33 @@ impl Rule {
     }
 }
 
+/// `path` in lower case; borrowed when it has no upper-case letter.
+pub(crate) fn lower(path: &str) -> Cow<'_, str> {
+    if path.bytes().any(|b| b.is_ascii_uppercase()) {
+        Cow::Owned(path.to_ascii_lowercase())
+    } else {
+        Cow::Borrowed(path)
+    }
+}
+
+/// The method a request asks the upstream to run instead of its own, by the first of
+/// `X-HTTP-Method-Override`, `X-HTTP-Method` and `X-Method-Override` it carries (upper-cased, as
+/// the frameworks that honour them read them); `None` without one, or when it names no method.
+pub fn method_override(headers: &HeaderMap) -> Option<Method> {
+    const NAMES: [&str; 3] = ["x-http-method-override", "x-http-method", "x-method-override"];
+    let v = NAMES.iter().find_map(|n| headers.get(*n))?;
+    let up = v.to_str().ok()?.trim().to_ascii_uppercase();
+    Method::from_bytes(up.as_bytes()).ok()
+}
+
 /// The parts of a request the matcher looks at.
 #[derive(Debug, Clone, Copy)]
 pub struct RequestInfo<'a> {
     /// Method.
     pub method: &'a Method,
+    /// The method a method-override header names (see [`method_override`]); looked for only
+    /// when some rule reads it ([`RuleSet::uses_method_override`]).
+    pub method_override: Option<&'a Method>,
     /// Normalised path (see [`normalize`]).
     pub path: &'a str,
     /// Host without port.
@@ -246,6 +279,12 @@ pub struct RuleSet {
     pub rules: Vec<Rule>,
     /// Path patterns as a trie of segments: a lookup visits only rules whose path matches.
     trie: Node,
+    /// The same for `ignore_case` rules, whose literals are lower case.
+    trie_ci: Node,
+    /// Some rule matches its path without regard to case.
+    pub uses_ignore_case: bool,
+    /// Some rule with `methods` reads method-override headers.
+    pub uses_method_override: bool,
     /// Distinct key kinds, in a fixed order; `Selection` slots follow it.
     pub kinds: Vec<KeyKind>,
     /// Slot of each rule's key kind in `kinds`.

@@ -1,64 +1,124 @@
 //! Path normalisation and path patterns.
 //!
-//! Normalisation runs before matching so that spellings of one path cannot dodge its rule:
-//! percent-encoded unreserved characters are decoded, `;params` are dropped from every segment,
-//! empty segments (`//`) collapse, dot-segments resolve, and a trailing slash goes. Encoded
-//! reserved characters (`%2F`) stay encoded: they are data, not structure.
+//! A request path is read once, into the one spelling that both the matcher and the upstream
+//! see (ARCHITECTURE.md, "What the matcher decides on is what the upstream receives"): every
+//! percent-escape is decoded and the bytes that must be escaped are escaped again, in upper
+//! case; `;params` are dropped from every segment; empty segments (`//`) collapse; dot-segments
+//! resolve. [`canonical`] gives that spelling for forwarding, or refuses a path that some
+//! upstream would read as another path (an encoded `/` or `\`, a literal `\`, a control byte,
+//! an encoded `;`, a malformed escape, a segment ending in `.` or white space).
+//! [`normalize`] is the same reading for matching, without the refusals and without a trailing
+//! slash (`/a/` and `/a` are one path to the rules).
 
 use std::borrow::Cow;
 
-/// Normalise a request path (no query). Borrowed when already normal (the common case).
-pub fn normalize(path: &str) -> Cow<'_, str> {
-    if is_normal(path) {
-        return Cow::Borrowed(path);
-    }
-    let mut out: Vec<String> = Vec::new();
-    for raw in path.split('/') {
-        let seg = match raw.find(';') {
-            Some(i) => &raw[..i],
-            None => raw,
-        };
-        let seg = decode_unreserved(seg);
-        match seg.as_str() {
-            "" | "." => {}
-            ".." => {
-                out.pop();
-            }
-            _ => out.push(seg),
-        }
-    }
-    let mut s = String::with_capacity(path.len());
-    for seg in &out {
-        s.push('/');
-        s.push_str(seg);
-    }
-    if s.is_empty() {
-        s.push('/');
-    }
-    Cow::Owned(s)
+/// How request paths that carry an encoded slash are treated (`server.encoded_slashes`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum EncodedSlashes {
+    /// `%2F` and `%5C` get a 400: upstreams that decode before routing would read them as `/`.
+    #[default]
+    Reject,
+    /// `%2F` and `%5C` stay encoded, matched and forwarded as data (for APIs that need them,
+    /// with upstreams that route on the raw path).
+    Keep,
 }
 
-fn is_normal(path: &str) -> bool {
+/// Why a request path was refused: it spells something an upstream could read as another path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PathError {
+    /// Not origin-form: it does not start with `/`.
+    NotOriginForm,
+    /// `%2F` or `%5C` with `encoded_slashes: reject`.
+    EncodedSlash,
+    /// A literal `\`, which some servers read as `/`.
+    Backslash,
+    /// A control byte, literal or encoded (`%00`, `%0A`, ...).
+    ControlByte,
+    /// `%3B`: an upstream that decodes first reads it as a `;params` delimiter.
+    EncodedSemicolon,
+    /// A `%` not followed by two hex digits.
+    MalformedEscape,
+    /// A segment ending in `.` or white space, which some servers strip.
+    TrailingDotOrSpace,
+}
+
+impl PathError {
+    /// The 400's message.
+    pub fn message(self) -> &'static str {
+        match self {
+            PathError::NotOriginForm => "the request target is not a path",
+            PathError::EncodedSlash => "the path has an encoded '/' or '\\' (server.encoded_slashes: reject)",
+            PathError::Backslash => "the path has a '\\'",
+            PathError::ControlByte => "the path has a control character",
+            PathError::EncodedSemicolon => "the path has an encoded ';'",
+            PathError::MalformedEscape => "the path has a '%' that starts no escape",
+            PathError::TrailingDotOrSpace => "a path segment ends in '.' or white space",
+        }
+    }
+}
+
+/// The path rules match `path` as: decoded and re-escaped as [`canonical`] does, without its
+/// refusals (what it would refuse is kept as data), and without a trailing slash. Borrowed when
+/// already normal (the common case); a fixed point.
+pub fn normalize(path: &str) -> Cow<'_, str> {
+    if is_plain(path, false) {
+        return Cow::Borrowed(path);
+    }
+    match rewrite(path, Mode::Lenient) {
+        Ok(s) => Cow::Owned(s),
+        // Lenient never refuses.
+        Err(_) => Cow::Owned("/".to_owned()),
+    }
+}
+
+/// The spelling of `path` that is forwarded upstream and matched: [`normalize`]'s, keeping a
+/// trailing slash (an upstream may redirect `/a` to `/a/`), or `Err` when some upstream could
+/// read it as another path. Borrowed when already canonical (the common case).
+pub fn canonical(path: &str, slashes: EncodedSlashes) -> Result<Cow<'_, str>, PathError> {
+    if !path.starts_with('/') {
+        return Err(PathError::NotOriginForm);
+    }
+    if is_plain(path, true) {
+        return Ok(Cow::Borrowed(path));
+    }
+    rewrite(path, Mode::Strict(slashes)).map(Cow::Owned)
+}
+
+/// How [`rewrite`] treats what an upstream could read differently.
+#[derive(Clone, Copy)]
+enum Mode {
+    /// Keep it as (escaped) data; no trailing slash.
+    Lenient,
+    /// Refuse it; keep a trailing slash.
+    Strict(EncodedSlashes),
+}
+
+/// A byte that stands for itself in a canonical path segment: RFC 3986 `pchar` without `%` and
+/// `;` (unreserved, sub-delims but `;`, `:` and `@`).
+fn literal_ok(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"-._~!$&'()*+,=:@".contains(&b)
+}
+
+/// Already in the output form: starts with '/', only literal bytes, no `//`, no dot-segment, no
+/// segment ending in '.', and a trailing slash only if `trailing_slash` (and never `/` alone
+/// counts as one).
+fn is_plain(path: &str, trailing_slash: bool) -> bool {
     let b = path.as_bytes();
     if b.first() != Some(&b'/') {
         return false;
     }
-    if b.len() > 1 && b[b.len() - 1] == b'/' {
+    if !trailing_slash && b.len() > 1 && b[b.len() - 1] == b'/' {
         return false;
     }
     let mut prev = 0u8;
     for (i, &c) in b.iter().enumerate() {
         match c {
-            b'%' | b';' => return false,
             b'/' if prev == b'/' => return false,
-            b'.' if prev == b'/' => {
-                // "/." followed by end, "/" or "." is a dot-segment.
-                match b.get(i + 1) {
-                    None | Some(b'/') | Some(b'.') => return false,
-                    _ => {}
-                }
-            }
-            _ => {}
+            b'/' => {}
+            // A '.' that ends a segment: a dot-segment, or a trailing dot.
+            b'.' if matches!(b.get(i + 1), None | Some(b'/')) => return false,
+            c if literal_ok(c) => {}
+            _ => return false,
         }
         prev = c;
     }
@@ -74,39 +134,98 @@ fn hexval(c: u8) -> Option<u8> {
     }
 }
 
-/// Decode `%XX` where XX is an unreserved character (RFC 3986 §2.3); uppercase other escapes.
-fn decode_unreserved(seg: &str) -> String {
+const HEX: &[u8; 16] = b"0123456789ABCDEF";
+
+fn push_escaped(out: &mut String, b: u8) {
+    out.push('%');
+    out.push(HEX[usize::from(b >> 4)] as char);
+    out.push(HEX[usize::from(b & 15)] as char);
+}
+
+/// One segment (its `;params` already cut) decoded and re-escaped onto `out`.
+fn segment(seg: &str, mode: Mode, out: &mut String) -> Result<(), PathError> {
+    let strict = matches!(mode, Mode::Strict(_));
     let b = seg.as_bytes();
-    let mut out = String::with_capacity(seg.len());
     let mut i = 0;
+    let mut last = 0u8;
     while i < b.len() {
-        if b[i] == b'%' && i + 2 < b.len() {
-            if let (Some(h), Some(l)) = (hexval(b[i + 1]), hexval(b[i + 2])) {
-                let v = h * 16 + l;
-                if v.is_ascii_alphanumeric() || matches!(v, b'-' | b'.' | b'_' | b'~') {
-                    out.push(v as char);
-                } else {
-                    out.push('%');
-                    out.push(b[i + 1].to_ascii_uppercase() as char);
-                    out.push(b[i + 2].to_ascii_uppercase() as char);
+        let (v, escaped) = match b[i] {
+            b'%' => match (
+                b.get(i + 1).copied().and_then(hexval),
+                b.get(i + 2).copied().and_then(hexval),
+            ) {
+                (Some(h), Some(l)) => {
+                    i += 3;
+                    (h * 16 + l, true)
                 }
-                i += 3;
-                continue;
+                _ if strict => return Err(PathError::MalformedEscape),
+                _ => {
+                    i += 1;
+                    (b'%', false)
+                }
+            },
+            c => {
+                i += 1;
+                (c, false)
+            }
+        };
+        last = v;
+        match v {
+            b'/' | b'\\' if escaped => match mode {
+                Mode::Strict(EncodedSlashes::Reject) => return Err(PathError::EncodedSlash),
+                _ => push_escaped(out, v),
+            },
+            b'\\' if strict => return Err(PathError::Backslash),
+            0..=0x1f | 0x7f if strict => return Err(PathError::ControlByte),
+            b';' if strict => return Err(PathError::EncodedSemicolon),
+            v if literal_ok(v) => out.push(v as char),
+            v => push_escaped(out, v),
+        }
+    }
+    if strict && (last == b'.' || last == b' ' || last == b'\t') {
+        return Err(PathError::TrailingDotOrSpace);
+    }
+    Ok(())
+}
+
+/// The slow path of [`normalize`] and [`canonical`].
+fn rewrite(path: &str, mode: Mode) -> Result<String, PathError> {
+    let mut out = String::with_capacity(path.len() + 8);
+    // Where each kept segment starts in `out`, for `..`.
+    let mut starts: Vec<usize> = Vec::new();
+    for raw in path.split('/') {
+        let seg = match raw.find(';') {
+            Some(i) => &raw[..i],
+            None => raw,
+        };
+        let at = out.len();
+        out.push('/');
+        let before = out.len();
+        segment(seg, Mode::Lenient, &mut out)?;
+        match &out[before..] {
+            "" | "." => out.truncate(at),
+            ".." => {
+                out.truncate(at);
+                if let Some(s) = starts.pop() {
+                    out.truncate(s);
+                }
+            }
+            _ => {
+                if let Mode::Strict(_) = mode {
+                    // Refusals are judged on the segment alone, dot-segments apart.
+                    let mut scratch = String::new();
+                    segment(seg, mode, &mut scratch)?;
+                }
+                starts.push(at);
             }
         }
-        if b[i] == b'%' {
-            // A '%' that starts no escape is data: spell it `%25`, so that the output is a fixed
-            // point (else "%%361" -> "%61" -> "a" on a second pass). Found by fuzz/path.
-            out.push_str("%25");
-            i += 1;
-            continue;
-        }
-        // Safe: we only split at ASCII bytes, so `seg[i..]` starts on a char boundary.
-        let ch = seg[i..].chars().next().unwrap_or('\u{fffd}');
-        out.push(ch);
-        i += ch.len_utf8();
     }
-    out
+    if out.is_empty() {
+        out.push('/');
+    } else if matches!(mode, Mode::Strict(_)) && path.len() > 1 && path.ends_with('/') {
+        out.push('/');
+    }
+    Ok(out)
 }
 
 /// One segment of a compiled pattern.
@@ -192,6 +311,15 @@ impl Pattern {
             class,
             literal_len,
         })
+    }
+
+    /// Lower-case its literal segments (an `ignore_case` rule matches the lower-cased path).
+    pub fn lowercase(&mut self) {
+        for s in &mut self.segments {
+            if let Segment::Literal(l) = s {
+                l.make_ascii_lowercase();
+            }
+        }
     }
 
     /// The first literal segment, if the pattern starts with one (for indexing).

@@ -16,8 +16,10 @@ fn rules(yaml: &str) -> RuleSet {
 fn chosen(set: &RuleSet, method: &str, path: &str, tier: &str, headers: &HeaderMap) -> Vec<String> {
     let m = Method::from_bytes(method.as_bytes()).unwrap();
     let norm = normalize(path);
+    let overridden = super::method_override(headers);
     let info = RequestInfo {
         method: &m,
+        method_override: overridden.as_ref(),
         path: &norm,
         host: Some("api.example"),
         headers,
@@ -161,6 +163,7 @@ fn trie_selection_equals_brute_force() {
     let brute = |m: &Method, path: &str, tier: &str| -> Vec<u32> {
         let info = RequestInfo {
             method: m,
+            method_override: None,
             path,
             host: Some("api.example"),
             headers: &h,
@@ -199,6 +202,7 @@ fn trie_selection_equals_brute_force() {
                     for (m, tier) in [(Method::GET, "free"), (Method::POST, "pro"), (Method::PUT, "anonymous")] {
                         let info = RequestInfo {
                             method: &m,
+                            method_override: None,
                             path: &path,
                             host: Some("api.example"),
                             headers: &h,
@@ -238,4 +242,47 @@ fn rules_lease_unless_they_opt_out_or_cannot() {
             ("counted", false)
         ]
     );
+}
+
+#[test]
+fn ignore_case_rules_match_any_spelling_of_their_path() {
+    let set = rules(
+        r#"
+rules:
+  - { name: login, match: { path: /api/v1/Login, methods: [POST], ignore_case: true }, key: ip, limit: 1, window: 1h }
+  - { name: exact-case, match: { path: /api/v1/Search }, key: user, limit: 1, window: 1h }
+"#,
+    );
+    let h = HeaderMap::new();
+    for p in ["/api/v1/login", "/API/v1/LOGIN", "/Api/V1/LoGiN/"] {
+        assert_eq!(chosen(&set, "POST", p, "free", &h), vec!["login"], "{p}");
+    }
+    assert_eq!(chosen(&set, "GET", "/api/v1/Search", "free", &h), vec!["exact-case"]);
+    assert!(chosen(&set, "GET", "/api/v1/search", "free", &h).is_empty());
+}
+
+#[test]
+fn method_conditions_read_method_override_headers_unless_told_not_to() {
+    let set = rules(
+        r#"
+rules:
+  - { name: post-only, match: { path: /api/v1/login, methods: [POST] }, key: ip, limit: 1, window: 1h }
+  - { name: no-override, match: { path: /api/v1/other, methods: [POST], method_override: false }, key: ip, limit: 1, window: 1h }
+"#,
+    );
+    let mut h = HeaderMap::new();
+    assert!(chosen(&set, "GET", "/api/v1/login", "free", &h).is_empty());
+    for name in ["x-http-method-override", "x-http-method", "x-method-override"] {
+        let mut h = HeaderMap::new();
+        h.insert(name, HeaderValue::from_static("post"));
+        assert_eq!(
+            chosen(&set, "GET", "/api/v1/login", "free", &h),
+            vec!["post-only"],
+            "{name}"
+        );
+        assert!(chosen(&set, "GET", "/api/v1/other", "free", &h).is_empty(), "{name}");
+    }
+    h.insert("x-http-method-override", HeaderValue::from_static("not a method"));
+    assert!(chosen(&set, "GET", "/api/v1/login", "free", &h).is_empty());
+    assert!(set.uses_method_override);
 }

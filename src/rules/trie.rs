@@ -65,12 +65,19 @@ impl RuleSet {
             .map(|r| kinds.iter().position(|k| *k == r.key).map_or(0, |p| p as u32))
             .collect();
         self.kinds = kinds;
-        let mut trie = Node::default();
+        let (mut trie, mut trie_ci) = (Node::default(), Node::default());
         for (i, r) in self.rules.iter().enumerate() {
-            trie.insert(&r.pattern, i as u32);
+            if r.ignore_case {
+                trie_ci.insert(&r.pattern, i as u32);
+            } else {
+                trie.insert(&r.pattern, i as u32);
+            }
         }
         self.trie = trie;
+        self.trie_ci = trie_ci;
         self.uses_host = self.rules.iter().any(|r| r.host.is_some());
+        self.uses_ignore_case = self.rules.iter().any(|r| r.ignore_case);
+        self.uses_method_override = self.rules.iter().any(|r| r.method_override && r.methods.is_some());
     }
 
     /// The chosen rule of each key kind for `req` (rule indices, one per kind that matched).
@@ -80,7 +87,7 @@ impl RuleSet {
         if self.kinds.len() > best.len() {
             extra = vec![None; self.kinds.len()];
         }
-        self.trie.walk(req.path, &mut |i| {
+        let mut visit = |i: u32| {
             let slot = self.kind_slot[i as usize] as usize;
             let cur = if extra.is_empty() {
                 &mut best[slot]
@@ -98,7 +105,11 @@ impl RuleSet {
             if r.matches_conditions(req) {
                 *cur = Some(i);
             }
-        });
+        };
+        self.trie.walk(req.path, &mut visit);
+        if self.uses_ignore_case {
+            self.trie_ci.walk(&super::lower(req.path), &mut visit);
+        }
         if extra.is_empty() {
             best.iter().flatten().copied().collect()
         } else {

@@ -38,3 +38,15 @@ fn empty_earlier_values_leave_no_empty_list_member() {
     assert_eq!(h[&X_FORWARDED_FOR], "10.0.0.1");
     assert_eq!(h[&FORWARDED], "for=10.0.0.1;proto=http");
 }
+
+#[test]
+fn only_allow_listed_upgrades_pass() {
+    let ws = vec!["websocket".to_owned()];
+    let ok = |v: &'static str| upgrade_allowed(&HeaderValue::from_static(v), &ws);
+    assert!(ok("websocket"));
+    assert!(ok("WebSocket"));
+    assert!(!ok("h2c"));
+    assert!(!ok("websocket, h2c"));
+    assert!(!ok("HTTP/2.0"));
+    assert!(!ok(""));
+}

@@ -49,10 +49,14 @@ where
 }
 
 /// The request as HTTP/1.1 sends it (undoes [`to_h2`] for a request that came back unsent):
-/// origin-form URI, the authority in `Host`.
-pub(super) fn to_h1(req: &mut Request<ProxyBody>) {
+/// origin-form URI, the authority in `Host`; a request that had no host at all (HTTP/1.0
+/// without `Host`) gets `target_host`, the target's own, as HTTP/1.1 requires one.
+pub(super) fn to_h1(req: &mut Request<ProxyBody>, target_host: &HeaderValue) {
     *req.version_mut() = Version::HTTP_11;
     if req.uri().scheme().is_none() {
+        if !req.headers().contains_key(http::header::HOST) {
+            req.headers_mut().insert(http::header::HOST, target_host.clone());
+        }
         return;
     }
     if !req.headers().contains_key(http::header::HOST) {

@@ -120,7 +120,7 @@ fn an_http2_request_carries_scheme_and_authority_and_converts_back() {
         !req.headers().contains_key(http::header::HOST),
         "HTTP/2 says :authority"
     );
-    to_h1(&mut req);
+    to_h1(&mut req, &HeaderValue::from_static("target.example:1"));
     assert_eq!(req.uri().to_string(), "/pkg.Service/Method?x=1");
     assert_eq!(req.headers()[http::header::HOST], "api.example:8080");
     assert_eq!(req.version(), Version::HTTP_11);
