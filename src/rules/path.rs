@@ -220,9 +220,9 @@ fn rewrite(path: &str, mode: Mode) -> Result<String, PathError> {
             }
         }
     }
-    if out.is_empty() {
-        out.push('/');
-    } else if matches!(mode, Mode::Strict(_)) && path.len() > 1 && path.ends_with('/') {
+    // The root, or a trailing slash kept for the upstream.
+    let trailing = matches!(mode, Mode::Strict(_)) && path.len() > 1 && path.ends_with('/');
+    if out.is_empty() || trailing {
         out.push('/');
     }
     Ok(out)
