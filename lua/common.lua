@@ -43,12 +43,16 @@ end
 -- another shape only in its own view (TG_SEEN).
 local TG_WRITE = ARGV[1] ~= 'peek'
 
--- Run a read command; a WRONGTYPE (or any) error reads as "no state" with `bad` set: the key
--- holds a limit of another algorithm (a reload changed it), which the readers convert.
+-- Run a read command; a WRONGTYPE error reads as "no state" with `bad` set: the key holds a
+-- limit of another algorithm (a reload changed it), which the readers convert. Any other error
+-- (an ACL that refuses the command, say) is raised: read as "no state" it would admit.
 local function tg_read(...)
   local r = redis.pcall(...)
   if type(r) == 'table' and r.err then
-    return nil, true
+    if string.find(r.err, 'WRONGTYPE', 1, true) then
+      return nil, true
+    end
+    error(r)
   end
   return r, false
 end

@@ -83,7 +83,16 @@ async fn route(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Resp
         // bound. It never depends on the store, or a store outage would take every replica out
         // of its Service and undo fail-open. `?store=1` asks about the store instead.
         (Method::GET, "/readyz") if query_param(&query, "store").is_none_or(|v| v == "0") => {
-            respond::text(StatusCode::OK, "ready\n", "text/plain")
+            // The one store condition readiness follows: a Redis user without the permissions
+            // the scripts need is a deployment mistake, not an outage.
+            match gw.store_permission_error() {
+                None => respond::text(StatusCode::OK, "ready\n", "text/plain"),
+                Some(e) => respond::text(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("not ready: the Redis user lacks a permission tollgate needs: {e}\n"),
+                    "text/plain",
+                ),
+            }
         }
         (Method::GET, "/readyz") => match gw.store_ready().await {
             Ok(()) => respond::text(StatusCode::OK, "store ok\n", "text/plain"),

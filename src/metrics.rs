@@ -177,6 +177,9 @@ pub struct Metrics {
     pub store_circuit_open: Counter,
     /// Store shards whose circuit breaker is open (0 when healthy; standalone Redis has one).
     pub breaker_open: Gauge,
+    /// `tollgate_store_permission_errors_total`: permission checks that found the Redis user
+    /// lacking a permission (`NOPERM`).
+    pub store_permission_errors: Counter,
     /// Deny-cache answers.
     pub deny_cache_hits: Counter,
     /// Live memory-store entries evicted to make room (`kind="live"`).
@@ -276,6 +279,12 @@ impl Metrics {
             "store_breaker_open",
             "Store shards (Redis masters) whose circuit breaker is open; 0 when all are healthy",
             breaker_open.clone(),
+        );
+        let store_permission_errors = Counter::default();
+        registry.register(
+            "store_permission_errors",
+            "Permission checks (at start and every 5 s) that found the Redis user lacking a permission tollgate needs (NOPERM); /readyz fails while the last one did",
+            store_permission_errors.clone(),
         );
         let evictions = Family::<KindLabels, Counter>::default();
         registry.register(
@@ -474,6 +483,7 @@ impl Metrics {
             store_timeout,
             store_circuit_open,
             breaker_open,
+            store_permission_errors,
             deny_cache_hits,
             memory_evicted,
             memory_evicted_denying,

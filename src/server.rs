@@ -82,6 +82,7 @@ pub async fn start_with(gw: Arc<State>) -> Result<Running, StartError> {
     }
     spawn_health_check(&gw, rx.clone());
     spawn_probe(&gw, rx.clone());
+    spawn_permission_check(&gw, rx.clone());
     spawn_slot_renewal(&gw, rx.clone());
     spawn_lease_sweep(&gw, rx.clone());
     spawn_override_refresh(&gw, rx.clone());
@@ -256,6 +257,22 @@ fn spawn_override_refresh(gw: &Arc<State>, stop: watch::Receiver<bool>) {
                 tracing::debug!(error = %e, "runtime overrides not refreshed; the last ones stay in force");
             }
         }
+    });
+}
+
+/// How often the Redis user's permissions are checked (at start, then this often).
+const PERMISSION_CHECK_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Check the Redis user's permissions at start and every [`PERMISSION_CHECK_EVERY`]
+/// ([`State::check_store_permissions`]): a missing permission is loud, not a silent fail-open.
+fn spawn_permission_check(gw: &Arc<State>, stop: watch::Receiver<bool>) {
+    if gw.limiter().store.is_memory() {
+        return;
+    }
+    let gw = gw.clone();
+    spawn_every(PERMISSION_CHECK_EVERY, stop, move || {
+        let gw = gw.clone();
+        async move { gw.check_store_permissions().await }
     });
 }
 

@@ -86,6 +86,8 @@ pub struct State {
     config_digest: Option<[u8; 32]>,
     /// What the admin dashboard shows over time (rates, limited hashes, store and reload history).
     activity: crate::activity::Activity,
+    /// The last permission check's refusal (`NOPERM`), while it stands: `/readyz` fails with it.
+    store_permission: parking_lot::Mutex<Option<String>>,
 }
 
 /// Seconds since the Unix epoch (0 before it).
@@ -328,6 +330,7 @@ impl State {
             config_digest,
             config,
             activity,
+            store_permission: parking_lot::Mutex::new(None),
         });
         Ok(gw)
     }
@@ -410,6 +413,31 @@ impl State {
         }
         self.metrics.config_file_changed.set(i64::from(differs));
         differs
+    }
+
+    /// Check that the Redis user has every permission the scripts need (the real script path,
+    /// which writes): a refusal (`NOPERM`) is logged at ERROR, counted, and fails `/readyz` until
+    /// a later check passes. Other failures (the store down) say nothing about permissions and
+    /// leave the verdict as it was.
+    pub async fn check_store_permissions(&self) {
+        match self.store_ready().await {
+            Err(StoreError::Permission(e)) => {
+                self.metrics.store_permission_errors.inc();
+                tracing::error!(error = %e, "the Redis user lacks a permission tollgate needs: every check fails and follows its rule's failure policy; /readyz fails until this is fixed (the ACL to grant is in docs/operations.md#redis-acl)");
+                *self.store_permission.lock() = Some(e);
+            }
+            Ok(()) => {
+                if self.store_permission.lock().take().is_some() {
+                    tracing::warn!("the Redis user has the permissions tollgate needs again");
+                }
+            }
+            Err(_) => {}
+        }
+    }
+
+    /// The standing permission refusal, if any (see [`State::check_store_permissions`]).
+    pub fn store_permission_error(&self) -> Option<String> {
+        self.store_permission.lock().clone()
     }
 
     /// Does the store answer the real script path (within a short deadline)? `/readyz?store=1`

@@ -834,3 +834,139 @@ fn a_rotated_jwt_public_key_is_picked_up_without_a_restart() {
     assert_eq!(s, 422);
     assert_eq!(kind(&ec), "jwt");
 }
+
+/// The least-privilege ACL of docs/operations.md#redis-acl, for key prefix `tl`.
+const LEAST_PRIVILEGE_ACL: &[&str] = &[
+    "resetkeys",
+    "~tl:*",
+    "~{tl:*",
+    "~tollgate:probe:*",
+    "resetchannels",
+    "-@all",
+    "+fcall",
+    "+function|load",
+    "+evalsha",
+    "+eval",
+    "+time",
+    "+type",
+    "+get",
+    "+set",
+    "+del",
+    "+exists",
+    "+hset",
+    "+hincrby",
+    "+hmget",
+    "+hgetall",
+    "+hdel",
+    "+pexpireat",
+    "+zadd",
+    "+zcard",
+    "+zcount",
+    "+zrange",
+    "+zrangebyscore",
+    "+zrem",
+    "+zremrangebyscore",
+    "+zrevrangebyscore",
+    "+zscore",
+    "+wait",
+    "+cluster|slots",
+    "+ping",
+];
+
+#[test]
+fn a_redis_user_without_the_documented_acl_is_loud_and_the_documented_acl_is_enough() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let up = echo_upstream(&rt);
+    let redis = RedisServer::start();
+    let user = |name: &str, perms: &[&str]| {
+        let mut args = vec!["ACL", "SETUSER", name, "reset", "on", ">s3cret-acl"];
+        args.extend_from_slice(perms);
+        assert_eq!(redis.cli(&args).trim(), "OK");
+    };
+    user("least", LEAST_PRIVILEGE_ACL);
+    // The set the old docs gave: enough to call the script, not for what it does.
+    user("old", &["~*", "+fcall", "+function|load"]);
+    // Every algorithm, so every command the scripts run is exercised.
+    let rules = r#"rules:
+  - { name: log, match: { path: "/log" }, key: ip, algorithm: sliding_log, limit: 3, window: 1m, failure: open }
+  - { name: fixed, match: { path: "/fixed" }, key: ip, algorithm: fixed_window, limit: 3, window: 1m, failure: open }
+  - { name: sliding, match: { path: "/sliding" }, key: ip, algorithm: sliding_window, limit: 3, window: 1m, failure: open }
+  - { name: bucket, match: { path: "/bucket" }, key: ip, algorithm: token_bucket, rate: 1/h, capacity: 3, failure: open }
+  - { name: slots, match: { path: "/slots" }, key: ip, algorithm: concurrency, limit: 3, failure: open }
+  - { name: leaky, match: { path: "/leaky" }, key: ip, algorithm: leaky_bucket, rate: 100/s, capacity: 3, failure: open }
+"#;
+    let start = |name: &str| {
+        let dir = tempfile::tempdir().unwrap();
+        let (port, admin_port) = (free_port(), free_port());
+        let body = format!(
+            "{}store:\n  kind: redis\n  urls: [\"redis://{name}@127.0.0.1:{}\"]\n  password_env: TL_ACL_PASSWORD\n  timeout: 200ms\n",
+            upstream_yaml(&up),
+            redis.port()
+        );
+        let p = write(dir.path(), port, &format!("127.0.0.1:{admin_port}"), &body, rules);
+        let gw = run(&p, &[("TL_ACL_PASSWORD", "s3cret-acl")], port, admin_port);
+        (
+            dir,
+            gw,
+            format!("http://127.0.0.1:{port}"),
+            format!("http://127.0.0.1:{admin_port}"),
+        )
+    };
+
+    // The documented ACL: every check decided in Redis, exactly, and ready.
+    let (_d1, gw1, base, admin) = start("least");
+    for path in ["log", "fixed", "sliding", "bucket"] {
+        let codes: Vec<u16> = (0..5).map(|_| status_of(&format!("{base}/{path}"))).collect();
+        assert_eq!(codes, [200, 200, 200, 429, 429], "{path}: {}", gw1.log());
+    }
+    for path in ["slots", "leaky"] {
+        assert_eq!(status_of(&format!("{base}/{path}")), 200, "{path}");
+    }
+    let m = rt.block_on(metric_value(
+        &client(),
+        &admin,
+        "tollgate_store_permission_errors_total",
+    ));
+    assert_eq!(m, 0.0);
+    assert!(!gw1.log().contains("lacks a permission"), "{}", gw1.log());
+    assert_eq!(status_of(&format!("{admin}/readyz")), 200);
+    assert!(!gw1.log().contains("NOPERM"), "{}", gw1.log());
+
+    // Too few permissions: checks fail open (as the rule says), but loudly: an ERROR line,
+    // /readyz fails for that reason, and the metric counts it.
+    let (_d2, gw2, base2, admin2) = start("old");
+    let noticed = eventually_some_blocking(Duration::from_secs(5), || {
+        (status_of(&format!("{admin2}/readyz")) == 503).then_some(())
+    });
+    assert!(
+        noticed.is_some(),
+        "a NOPERM Redis user left /readyz green: {}",
+        gw2.log()
+    );
+    let log = gw2.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains("lacks a permission") && l.contains("\"ERROR\""))
+        .unwrap_or_else(|| panic!("no ERROR line naming the permission: {log}"));
+    assert!(!line.contains("s3cret-acl"), "{line}");
+    assert_eq!(status_of(&format!("{base2}/log")), 200, "failure: open still serves");
+    let m = rt.block_on(metric_value(
+        &client(),
+        &admin2,
+        "tollgate_store_permission_errors_total",
+    ));
+    assert!(m >= 1.0, "tollgate_store_permission_errors_total = {m}");
+    let (_, body) = admin_call("GET", &format!("{admin2}/readyz"), None);
+    assert!(body.contains("permission"), "{body}");
+
+    // Granting the documented ACL clears it at the next check.
+    user("old", LEAST_PRIVILEGE_ACL);
+    let cleared = eventually_some_blocking(Duration::from_secs(8), || {
+        (status_of(&format!("{admin2}/readyz")) == 200).then_some(())
+    });
+    assert!(
+        cleared.is_some(),
+        "/readyz stayed failed after the ACL was fixed: {}",
+        gw2.log()
+    );
+}

@@ -33,6 +33,10 @@ pub enum StoreError {
     /// The reply had an unexpected shape.
     #[error("unexpected store reply: {0}")]
     Protocol(String),
+    /// The Redis user lacks a permission the scripts or the gateway need (`NOPERM`): a
+    /// configuration mistake, never transient (docs/operations.md, "Redis ACL").
+    #[error("the Redis user lacks a permission tollgate needs (see docs/operations.md#redis-acl): {0}")]
+    Permission(String),
 }
 
 impl StoreError {

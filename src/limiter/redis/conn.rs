@@ -198,7 +198,15 @@ fn first_key_route(cmd: &Cmd) -> Option<RoutingInfo> {
 /// Map a client error to a store error: a timeout, a connection-level (transient) failure, or
 /// an error the script or a command raised on a healthy server (permanent).
 pub(super) fn store_err(e: RedisError) -> StoreError {
-    if e.is_timeout() {
+    // A command the ACL refuses answers NOPERM; inside a script Redis says "The user executing
+    // the script can't run this command".
+    let text = e.to_string();
+    if e.kind() == ErrorKind::Server(ServerErrorKind::NoPerm)
+        || text.contains("NOPERM")
+        || text.contains("user executing the script can't run")
+    {
+        StoreError::Permission(text)
+    } else if e.is_timeout() {
         StoreError::Timeout
     } else if is_health_error(&e) {
         StoreError::Redis(e.to_string())
