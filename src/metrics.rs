@@ -94,6 +94,8 @@ pub enum Final {
     local_4xx,
     /// tollgate answered another 5xx (502 and 504: upstream unreachable or too slow).
     local_5xx,
+    /// The client left before the response (nginx's 499, Envoy's `DC`).
+    client_abort,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -208,7 +210,7 @@ pub struct Metrics {
     /// Responses the gateway itself produced, by exact code.
     local_errors: Family<CodeLabels, Counter>,
     /// `tollgate_responses_total{result}`, one handle per [`Final`], in its order.
-    finals: [Counter; 9],
+    finals: [Counter; 10],
     /// Client connections open now (proxy listener).
     pub open_connections: Gauge,
     /// Requests waiting their turn in a leaky bucket now.
@@ -423,6 +425,7 @@ impl Metrics {
             Final::unavailable,
             Final::local_4xx,
             Final::local_5xx,
+            Final::client_abort,
         ]
         .map(|result| finals.get_or_create(&FinalLabels { result }).clone());
         let build_info = Family::<BuildLabels, Gauge>::default();
@@ -596,6 +599,11 @@ impl Metrics {
             _ => Final::local_4xx,
         };
         self.finals[result as usize].inc();
+    }
+
+    /// Count a request whose client left before its response.
+    pub fn client_abort(&self) {
+        self.finals[Final::client_abort as usize].inc();
     }
 
     /// Count a 429 answered on the deny path (hot: one atomic add).

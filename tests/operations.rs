@@ -970,3 +970,96 @@ fn a_redis_user_without_the_documented_acl_is_loud_and_the_documented_acl_is_eno
         gw2.log()
     );
 }
+
+#[test]
+fn a_client_that_leaves_is_logged_and_counted_and_durations_cover_the_whole_body() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let up = rt.block_on(counting_upstream());
+    let dir = tempfile::tempdir().unwrap();
+    let (port, admin_port) = (free_port(), free_port());
+    let body = format!(
+        "{}access_log: true\n",
+        upstream_yaml(&up.url()).replace("request_timeout: 2s", "request_timeout: 5s")
+    );
+    let p = write(
+        dir.path(),
+        port,
+        &format!("127.0.0.1:{admin_port}"),
+        &body,
+        "rules: []\n",
+    );
+    let gw = run(&p, &[], port, admin_port);
+    let (base, admin) = (
+        format!("http://127.0.0.1:{port}"),
+        format!("http://127.0.0.1:{admin_port}"),
+    );
+    let aborts = "tollgate_responses_total{result=\"client_abort\"}";
+    rt.block_on(async {
+        let c = reqwest::Client::builder()
+            .timeout(Duration::from_millis(300))
+            .build()
+            .unwrap();
+        // Gone before the response head: the upstream takes 2 s.
+        assert!(c.get(format!("{base}/slow/2000")).send().await.is_err());
+        // Gone mid-body: /stream sends a chunk every 100 ms for 30 s.
+        let r = client().get(format!("{base}/stream")).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        let mut r = r;
+        let _ = r.chunk().await;
+        drop(r);
+        // A whole response: its duration covers the body (1 chunk after a 300 ms head).
+        assert_eq!(
+            client()
+                .get(format!("{base}/slow/300"))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap(),
+            "chunk\n"
+        );
+    });
+    let lines = eventually_some_blocking(Duration::from_secs(5), || {
+        let log = gw.log();
+        let access: Vec<serde_json::Value> = log
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v["target"] == "access")
+            .collect();
+        (access.len() >= 3).then_some(access)
+    })
+    .unwrap_or_else(|| panic!("no three access lines: {}", gw.log()));
+    let find = |path: &str| {
+        lines
+            .iter()
+            .find(|v| v["fields"]["path"] == path || v["path"] == path)
+            .unwrap_or_else(|| panic!("no line for {path}: {lines:?}"))
+            .clone()
+    };
+    let field = |v: &serde_json::Value, k: &str| {
+        if v["fields"].is_object() {
+            v["fields"][k].clone()
+        } else {
+            v[k].clone()
+        }
+    };
+    let early = find("/slow/2000");
+    assert_eq!(field(&early, "status"), 499, "{early}");
+    assert_eq!(field(&early, "decision"), "client_aborted", "{early}");
+    assert_eq!(field(&early, "client_aborted"), true, "{early}");
+    let d = field(&early, "duration_ms").as_f64().unwrap();
+    assert!(
+        (250.0..2000.0).contains(&d),
+        "the real duration until the client left: {d}"
+    );
+    let mid = find("/stream");
+    assert_eq!(field(&mid, "status"), 200, "{mid}");
+    assert_eq!(field(&mid, "client_aborted"), true, "{mid}");
+    let whole = find("/slow/300");
+    assert_eq!(field(&whole, "client_aborted"), false, "{whole}");
+    assert_eq!(field(&whole, "bytes_out"), 6, "{whole}");
+    assert!(field(&whole, "duration_ms").as_f64().unwrap() >= 300.0, "{whole}");
+    let n = rt.block_on(metric_value(&client(), &admin, aborts));
+    assert_eq!(n, 1.0, "{aborts}");
+}

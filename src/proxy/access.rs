@@ -1,7 +1,12 @@
-//! The access log (DESIGN.md §11): one structured line per request (or per sampled request),
-//! on the tracing target `access`. It names the request id, method, path without its query,
-//! status, decision and rule, the caller's identity kind and salted hash, the upstream target
-//! and the durations — never a key, a token, a header value or a query string.
+//! The access log: one structured line per request (or per sampled request), on the tracing
+//! target `access`. It names the request id, method, path without its query, status, decision
+//! and rule, the caller's identity kind and salted hash, the upstream target, the bytes sent and
+//! the durations — never a key, a token, a header value or a query string.
+//!
+//! The line is written when the response body has ended, so `duration_ms` is the whole
+//! exchange. A client that leaves still gets its line: before the response, as status 499 with
+//! decision `client_aborted` (nginx's 499, Envoy's `DC`); during the body, with its real status
+//! and `client_aborted: true`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -56,23 +61,160 @@ impl Sampler {
     }
 }
 
-/// Write the line.
-pub fn write(id: &http::HeaderValue, method: &http::Method, path: &str, status: u16, started: Instant, note: &Note) {
-    let total_us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
-    tracing::info!(
-        target: "access",
-        request_id = id.to_str().unwrap_or("-"),
-        method = method.as_str(),
-        path,
-        status,
-        decision = note.decision,
-        rule = note.rule.as_deref().unwrap_or("-"),
-        identity_kind = note.identity_kind,
-        identity = note.identity.as_str(),
-        upstream = note.target.as_deref().unwrap_or("-"),
-        attempts = note.attempts,
-        upstream_ms = note.upstream_us as f64 / 1000.0,
-        duration_ms = total_us as f64 / 1000.0,
-        "access"
-    );
+/// One logged request: what its line needs besides how it ended.
+#[derive(Debug)]
+pub struct Line {
+    /// The request id.
+    pub id: http::HeaderValue,
+    /// When it arrived.
+    pub started: Instant,
+    /// Its method.
+    pub method: http::Method,
+    /// Its path, without the query.
+    pub path: String,
+    /// What the request path learned.
+    pub note: Note,
+}
+
+impl Line {
+    /// Write the line: the response's `status`, the body bytes sent, and whether the client
+    /// left before the end.
+    pub fn write(&self, status: u16, bytes_out: u64, client_aborted: bool) {
+        let total_us = u64::try_from(self.started.elapsed().as_micros()).unwrap_or(u64::MAX);
+        let note = &self.note;
+        tracing::info!(
+            target: "access",
+            request_id = self.id.to_str().unwrap_or("-"),
+            method = self.method.as_str(),
+            path = self.path.as_str(),
+            status,
+            decision = note.decision,
+            rule = note.rule.as_deref().unwrap_or("-"),
+            identity_kind = note.identity_kind,
+            identity = note.identity.as_str(),
+            upstream = note.target.as_deref().unwrap_or("-"),
+            attempts = note.attempts,
+            upstream_ms = note.upstream_us as f64 / 1000.0,
+            duration_ms = total_us as f64 / 1000.0,
+            bytes_out,
+            client_aborted,
+            "access"
+        );
+    }
+}
+
+/// A request on its way to a response. Dropped before [`Pending::answered`] — the client left
+/// while tollgate was still deciding or waiting for the upstream — it counts the request as
+/// `client_abort` and writes its line as status 499, decision `client_aborted`.
+pub struct Pending<'a> {
+    /// Where the abort is counted.
+    pub metrics: &'a crate::metrics::Metrics,
+    /// The line, when this request is logged.
+    pub line: Option<Line>,
+    /// The response was made.
+    answered: bool,
+}
+
+impl<'a> Pending<'a> {
+    /// A request that is not answered yet.
+    pub fn new(metrics: &'a crate::metrics::Metrics, line: Option<Line>) -> Self {
+        Pending {
+            metrics,
+            line,
+            answered: false,
+        }
+    }
+
+    /// The response is made: hand over the line (to [`LoggedBody`]).
+    pub fn answered(mut self) -> Option<Line> {
+        self.answered = true;
+        self.line.take()
+    }
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        if self.answered {
+            return;
+        }
+        self.metrics.client_abort();
+        if let Some(mut l) = self.line.take() {
+            l.note.decision = "client_aborted";
+            l.write(499, 0, true);
+        }
+    }
+}
+
+/// A response body that writes its request's access line when it ends, fails, or is dropped
+/// by a client that left mid-body.
+pub struct LoggedBody {
+    /// The response body.
+    inner: crate::http::ProxyBody,
+    /// `None` once written.
+    line: Option<Line>,
+    /// The response's status.
+    status: u16,
+    /// Body bytes passed on so far.
+    bytes: u64,
+}
+
+impl LoggedBody {
+    /// `inner`, logging `line` at its end.
+    pub fn new(inner: crate::http::ProxyBody, line: Line, status: u16) -> Self {
+        LoggedBody {
+            inner,
+            line: Some(line),
+            status,
+            bytes: 0,
+        }
+    }
+
+    fn finish(&mut self, aborted: bool) {
+        if let Some(l) = self.line.take() {
+            l.write(self.status, self.bytes, aborted);
+        }
+    }
+}
+
+impl hyper::body::Body for LoggedBody {
+    type Data = bytes::Bytes;
+    type Error = crate::http::BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, Self::Error>>> {
+        let r = std::pin::Pin::new(&mut self.inner).poll_frame(cx);
+        match &r {
+            std::task::Poll::Ready(Some(Ok(f))) => {
+                if let Some(d) = f.data_ref() {
+                    self.bytes += d.len() as u64;
+                }
+                if self.inner.is_end_stream() {
+                    self.finish(false);
+                }
+            }
+            std::task::Poll::Ready(None) => self.finish(false),
+            std::task::Poll::Ready(Some(Err(_))) => self.finish(true),
+            std::task::Poll::Pending => {}
+        }
+        r
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for LoggedBody {
+    fn drop(&mut self) {
+        // Ended without being read to the end: an empty body (hyper never polls it) ended
+        // complete; any other, the client left.
+        let aborted = !hyper::body::Body::is_end_stream(&self.inner);
+        self.finish(aborted);
+    }
 }

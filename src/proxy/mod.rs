@@ -119,21 +119,27 @@ impl State {
         let mut facts = Facts::of(req.headers());
         let id = facts::ensure_request_id(req.headers_mut(), &facts);
         let grpc = facts.grpc;
-        let mut logged = self.access_sampler().take().then(|| Logged {
+        let line = self.access_sampler().take().then(|| access::Line {
+            id: id.clone(),
             started: Instant::now(),
             method: req.method().clone(),
             path: req.uri().path().to_owned(),
             note: access::Note::default(),
         });
+        // Dropped with this future if the client leaves before the response: counted and logged.
+        let mut pending = access::Pending::new(self.metrics(), line);
         let result = self
-            .serve(req, &mut facts, peer, logged.as_mut().map(|l| &mut l.note))
+            .serve(req, &mut facts, peer, pending.line.as_mut().map(|l| &mut l.note))
             .await;
-        let mut resp = self.response_of(result, grpc, logged.as_mut().map(|l| &mut l.note));
-        if let Some(l) = logged {
-            access::write(&id, &l.method, &l.path, resp.status().as_u16(), l.started, &l.note);
-        }
+        let mut resp = self.response_of(result, grpc, pending.line.as_mut().map(|l| &mut l.note));
         resp.headers_mut().insert(X_REQUEST_ID.clone(), id);
-        resp
+        match pending.answered() {
+            Some(l) => {
+                let status = resp.status().as_u16();
+                resp.map(|b| ProxyBody::boxed(access::LoggedBody::new(b, l, status)))
+            }
+            None => resp,
+        }
     }
 
     /// What the client gets for `result`: the response, or the error's; a gRPC client gets
@@ -382,18 +388,6 @@ impl State {
         }
         None
     }
-}
-
-/// An access-logged request: what its line needs besides the response.
-struct Logged {
-    /// When it arrived.
-    started: Instant,
-    /// Its method.
-    method: http::Method,
-    /// Its path, without the query.
-    path: String,
-    /// What the request path learned.
-    note: access::Note,
 }
 
 /// What an admitted request holds on its way upstream.
