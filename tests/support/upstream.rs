@@ -135,6 +135,13 @@ async fn serve(counts: Arc<Counts>, req: Request<Incoming>) -> Result<Response<B
         // hyper sends only the trailer fields the head announces.
         r.headers_mut().insert("trailer", "x-tokens-used".parse().unwrap());
         return Ok(r);
+    } else if path == "/ratelimit" {
+        let mut r = Response::new(body(serving, 1, Duration::ZERO, false));
+        r.headers_mut()
+            .insert("ratelimit-policy", "\"origin\";q=100;w=3600".parse().unwrap());
+        r.headers_mut()
+            .insert("ratelimit", "\"origin\";r=7;t=1200".parse().unwrap());
+        return Ok(r);
     } else if path == "/hang" {
         tokio::time::sleep(Duration::from_secs(30)).await;
         body(serving, 1, Duration::ZERO, false)
