@@ -13,9 +13,11 @@ use crate::config::{GatewayConfig, Runtime};
 use crate::state::{StartError, State};
 
 mod conn;
+mod h2_idle;
+mod per_ip;
 mod stop;
 
-use conn::{accept_loop, bind, spawn_worker, Worker};
+use conn::{accept_loop, bind, per_ip_of, spawn_worker, Worker};
 pub use conn::{serve, serve_with, H2_MAX_STREAMS, H2_PING_TIMEOUT};
 
 /// A running gateway: its bound addresses and how to stop it.
@@ -106,6 +108,7 @@ pub async fn start_with(gw: Arc<State>) -> Result<Running, StartError> {
     let acceptor = tls.map(|(a, _)| a);
     let tls_on = acceptor.is_some();
     let conns = Arc::new(Semaphore::new(gw.config().server.max_connections));
+    let per_ip = per_ip_of(&gw);
     // Thread-per-core: the other workers, each a single-threaded runtime on its own thread
     // with its own listener. They drain on `stop` like this one, and keep their runtimes (and
     // whatever store or upstream connections were opened on them) running until `release`, so
@@ -118,6 +121,7 @@ pub async fn start_with(gw: Arc<State>) -> Result<Running, StartError> {
             stop: rx.clone(),
             tls: acceptor.clone(),
             conns: conns.clone(),
+            per_ip: per_ip.clone(),
         };
         others.push(spawn_worker(i + 1, l, w, released.clone()).map_err(|source| StartError::Bind { addr, source })?);
     }
@@ -126,6 +130,7 @@ pub async fn start_with(gw: Arc<State>) -> Result<Running, StartError> {
         stop: rx,
         tls: acceptor,
         conns,
+        per_ip,
     };
     let gw_done = gw.clone();
     let done = tokio::spawn(async move {

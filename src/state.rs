@@ -132,9 +132,8 @@ pub fn load_snapshot(config: &GatewayConfig, metrics: &Metrics) -> Result<Snapsh
         .rules
         .iter()
         .map(|r| {
-            r.limits
-                .iter()
-                .filter_map(|q| crate::http::headers::FixedValues::new(&r.name, *q, r.cost))
+            (0..r.limits.len())
+                .filter_map(|at| crate::http::headers::FixedValues::new(&r.name, &r.limits, at, r.cost))
                 .collect()
         })
         .collect();

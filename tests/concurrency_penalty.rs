@@ -168,7 +168,10 @@ async fn slots_are_released_however_the_request_ends() {
     let third = c.get(format!("{}/x", gw.url)).send().await.unwrap();
     assert_eq!(third.status(), 429);
     let policy = third.headers()["ratelimit-policy"].to_str().unwrap().to_owned();
-    assert_eq!(policy, "\"inflight\";q=2", "a concurrency policy has no window");
+    assert_eq!(
+        policy, "\"inflight\";q=2;qu=\"concurrent-requests\"",
+        "a concurrency policy has no window, and says its quota unit"
+    );
     drop((a, b));
     gw.stop().await;
 }

@@ -401,7 +401,12 @@ async fn the_binding_limit_is_the_one_exhausted_longest() {
         let v = r.headers()["ratelimit"].to_str().unwrap().to_owned();
         v.rsplit("t=").next().unwrap().parse().unwrap()
     };
-    assert_eq!(r.headers()["ratelimit-policy"], "\"two\";q=1;w=3600");
+    // Both windows are policies of their own; RateLimit names the binding one.
+    assert_eq!(
+        r.headers()["ratelimit-policy"],
+        "\"two-1s\";q=1;w=1, \"two-1h\";q=1;w=3600"
+    );
+    assert!(r.headers()["ratelimit"].to_str().unwrap().starts_with("\"two-1h\";"));
     assert!(t(&r) > 1, "allowed: t={} names the 1 s window", t(&r));
     let r = c.get(&url).send().await.unwrap();
     assert_eq!(r.status(), 429);

@@ -791,6 +791,29 @@ async fn bodies_over_max_body_bytes_get_413_and_never_reach_the_upstream_whole()
 // resource limits
 
 /// Seconds until the server closes `s` (reading and discarding), at most `max`.
+#[tokio::test]
+async fn a_malformed_chunked_body_gets_400_and_is_not_an_upstream_failure() {
+    let up = echo().await;
+    let gw = gateway(&format!("http://{up}"), "", OPEN_RULES, None).await;
+    // The echo upstream answers /slow/300 after 300 ms: the body is streamed to it meanwhile,
+    // and breaks at the bad chunk size.
+    for bad in ["zz", "-1", "fffffffffffffffffff"] {
+        let req = format!(
+            "POST /slow/300 HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n{bad}\r\nworld\r\n0\r\n\r\n"
+        );
+        let r = send(gw.addr(), req.as_bytes(), Duration::from_secs(5)).await;
+        assert_eq!(status_of(&r), 400, "chunk size {bad:?}: {r}");
+        assert!(r.contains("application/json") && r.contains("\"bad_request\""), "{r}");
+    }
+    let c = client();
+    assert_eq!(
+        metric_value(&c, &gw.admin, "tollgate_upstream_failures_total").await,
+        0.0,
+        "the client's broken body was counted as an upstream failure"
+    );
+    gw.stop().await;
+}
+
 async fn time_to_close(s: &mut TcpStream, max: Duration) -> Option<Duration> {
     let started = Instant::now();
     let mut buf = [0u8; 4096];
@@ -968,7 +991,8 @@ async fn connections_over_the_cap_get_503_and_are_closed() {
     let up = echo().await;
     let gw = gateway(
         &format!("http://{up}"),
-        "server:\n  max_connections: 4\n  header_read_timeout: 10s\n",
+        // All from one address: the per-address cap (a quarter of 4 by default) is off here.
+        "server:\n  max_connections: 4\n  max_connections_per_ip: 0\n  header_read_timeout: 10s\n",
         OPEN_RULES,
         None,
     )
@@ -1015,7 +1039,8 @@ async fn a_thousand_idle_connections_do_not_stop_new_requests() {
     let up = echo().await;
     let gw = gateway(
         &format!("http://{up}"),
-        "server:\n  max_connections: 2000\n  header_read_timeout: 20s\n",
+        // One address opens them all: no per-address cap here.
+        "server:\n  max_connections: 2000\n  max_connections_per_ip: 0\n  header_read_timeout: 20s\n",
         OPEN_RULES,
         None,
     )
@@ -1066,6 +1091,132 @@ async fn a_thousand_idle_connections_do_not_stop_new_requests() {
         );
     }
     drop(idle);
+    gw.stop().await;
+}
+
+/// A keep-alive connection from `local` (a loopback address) whose first request was served.
+async fn held_from(local: &str, gw: SocketAddr) -> TcpStream {
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.bind(format!("{local}:0").parse().unwrap()).unwrap();
+    let mut s = sock.connect(gw).await.unwrap();
+    s.write_all(b"GET /hold HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
+    let r = read_until(&mut s, &["\r\n\r\n"], Duration::from_secs(3)).await;
+    assert_eq!(status_of(&r), 200, "{r}");
+    s
+}
+
+#[tokio::test]
+async fn one_address_holds_at_most_max_connections_per_ip() {
+    let up = echo().await;
+    let gw = gateway(
+        &format!("http://{up}"),
+        "server:\n  max_connections_per_ip: 3\n  header_read_timeout: 10s\n",
+        OPEN_RULES,
+        None,
+    )
+    .await;
+    let a = gw.addr();
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(held_from("127.0.0.1", a).await);
+    }
+    // The fourth from the same address: 503 (JSON, Retry-After) and closed.
+    let mut s = TcpStream::connect(a).await.unwrap();
+    let _ = s.write_all(b"GET /over HTTP/1.1\r\nHost: x\r\n\r\n").await;
+    let mut out = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(3), s.read_to_end(&mut out)).await;
+    let r = String::from_utf8_lossy(&out);
+    assert_eq!(status_of(&r), 503, "{r:?}");
+    assert!(r.contains("too many connections from this address"), "{r:?}");
+    assert!(r.to_ascii_lowercase().contains("retry-after: 1"), "{r:?}");
+    assert!(closed.is_ok(), "the refused connection was not closed");
+    // An HTTP/2 client from that address is refused the same way.
+    let s = TcpStream::connect(a).await.unwrap();
+    let (h2, conn) = h2::client::handshake(s).await.unwrap();
+    let conn = tokio::spawn(conn);
+    let mut h2 = h2.ready().await.unwrap();
+    let (resp, _) = h2
+        .send_request(
+            http::Request::get(format!("http://{a}/over-h2")).body(()).unwrap(),
+            true,
+        )
+        .unwrap();
+    assert_eq!(resp.await.unwrap().status(), 503);
+    drop(h2);
+    let _ = conn.await;
+    // Another address is not affected.
+    let other = held_from("127.0.0.2", a).await;
+    drop(other);
+    // A connection that closes gives its place back.
+    drop(held.pop());
+    let served = eventually(Duration::from_secs(3), || async {
+        status(a, "GET", "/x", "").await == 200
+    })
+    .await;
+    assert!(served, "not served after one of the held connections closed");
+    drop(held);
+    gw.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_connections_without_streams_are_closed_after_idle_timeout() {
+    let up = echo().await;
+    let gw = gateway(
+        &format!("http://{up}"),
+        "server:\n  idle_timeout: 1s\n",
+        OPEN_RULES,
+        None,
+    )
+    .await;
+    let a = gw.addr();
+    // A client that opens no stream and only PINGs, every 200 ms (the attack under test: the
+    // pings are not synchronisation).
+    let idle = async {
+        let s = TcpStream::connect(a).await.unwrap();
+        let started = Instant::now();
+        let (_h2, mut conn) = h2::client::handshake(s).await.unwrap();
+        let mut pings = conn.ping_pong().unwrap();
+        let conn = tokio::spawn(conn);
+        let pinger = tokio::spawn(async move {
+            while pings.ping(h2::Ping::opaque()).await.is_ok() {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        });
+        let ended = tokio::time::timeout(Duration::from_secs(5), conn).await;
+        pinger.abort();
+        (ended.is_ok(), started.elapsed())
+    };
+    // A client whose one stream stays open past idle_timeout (a 1.8 s answer): not closed
+    // under it; closed once it has been without a stream for idle_timeout.
+    let busy = async {
+        let s = TcpStream::connect(a).await.unwrap();
+        let (h2, conn) = h2::client::handshake(s).await.unwrap();
+        let conn = tokio::spawn(conn);
+        let mut h2 = h2.ready().await.unwrap();
+        let req = http::Request::get(format!("http://{a}/slow/1800")).body(()).unwrap();
+        let (resp, _) = h2.send_request(req, true).unwrap();
+        let resp = resp.await.unwrap();
+        let status = resp.status();
+        let mut body = resp.into_body();
+        while let Some(chunk) = body.data().await {
+            let _ = body.flow_control().release_capacity(chunk.unwrap().len());
+        }
+        let answered = Instant::now();
+        let ended = tokio::time::timeout(Duration::from_secs(5), conn).await;
+        (status, ended.is_ok(), answered.elapsed())
+    };
+    let ((idle_closed, idle_after), (status, busy_closed, busy_after)) = tokio::join!(idle, busy);
+    assert!(idle_closed, "a connection that only PINGs was still open after 5 s");
+    assert!(
+        idle_after >= Duration::from_millis(900) && idle_after < Duration::from_secs(3),
+        "the idle connection was closed after {idle_after:?}, not about idle_timeout (1 s)"
+    );
+    assert_eq!(status, 200, "a stream open past idle_timeout was cut");
+    assert!(busy_closed, "the busy connection was not closed once idle");
+    assert!(
+        busy_after < Duration::from_secs(3),
+        "closed {busy_after:?} after its stream ended"
+    );
     gw.stop().await;
 }
 

@@ -37,6 +37,9 @@ rules:
   - { name: search, match: { path: /search }, key: user, algorithm: sliding_log, limits: [ { limit: 3, window: 10s }, { limit: 50, window: 1h } ] }
 "#;
 
+/// `RateLimit-Policy` of the `search` rule of [`LAYERED`]: both windows, each named.
+const SEARCH_POLICIES: &str = "\"search-10s\";q=3;w=10, \"search-1h\";q=50;w=3600";
+
 #[tokio::test]
 async fn every_limited_response_carries_the_binding_limit() {
     let up = echo().await;
@@ -45,10 +48,12 @@ async fn every_limited_response_carries_the_binding_limit() {
     for i in 0..3u64 {
         let r = c.get(format!("{}/search", gw.url)).send().await.unwrap();
         assert_eq!(r.status(), 200);
-        // The binding limit is the one with the least remaining: the 3-per-10s window.
-        assert_eq!(header(&r, "ratelimit-policy"), "\"search\";q=3;w=10");
+        // Each window of the rule is a policy of its own (draft-ietf-httpapi-ratelimit-headers
+        // -12: one definition per name); RateLimit names the binding one, the one with the
+        // least remaining: the 3-per-10s window.
+        assert_eq!(header(&r, "ratelimit-policy"), SEARCH_POLICIES);
         let (name, rem, t) = parse_ratelimit(&header(&r, "ratelimit"));
-        assert_eq!((name.as_str(), rem), ("search", 2 - i));
+        assert_eq!((name.as_str(), rem), ("search-10s", 2 - i));
         assert!(t <= 10);
         assert_eq!(header(&r, "x-ratelimit-limit"), "3");
         assert_eq!(header(&r, "x-ratelimit-remaining"), (2 - i).to_string());
@@ -63,10 +68,10 @@ async fn every_limited_response_carries_the_binding_limit() {
     assert_eq!(r.status(), 429);
     let retry: u64 = header(&r, "retry-after").parse().unwrap();
     let (name, rem, t) = parse_ratelimit(&header(&r, "ratelimit"));
-    assert_eq!((name.as_str(), rem), ("search", 0));
+    assert_eq!((name.as_str(), rem), ("search-10s", 0));
     assert!((1..=10).contains(&retry));
     assert_eq!(t, retry, "RateLimit t agrees with Retry-After");
-    assert_eq!(header(&r, "ratelimit-policy"), "\"search\";q=3;w=10");
+    assert_eq!(header(&r, "ratelimit-policy"), SEARCH_POLICIES);
     assert_eq!(header(&r, "content-type"), "application/json");
     let body: serde_json::Value = r.json().await.unwrap();
     assert_eq!(body["error"], "rate_limit_exceeded");
@@ -288,5 +293,52 @@ async fn admin_endpoints() {
         "no identity in metrics"
     );
     assert_eq!(c.get(format!("{}/nope", gw.admin)).send().await.unwrap().status(), 404);
+    gw.stop().await;
+}
+
+/// Every value of header `name`, in order.
+fn all_of(r: &reqwest::Response, name: &str) -> Vec<String> {
+    r.headers()
+        .get_all(name)
+        .iter()
+        .map(|v| v.to_str().unwrap().to_owned())
+        .collect()
+}
+
+#[tokio::test]
+async fn an_upstreams_own_ratelimit_fields_are_kept_beside_tollgates() {
+    // The counting upstream's `/ratelimit` answers with its own RateLimit and RateLimit-Policy.
+    let up = counting_upstream().await;
+    let rules = "rules:\n  - { name: gate, match: { path: \"/**\" }, key: ip, algorithm: fixed_window, limit: 10, window: 1m }\n";
+    let gw = gateway(&up.url(), "", rules, None).await;
+    let c = client();
+    let r = c.get(format!("{}/ratelimit", gw.url)).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    // draft-ietf-httpapi-ratelimit-headers-12 §5.3: an intermediary does not remove them; both
+    // are lists, so tollgate's policy follows as another member.
+    assert_eq!(
+        all_of(&r, "ratelimit-policy"),
+        ["\"origin\";q=100;w=3600", "\"gate\";q=10;w=60"]
+    );
+    let limits = all_of(&r, "ratelimit");
+    assert_eq!(limits.len(), 2, "{limits:?}");
+    assert_eq!(limits[0], "\"origin\";r=7;t=1200");
+    assert_eq!(parse_ratelimit(&limits[1]).0, "gate");
+    assert_eq!(parse_ratelimit(&limits[1]).1, 9);
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn a_concurrency_policy_names_its_quota_unit() {
+    let up = counting_upstream().await;
+    let rules = "rules:\n  - { name: inflight, match: { path: \"/**\" }, key: ip, algorithm: concurrency, limit: 2 }\n";
+    let gw = gateway(&up.url(), "", rules, None).await;
+    let r = client().get(format!("{}/x", gw.url)).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        header(&r, "ratelimit-policy"),
+        "\"inflight\";q=2;qu=\"concurrent-requests\""
+    );
+    assert_eq!(parse_ratelimit(&header(&r, "ratelimit")).0, "inflight");
     gw.stop().await;
 }

@@ -228,3 +228,62 @@ async fn the_access_log_has_one_line_per_request_and_never_a_key_token_or_query(
     assert_eq!(log.lines().filter(|l| l.contains("\"access-1\"")).count(), 1);
     assert!(!log.contains("SECRET"), "a secret reached the log: {log}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_upstream_never_sees_more_connections_than_the_per_target_cap() {
+    let up = counting_upstream().await;
+    // Cap 3; a request at the cap waits up to connect_timeout (500 ms in the test config).
+    let gw = gateway_to(&[up.url()], "  max_connections_per_target: 3\n", "").await;
+    // Twelve at once, each on a client connection of its own, each 300 ms upstream: three get
+    // the connections, three more get them when those answer (waiting ~300 ms), the rest wait
+    // out connect_timeout and get 503.
+    let tasks: Vec<_> = (0..12)
+        .map(|_| {
+            let url = format!("{}/slow/300", gw.url);
+            tokio::spawn(async move {
+                let c = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
+                let r = c.get(url).send().await.unwrap();
+                let status = r.status().as_u16();
+                let body = r.text().await.unwrap_or_default();
+                (status, body)
+            })
+        })
+        .collect();
+    let mut ok = 0;
+    let mut unavailable = 0;
+    for t in tasks {
+        let (status, body) = t.await.unwrap();
+        match status {
+            200 => ok += 1,
+            503 => {
+                unavailable += 1;
+                let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+                assert_eq!(v["error"], "unavailable", "{body}");
+            }
+            other => panic!("got {other}: {body}"),
+        }
+    }
+    assert!(
+        up.max_open_connections() <= 3,
+        "the upstream saw {} connections open at once",
+        up.max_open_connections()
+    );
+    assert!(
+        ok > 3,
+        "requests at the cap waited for a connection to come free: {ok} served"
+    );
+    assert!(
+        unavailable >= 1,
+        "past the wait, requests get 503: {ok} served, {unavailable} 503"
+    );
+    // The cap is tollgate's, not the target's failure: nothing counted against the upstream.
+    let c = client();
+    assert_eq!(
+        metric_value(&c, &gw.admin, "tollgate_upstream_failures_total").await,
+        0.0
+    );
+    // Once the burst is over the target serves again at once.
+    let r = c.get(format!("{}/x", gw.url)).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    gw.stop().await;
+}

@@ -26,6 +26,12 @@ use serde_saphyr::Spanned;
 
 use crate::identity::jwt::JwtKeys;
 
+/// `server.max_connections_per_ip` when unset (and `max_connections` is at least four times it).
+pub const DEFAULT_MAX_CONNECTIONS_PER_IP: usize = 64;
+
+/// `upstream.max_connections_per_target` when unset.
+pub const DEFAULT_MAX_CONNECTIONS_PER_TARGET: usize = 1024;
+
 fn opt_duration(file: &Path, s: &Option<Spanned<String>>, default: Duration) -> Result<Duration, ConfigError> {
     match s {
         Some(s) => duration(file, s),
@@ -162,6 +168,10 @@ pub struct UpstreamConfig {
     pub request_timeout: Duration,
     /// Idle pooled connections per host.
     pub pool_max_idle_per_host: usize,
+    /// Open connections to one target at most (`upstream.max_connections_per_target`). A
+    /// request that needs a new connection while its target is at the cap waits up to
+    /// `connect_timeout` for a pooled one to come free or a connection to close, then gets 503.
+    pub max_connections_per_target: usize,
 }
 
 /// `store:`, validated.
@@ -221,12 +231,17 @@ pub struct LimitsConfig {
 pub struct ServerConfig {
     /// Time to receive request headers.
     pub header_read_timeout: Duration,
-    /// HTTP/2: the interval of keep-alive pings; a connection whose peer does not answer one
-    /// within `server::H2_PING_TIMEOUT` is closed. (HTTP/1.1 keep-alive connections are not
-    /// timed out by it.)
+    /// HTTP/2: a connection with no open stream for this long is sent GOAWAY and closed (pings
+    /// do not keep it open); also the interval of keep-alive pings, and a connection whose peer
+    /// does not answer one within `server::H2_PING_TIMEOUT` is closed. (HTTP/1.1 keep-alive
+    /// connections are closed by `header_read_timeout` instead.)
     pub idle_timeout: Duration,
     /// Concurrent connections.
     pub max_connections: usize,
+    /// Concurrent connections from one client address (an IPv6 client counts by its
+    /// `identity.ipv6_prefix`); `None`: no cap. Connections from `identity.trusted_proxies` are
+    /// not capped (each carries many clients).
+    pub max_connections_per_ip: Option<usize>,
     /// Largest request body.
     pub max_body_bytes: u64,
     /// Largest header section.
@@ -425,6 +440,13 @@ impl GatewayConfig {
                 Duration::from_secs(30),
             )?,
             pool_max_idle_per_host: u.pool_max_idle_per_host.unwrap_or(256),
+            max_connections_per_target: at_least(
+                f,
+                &u.max_connections_per_target,
+                "upstream.max_connections_per_target",
+                1,
+                DEFAULT_MAX_CONNECTIONS_PER_TARGET,
+            )?,
         };
 
         let s = &raw.store;
@@ -650,7 +672,7 @@ impl GatewayConfig {
         };
 
         let sv = &raw.server;
-        let server = ServerConfig {
+        let mut server = ServerConfig {
             header_read_timeout: positive_duration(
                 f,
                 &sv.header_read_timeout,
@@ -659,6 +681,7 @@ impl GatewayConfig {
             )?,
             idle_timeout: positive_duration(f, &sv.idle_timeout, "server.idle_timeout", Duration::from_secs(60))?,
             max_connections: at_least(f, &sv.max_connections, "server.max_connections", 1, 10_000)?,
+            max_connections_per_ip: None,
             max_body_bytes: sv.max_body_bytes.unwrap_or(64 * 1024 * 1024),
             max_header_bytes: at_least(f, &sv.max_header_bytes, "server.max_header_bytes", 1024, 16 * 1024)?,
             // By default in-flight requests get as long to finish as the upstream gets to answer.
@@ -673,6 +696,13 @@ impl GatewayConfig {
                 Some(raw::RawEncodedSlashes::Keep) => crate::rules::EncodedSlashes::Keep,
             },
             upgrades: upgrades(f, &sv.upgrades)?,
+        };
+        // Default: 64, or a quarter of `max_connections` when that is less, so that one address
+        // never fills the gateway by itself; 0 turns the cap off.
+        server.max_connections_per_ip = match &sv.max_connections_per_ip {
+            Some(v) if v.value == 0 => None,
+            Some(v) => Some(v.value),
+            None => Some((server.max_connections / 4).clamp(1, DEFAULT_MAX_CONNECTIONS_PER_IP)),
         };
         if server.shutdown_grace < upstream.request_timeout {
             notes.push(format!(

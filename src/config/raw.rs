@@ -137,6 +137,8 @@ pub struct RawUpstream {
     pub request_timeout: Option<Spanned<String>>,
     /// Idle pooled connections kept per host.
     pub pool_max_idle_per_host: Option<usize>,
+    /// Open connections to one target at most.
+    pub max_connections_per_target: Option<Spanned<usize>>,
 }
 
 /// `store:`.
@@ -243,10 +245,13 @@ pub struct RawLimits {
 pub struct RawServer {
     /// Time a client has to send its request headers.
     pub header_read_timeout: Option<Spanned<String>>,
-    /// HTTP/2 keep-alive ping interval.
+    /// HTTP/2: how long a connection without open streams stays open (and the keep-alive
+    /// ping interval).
     pub idle_timeout: Option<Spanned<String>>,
     /// Concurrent client connections.
     pub max_connections: Option<Spanned<usize>>,
+    /// Concurrent client connections from one address (0: no cap).
+    pub max_connections_per_ip: Option<Spanned<usize>>,
     /// Request bodies larger than this get 413.
     pub max_body_bytes: Option<u64>,
     /// Largest request header section, bytes.

@@ -29,6 +29,34 @@ fn defaults_are_safe() {
 }
 
 #[test]
+fn connection_caps_are_on_by_default() {
+    let env = EnvOverrides::default();
+    let c = compile("upstream: { url: http://127.0.0.1:8081 }\n", &env).unwrap();
+    assert_eq!(c.server.max_connections_per_ip, Some(64));
+    assert_eq!(c.upstream.max_connections_per_target, 1024);
+    // One address never fills a small gateway by itself: a quarter of max_connections.
+    let c = compile(
+        "upstream: { url: http://127.0.0.1:8081 }\nserver: { max_connections: 50 }\n",
+        &env,
+    )
+    .unwrap();
+    assert_eq!(c.server.max_connections_per_ip, Some(12));
+    let c = compile(
+        "upstream: { url: http://127.0.0.1:8081, max_connections_per_target: 8 }\nserver: { max_connections_per_ip: 0 }\n",
+        &env,
+    )
+    .unwrap();
+    assert_eq!(c.server.max_connections_per_ip, None, "0 turns the cap off");
+    assert_eq!(c.upstream.max_connections_per_target, 8);
+    let e = compile(
+        "upstream: { url: http://127.0.0.1:8081, max_connections_per_target: 0 }\n",
+        &env,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("upstream.max_connections_per_target"), "{e}");
+}
+
+#[test]
 fn env_overrides_apply() {
     let env = EnvOverrides {
         listen: Some("127.0.0.1:18080".into()),

@@ -10,6 +10,17 @@
 //!
 //! **Reset.** `X-RateLimit-Reset` is the Unix second at or after the instant the limit frees up
 //! (rounded up from the real instant, never early); `t` is the number of seconds until then.
+//!
+//! **Policies** (draft-ietf-httpapi-ratelimit-headers-12). `RateLimit-Policy` lists every limit
+//! of the binding rule in force for the request, each as its own policy: a String item named
+//! for the rule (and for the window, when the rule has several: `"api-10s"`, `"api-1m"`), with
+//! `q` and `w` (a window in whole seconds), or `q` and `qu="concurrent-requests"` for a
+//! concurrency limit. `RateLimit` names the binding one, with `r` and `t`. Integers are capped
+//! at the Structured Fields maximum (15 digits).
+//!
+//! **Upstream fields.** An upstream's own `RateLimit` and `RateLimit-Policy` are kept: both are
+//! lists, and tollgate's members follow the upstream's as further field lines (the draft asks
+//! intermediaries not to remove them). The single-valued `X-RateLimit-*` fields are replaced.
 
 use super::value_buf::ValueBuf;
 use http::header::{HeaderMap, HeaderName, HeaderValue};
@@ -43,6 +54,11 @@ pub struct Binding<'a> {
     /// `X-RateLimit-Limit`), made when the rules loaded, when the binding limit is the rule's
     /// own (not an override's or a local share's).
     pub fixed: Option<&'a FixedValues>,
+    /// Without `fixed`: every limit of the rule in force for the request, in the rule's order
+    /// (`quota` is `windows[at]`), for `RateLimit-Policy`. Empty: `quota` is the only one.
+    pub windows: &'a [Quota],
+    /// Where `quota` is in `windows`.
+    pub at: usize,
 }
 
 /// The rate-limit header values of one limit of one rule that are the same on every response:
@@ -54,32 +70,31 @@ pub struct FixedValues {
     pub quota: Quota,
     /// The rule's cost.
     pub cost: u64,
-    /// `RateLimit-Policy`.
+    /// `RateLimit-Policy`: every limit of the rule.
     pub policy: HeaderValue,
+    /// The policy name of this limit, as `RateLimit` names it (without the quotes).
+    pub name: Box<str>,
     /// `X-RateLimit-Limit`.
     pub limit: HeaderValue,
 }
 
 impl FixedValues {
-    /// The values for rule `rule`'s limit `quota` at `cost`; `None` when the rule name is not
-    /// header-safe text (never: names are validated to `[A-Za-z0-9_.-]`).
-    pub fn new(rule: &str, quota: Quota, cost: u64) -> Option<Self> {
-        let o = Outcome::default();
-        let b = Binding {
-            rule,
-            quota,
-            cost,
-            outcome: &o,
-            fixed: None,
-        };
+    /// The values for limit `at` of rule `rule`'s limits `windows`, at `cost`; `None` when `at`
+    /// is out of range or the rule name is not header-safe text (never: names are validated to
+    /// `[A-Za-z0-9_.-]`).
+    pub fn new(rule: &str, windows: &[Quota], at: usize, cost: u64) -> Option<Self> {
+        let quota = *windows.get(at)?;
         let mut n = itoa::Buffer::new();
-        let mut policy = Vec::with_capacity(rule.len() + 32);
-        write_policy(&mut policy, &b, &mut n);
+        let mut policy = Vec::with_capacity(windows.len() * (rule.len() + 32));
+        write_policy_list(&mut policy, rule, windows, cost, &mut n);
+        let mut name = Vec::with_capacity(rule.len() + 12);
+        write_name(&mut name, rule, windows, at, &mut n);
         Some(FixedValues {
             quota,
             cost,
             policy: HeaderValue::from_bytes(&policy).ok()?,
-            limit: HeaderValue::from_str(n.format(b.quota_requests())).ok()?,
+            name: String::from_utf8(name).ok()?.into_boxed_str(),
+            limit: HeaderValue::from_str(n.format(requests_of(&quota, cost))).ok()?,
         })
     }
 
@@ -106,16 +121,78 @@ impl Put for ValueBuf {
     }
 }
 
-/// `"rule";q=Q;w=W` (no `w` for a concurrency limit: `q` requests in flight at once).
-fn write_policy(buf: &mut impl Put, b: &Binding<'_>, n: &mut itoa::Buffer) {
-    buf.put(b"\"");
-    buf.put(b.rule.as_bytes());
-    buf.put(b"\";q=");
-    buf.put(n.format(b.quota_requests()).as_bytes());
-    if b.quota.algorithm != crate::limiter::Algorithm::Concurrency {
-        buf.put(b";w=");
-        buf.put(n.format(b.window_secs()).as_bytes());
+/// The largest Integer a Structured Field may carry (RFC 9651 §3.3.1: 15 digits).
+const SF_INT_MAX: u64 = 999_999_999_999_999;
+
+/// Write `v` as a Structured Field Integer (capped at [`SF_INT_MAX`]).
+fn put_int(buf: &mut impl Put, v: u64, n: &mut itoa::Buffer) {
+    buf.put(n.format(v.min(SF_INT_MAX)).as_bytes());
+}
+
+/// What tells limit `q` from the rule's other limits in its policy name: its window
+/// (`(10, "s")`), or `concurrent` for a concurrency limit.
+fn name_suffix(q: &Quota) -> (u64, &'static str) {
+    if q.algorithm == crate::limiter::Algorithm::Concurrency {
+        (0, "concurrent")
+    } else {
+        WindowText(q.window_us.get()).parts()
     }
+}
+
+/// The policy name of limit `at` of `windows` (the rule's limits in force): the rule's name
+/// alone when it is the only one; else the rule's name and the window (`api-10s`, `api-1m`,
+/// `api-concurrent`), or its position (`api-2`) when another of the rule's limits has the same
+/// window. Every limit of a rule thus has a name of its own.
+fn write_name(buf: &mut impl Put, rule: &str, windows: &[Quota], at: usize, n: &mut itoa::Buffer) {
+    buf.put(rule.as_bytes());
+    let Some(q) = windows.get(at).filter(|_| windows.len() > 1) else {
+        return;
+    };
+    let suffix = name_suffix(q);
+    buf.put(b"-");
+    if windows
+        .iter()
+        .enumerate()
+        .any(|(j, w)| j != at && name_suffix(w) == suffix)
+    {
+        buf.put(n.format(at + 1).as_bytes());
+    } else {
+        if suffix.0 > 0 {
+            buf.put(n.format(suffix.0).as_bytes());
+        }
+        buf.put(suffix.1.as_bytes());
+    }
+}
+
+/// Every limit of `windows` as a policy, comma-separated: `"name";q=Q;w=W` for a rate limit,
+/// `"name";q=Q;qu="concurrent-requests"` for a concurrency limit (no window: `q` requests in
+/// flight at once).
+fn write_policy_list(buf: &mut impl Put, rule: &str, windows: &[Quota], cost: u64, n: &mut itoa::Buffer) {
+    for (k, q) in windows.iter().enumerate() {
+        if k > 0 {
+            buf.put(b", ");
+        }
+        buf.put(b"\"");
+        write_name(buf, rule, windows, k, n);
+        buf.put(b"\";q=");
+        put_int(buf, requests_of(q, cost), n);
+        if q.algorithm == crate::limiter::Algorithm::Concurrency {
+            buf.put(b";qu=\"concurrent-requests\"");
+        } else {
+            buf.put(b";w=");
+            put_int(buf, window_secs_of(q), n);
+        }
+    }
+}
+
+/// `q`: the limit `q` in requests of `cost` (at least 1).
+fn requests_of(q: &Quota, cost: u64) -> u64 {
+    (q.limit.get() / cost.max(1)).max(1)
+}
+
+/// `w`: the window of `q` in whole seconds (bucket: time to refill from empty), at least 1.
+fn window_secs_of(q: &Quota) -> u64 {
+    q.window_us.get().div_ceil(1_000_000).max(1)
 }
 
 /// Seconds, rounded up, at least 1 — for `Retry-After` and `t` on a denial.
@@ -135,12 +212,12 @@ impl Binding<'_> {
 
     /// Window seconds for `w` (bucket: time to refill from empty), at least 1.
     pub fn window_secs(&self) -> u64 {
-        self.quota.window_us.get().div_ceil(1_000_000).max(1)
+        window_secs_of(&self.quota)
     }
 
     /// `q`: the limit in requests of this rule's cost (at least 1).
     pub fn quota_requests(&self) -> u64 {
-        (self.quota.limit.get() / self.cost.max(1)).max(1)
+        requests_of(&self.quota, self.cost)
     }
 
     /// `r`: requests of this rule's cost that still fit (0 on a denial).
@@ -171,7 +248,8 @@ impl Binding<'_> {
 }
 
 /// Write the selected header families for `b` into `h`. `now_us` is the gateway's clock.
-/// Every value is a slice of this thread's value chunk ([`ValueBuf`]).
+/// Every value is a slice of this thread's value chunk ([`ValueBuf`]). `RateLimit` and
+/// `RateLimit-Policy` are appended to any `h` has (an upstream's); `X-RateLimit-*` replace.
 pub fn write(h: &mut HeaderMap, b: &Binding<'_>, ietf: bool, legacy: bool, now_us: u64) {
     let mut buf = ValueBuf::new();
     write_values(&mut buf, b, ietf, legacy, now_us);
@@ -186,20 +264,28 @@ pub fn write_values(buf: &mut ValueBuf, b: &Binding<'_>, ietf: bool, legacy: boo
     let quota = b.quota_requests();
     let mut n = itoa::Buffer::new();
     if ietf {
+        let (windows, at) = if b.windows.is_empty() {
+            (std::slice::from_ref(&b.quota), 0)
+        } else {
+            (b.windows, b.at)
+        };
         match b.fixed {
-            Some(f) => buf.preset(&RATELIMIT_POLICY, f.policy.clone()),
+            Some(f) => buf.preset_appended(&RATELIMIT_POLICY, f.policy.clone()),
             None => {
-                write_policy(buf, b, &mut n);
-                buf.end(&RATELIMIT_POLICY);
+                write_policy_list(buf, b.rule, windows, b.cost, &mut n);
+                buf.end_appended(&RATELIMIT_POLICY);
             }
         }
         buf.put(b"\"");
-        buf.put(b.rule.as_bytes());
+        match b.fixed {
+            Some(f) => buf.put(f.name.as_bytes()),
+            None => write_name(buf, b.rule, windows, at, &mut n),
+        }
         buf.put(b"\";r=");
-        buf.put(n.format(remaining).as_bytes());
+        put_int(buf, remaining, &mut n);
         buf.put(b";t=");
-        buf.put(n.format(t).as_bytes());
-        buf.end(&RATELIMIT);
+        put_int(buf, t, &mut n);
+        buf.end_appended(&RATELIMIT);
     }
     if legacy {
         match b.fixed {

@@ -9,6 +9,13 @@
 //! - `h2`: the shared HTTP/2 connections;
 //! - `balance`: power of two choices, passive ejection and the health check.
 //!
+//! # Connection cap
+//! Each target has at most `upstream.max_connections_per_target` connections open at once
+//! (HTTP/1.1 and HTTP/2 together, upgraded ones included): a connection's socket holds its place
+//! ([`Capped`]) until it closes. A request that needs a new connection while its target is at
+//! the cap waits up to `connect_timeout` for a pooled connection to come free or for a place,
+//! then fails with [`UpstreamError::Saturated`] (a 503, never counted against the target).
+//!
 //! # Retries
 //! [`Upstream::send`] retries a request once, on another target when one is in, when its
 //! attempt failed before any response byte arrived and the caller said it may be replayed
@@ -29,7 +36,9 @@ use hyper::client::conn::http2;
 use hyper_util::rt::TokioIo;
 use parking_lot::Mutex;
 use rustls::pki_types::ServerName;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::TlsConnector;
 
 use super::ProxyBody;
@@ -66,7 +75,27 @@ pub enum UpstreamError {
     /// The HTTP/2 connection this request waited for (made for several requests) failed.
     #[error("{0}")]
     Shared(Arc<UpstreamError>),
+    /// The target had `upstream.max_connections_per_target` connections open and none came
+    /// free within `connect_timeout`.
+    #[error("upstream connection cap reached (upstream.max_connections_per_target)")]
+    Saturated,
 }
+
+impl UpstreamError {
+    /// Is this the target's connection cap (tollgate's own limit, not the target's fault)?
+    pub fn is_saturated(&self) -> bool {
+        match self {
+            UpstreamError::Saturated => true,
+            UpstreamError::Shared(e) => e.is_saturated(),
+            _ => false,
+        }
+    }
+}
+
+/// How often a request waiting for a connection at the cap looks at the pool again, besides
+/// being woken when a response ends (a connection that just finished a response may need a
+/// moment before it takes the next request).
+const CAP_RECHECK: Duration = Duration::from_millis(5);
 
 /// Attempts on one target for a request whose pooled connection closed before it was written.
 const ATTEMPTS: usize = 3;
@@ -110,6 +139,12 @@ struct Target {
     alpn: std::sync::atomic::AtomicU8,
     /// Requests sent and not finished (until the response body ends).
     in_flight: AtomicUsize,
+    /// Places under `upstream.max_connections_per_target`, one held by each open connection.
+    conns: Arc<Semaphore>,
+    /// Requests waiting for a connection at the cap.
+    waiting: AtomicUsize,
+    /// Woken when a response ends while requests wait (its connection may be free now).
+    freed: Notify,
     /// Consecutive failures.
     fails: AtomicU32,
     /// Out until this many ms after `Upstream::epoch` (0: in).
@@ -227,7 +262,12 @@ impl Flight {
 
 impl Drop for Flight {
     fn drop(&mut self) {
-        self.0.targets[self.1].in_flight.fetch_sub(1, Ordering::Relaxed);
+        let t = &self.0.targets[self.1];
+        t.in_flight.fetch_sub(1, Ordering::Relaxed);
+        // A load when nobody waits (the common case).
+        if t.waiting.load(Ordering::Relaxed) > 0 {
+            t.freed.notify_waiters();
+        }
     }
 }
 
@@ -299,6 +339,9 @@ impl Upstream {
                     h2: Mutex::new(H2Set::default()),
                     alpn: std::sync::atomic::AtomicU8::new(ALPN_UNKNOWN),
                     in_flight: AtomicUsize::new(0),
+                    conns: Arc::new(Semaphore::new(cfg.max_connections_per_target.max(1))),
+                    waiting: AtomicUsize::new(0),
+                    freed: Notify::new(),
                     fails: AtomicU32::new(0),
                     out_until_ms: AtomicU64::new(0),
                     ejections: AtomicU32::new(0),
@@ -359,6 +402,14 @@ impl Upstream {
             Err(e) => (e.error, e.unsent),
         };
         let again = match (unsent, retry) {
+            // The wait for a place already took `connect_timeout`: answer now.
+            _ if err.is_saturated() => {
+                return Err(Failed {
+                    error: err,
+                    target: self.targets[first].label.clone(),
+                    attempts: 1,
+                })
+            }
             // Never written and idempotent: the same request again.
             (Some(r), Retry::Unsent | Retry::Copy(_)) => r,
             // Written (the connection failed before the status line): a copy.
@@ -411,7 +462,9 @@ impl Upstream {
             let sender = match self.sender(i, fresh).await {
                 Ok(s) => s,
                 Err(error) => {
-                    self.failure(i, &error, false);
+                    if !error.is_saturated() {
+                        self.failure(i, &error, false);
+                    }
                     return Err(AttemptError {
                         error,
                         unsent: Some(req),
@@ -482,9 +535,17 @@ impl Upstream {
                 return Ok(Sender::H1(s));
             }
         }
+        let place = match t.conns.clone().try_acquire_owned() {
+            Ok(p) => p,
+            // At the cap: a pooled connection that comes free will do as well as a new one.
+            Err(_) => match Box::pin(self.wait_for_place(i, !fresh)).await? {
+                Place::Pooled(s) => return Ok(Sender::H1(s)),
+                Place::New(p) => p,
+            },
+        };
         // Boxed: connecting (TCP, TLS, the handshake) is a large state machine that a request
         // on a pooled connection never enters; inline, every request's future would carry it.
-        Ok(match Box::pin(self.connect(i)).await? {
+        Ok(match Box::pin(self.connect(i, place)).await? {
             Conn::H1(s) => Sender::H1(s),
             // `auto`, and ALPN agreed to h2: the connection joins the shared ones.
             Conn::H2(c) => {
@@ -498,9 +559,51 @@ impl Upstream {
         })
     }
 
+    /// A place under target `i`'s connection cap: at once if one is free, else within
+    /// `connect_timeout` (with `pooled`, a pooled HTTP/1.1 connection that comes free meanwhile
+    /// is taken instead), else [`UpstreamError::Saturated`].
+    async fn wait_for_place(&self, i: usize, pooled: bool) -> Result<Place, UpstreamError> {
+        let t = &self.targets[i];
+        t.waiting.fetch_add(1, Ordering::Relaxed);
+        let _waiting = Waiting(&t.waiting);
+        let deadline = tokio::time::Instant::now() + self.connect_timeout;
+        loop {
+            let freed = t.freed.notified();
+            tokio::pin!(freed);
+            // Registered before the pool is looked at: a response that ends after the look
+            // wakes this wait.
+            freed.as_mut().enable();
+            if pooled {
+                if let Some(s) = self.checkout(i) {
+                    return Ok(Place::Pooled(s));
+                }
+            }
+            tokio::select! {
+                p = t.conns.clone().acquire_owned() => {
+                    return p.map(Place::New).map_err(|_| UpstreamError::Saturated);
+                }
+                _ = &mut freed, if pooled => {}
+                _ = tokio::time::sleep(CAP_RECHECK), if pooled => {}
+                _ = tokio::time::sleep_until(deadline) => return Err(UpstreamError::Saturated),
+            }
+        }
+    }
+
+    /// A place under target `i`'s connection cap, waiting up to `connect_timeout` for one.
+    async fn place(&self, i: usize) -> Result<OwnedSemaphorePermit, UpstreamError> {
+        match self.targets[i].conns.clone().try_acquire_owned() {
+            Ok(p) => Ok(p),
+            Err(_) => match self.wait_for_place(i, false).await? {
+                Place::New(p) => Ok(p),
+                Place::Pooled(_) => Err(UpstreamError::Saturated),
+            },
+        }
+    }
+
     /// A new connection to target `i` (TCP, then TLS for `https://`), speaking HTTP/1.1 or
-    /// HTTP/2 as `upstream.protocol` and ALPN say.
-    async fn connect(&self, i: usize) -> Result<Conn, UpstreamError> {
+    /// HTTP/2 as `upstream.protocol` and ALPN say; it holds `place` under the target's
+    /// connection cap until it closes.
+    async fn connect(&self, i: usize, place: OwnedSemaphorePermit) -> Result<Conn, UpstreamError> {
         let t = &self.targets[i];
         let stream = match tokio::time::timeout(self.connect_timeout, TcpStream::connect(&t.addr)).await {
             Ok(Ok(s)) => s,
@@ -508,6 +611,7 @@ impl Upstream {
             Err(_) => return Err(UpstreamError::Connect(std::io::ErrorKind::TimedOut.into())),
         };
         let _ = stream.set_nodelay(true);
+        let stream = Capped { stream, _place: place };
         match (&t.server_name, &self.tls) {
             (Some(name), Some(tls)) => {
                 let tls_stream =
@@ -539,7 +643,8 @@ impl Upstream {
         mut req: Request<ProxyBody>,
     ) -> Result<(Response<Incoming>, Flight), UpstreamError> {
         let flight = Flight::enter(self, i);
-        let resp = match self.connect(i).await? {
+        let place = self.place(i).await?;
+        let resp = match self.connect(i, place).await? {
             Conn::H1(mut sender) => sender.send_request(req).await?,
             Conn::H2(c) => {
                 let (mut sender, _stream) = c.take();
@@ -548,6 +653,62 @@ impl Upstream {
             }
         };
         Ok((resp, flight))
+    }
+}
+
+/// What a request waiting at the connection cap got.
+enum Place {
+    /// A pooled HTTP/1.1 connection that came free.
+    Pooled(SendRequest<ProxyBody>),
+    /// A place for a new connection.
+    New(OwnedSemaphorePermit),
+}
+
+/// Counts a request waiting at the cap until dropped.
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// An upstream connection's socket, holding its place under the target's connection cap for as
+/// long as it is open (through an upgrade too: the upgraded stream is this socket).
+struct Capped {
+    stream: TcpStream,
+    _place: OwnedSemaphorePermit,
+}
+
+impl AsyncRead for Capped {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Capped {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().stream).poll_write(cx, data)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
     }
 }
 

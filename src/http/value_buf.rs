@@ -61,12 +61,13 @@ impl<const N: usize> std::fmt::Write for Text<N> {
 pub struct ValueBuf {
     /// The thread's chunk while this step writes into it: the text so far, then the room.
     buf: BytesMut,
-    /// Each value: its header and the range of its text.
-    values: SmallVec<[(&'static HeaderName, u32, u32); 6]>,
+    /// Each value: its header, the range of its text, and whether it is appended to the
+    /// header's existing values (else it replaces them).
+    values: SmallVec<[(&'static HeaderName, u32, u32, bool); 6]>,
     /// The range of the body, when one was written ([`ValueBuf::end_body`]).
     body: Option<(u32, u32)>,
-    /// Values made beforehand ([`ValueBuf::preset`]), inserted with the others.
-    presets: SmallVec<[(&'static HeaderName, HeaderValue); 2]>,
+    /// Values made beforehand ([`ValueBuf::preset`]), inserted (or appended) with the others.
+    presets: SmallVec<[(&'static HeaderName, HeaderValue, bool); 2]>,
 }
 
 impl Default for ValueBuf {
@@ -125,7 +126,7 @@ impl ValueBuf {
 
     /// Where the value being written starts.
     fn start(&self) -> u32 {
-        let v = self.values.last().map_or(0, |(_, _, end)| *end);
+        let v = self.values.last().map_or(0, |(_, _, end, _)| *end);
         self.body.map_or(v, |(_, end)| v.max(end))
     }
 
@@ -137,12 +138,24 @@ impl ValueBuf {
     /// The value written since the last `end` is header `name`'s.
     pub fn end(&mut self, name: &'static HeaderName) {
         let (start, len) = (self.start(), self.len());
-        self.values.push((name, start, len));
+        self.values.push((name, start, len, false));
+    }
+
+    /// The value written since the last `end` is appended to header `name`'s values (a list
+    /// field keeps the members it had: another field line).
+    pub fn end_appended(&mut self, name: &'static HeaderName) {
+        let (start, len) = (self.start(), self.len());
+        self.values.push((name, start, len, true));
     }
 
     /// Header `name` gets `v`, made beforehand (inserted as it is, with the written values).
     pub fn preset(&mut self, name: &'static HeaderName, v: HeaderValue) {
-        self.presets.push((name, v));
+        self.presets.push((name, v, false));
+    }
+
+    /// [`ValueBuf::preset`], appended to header `name`'s values rather than replacing them.
+    pub fn preset_appended(&mut self, name: &'static HeaderName, v: HeaderValue) {
+        self.presets.push((name, v, true));
     }
 
     /// The text written since the last `end` is the body [`ValueBuf::finish`] returns.
@@ -150,25 +163,33 @@ impl ValueBuf {
         self.body = Some((self.start(), self.len()));
     }
 
-    /// Insert every value into `h` (each replacing what `h` had for its header), marked never
-    /// to be HPACK-indexed; a value that is not a valid header value is left out. Returns the
-    /// body, if one was written: it shares the values' chunk.
+    /// Insert every value into `h` (each replacing what `h` had for its header, or appended to
+    /// it when written so), marked never to be HPACK-indexed; a value that is not a valid header
+    /// value is left out. Returns the body, if one was written: it shares the values' chunk.
     pub fn finish(mut self, h: &mut HeaderMap) -> Option<Bytes> {
         h.reserve(self.values.len() + self.presets.len());
-        for (name, v) in self.presets.drain(..) {
-            h.insert(name.clone(), v);
+        for (name, v, append) in self.presets.drain(..) {
+            if append {
+                h.append(name.clone(), v);
+            } else {
+                h.insert(name.clone(), v);
+            }
         }
         if self.values.is_empty() && self.body.is_none() {
             return None;
         }
         let all = self.buf.split().freeze();
-        for &(name, start, end) in &self.values {
+        for &(name, start, end, append) in &self.values {
             if let Ok(mut v) = HeaderValue::from_maybe_shared(all.slice(start as usize..end as usize)) {
                 // Never indexed by HTTP/2's HPACK: an indexed value would keep its chunk
                 // alive in the connection's header table for the connection's life (most of
                 // these values differ from one message to the next anyway).
                 v.set_sensitive(true);
-                h.insert(name.clone(), v);
+                if append {
+                    h.append(name.clone(), v);
+                } else {
+                    h.insert(name.clone(), v);
+                }
             }
         }
         self.body.map(|(a, b)| all.slice(a as usize..b as usize))
@@ -212,6 +233,28 @@ mod tests {
             "never HPACK-indexed: an indexed value would pin the shared buffer"
         );
         assert!(!HeaderValue::from_static("old").is_sensitive());
+    }
+
+    #[test]
+    fn appended_values_keep_the_ones_there() {
+        static LIST: HeaderName = HeaderName::from_static("ratelimit");
+        static POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+        let mut h = HeaderMap::new();
+        h.insert("ratelimit", HeaderValue::from_static("\"origin\";r=5"));
+        h.insert("ratelimit-policy", HeaderValue::from_static("\"origin\";q=9"));
+        let mut b = ValueBuf::new();
+        b.put(b"\"gate\";r=1");
+        b.end_appended(&LIST);
+        b.preset_appended(&POLICY, HeaderValue::from_static("\"gate\";q=2"));
+        b.finish(&mut h);
+        let all = |n: &str| {
+            h.get_all(n)
+                .iter()
+                .map(|v| v.to_str().unwrap().to_owned())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(all("ratelimit"), ["\"origin\";r=5", "\"gate\";r=1"]);
+        assert_eq!(all("ratelimit-policy"), ["\"origin\";q=9", "\"gate\";q=2"]);
     }
 
     #[test]

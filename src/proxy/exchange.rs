@@ -147,6 +147,17 @@ impl State {
                 // while it streamed: the upstream got an aborted body, never a complete one.
                 return Err(GatewayError::PayloadTooLarge);
             }
+            Ok(Err(f)) if client_body_failed(&f.error) => {
+                // The client's own body broke off or did not parse (a bad chunk size, say):
+                // its fault, not the upstream's.
+                return Err(GatewayError::BadRequest("malformed or incomplete request body"));
+            }
+            Ok(Err(f)) if f.error.is_saturated() => {
+                if let Some(suppressed) = self.upstream_log().allow() {
+                    tracing::warn!(method = %method, path = %path.path(), upstream = %f.target, suppressed, "upstream connection cap reached (upstream.max_connections_per_target); answered 503 (repeats logged at most once a second, `suppressed` counts the others)");
+                }
+                return Err(GatewayError::Unavailable("the upstream connection limit is reached"));
+            }
             Ok(Err(f)) => {
                 self.metrics().upstream_status[5].inc();
                 if let Some(suppressed) = self.upstream_log().allow() {
@@ -205,6 +216,28 @@ fn body_over_limit(e: &(dyn std::error::Error + 'static)) -> bool {
     while let Some(err) = cur {
         if err.is::<http_body_util::LengthLimitError>() {
             return true;
+        }
+        cur = err.source();
+    }
+    false
+}
+
+/// Did the upstream request fail because the client's request body failed as it was read (a
+/// malformed chunk, a connection closed mid-body)? The upstream client reports a body that
+/// failed as its "user" error, caused by the error of the client's side: another
+/// `hyper::Error`, from reading the incoming body.
+fn client_body_failed(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(e);
+    let mut outer_user = false;
+    while let Some(err) = cur {
+        if let Some(h) = err.downcast_ref::<hyper::Error>() {
+            if outer_user {
+                return true;
+            }
+            if !h.is_user() {
+                return false;
+            }
+            outer_user = true;
         }
         cur = err.source();
     }

@@ -34,31 +34,46 @@ pub use plan::host_for_matching;
 use plan::{RequestParts, RequestPlan};
 
 /// The headers' view of planned check `i` with outcome `o` reached through `source`: the quota
-/// enforced is this node's share of it when the rule fell back to the local store.
+/// enforced is this node's share of it when the rule fell back to the local store. When the
+/// values made at load do not describe it (an override, a local share), `windows` is filled
+/// with every limit of its rule in force for the request, for `RateLimit-Policy`.
 fn binding_of<'a>(
     plan: &RequestPlan,
     snap: &'a crate::state::Snapshot,
-    i: usize,
-    o: &'a crate::limiter::Outcome,
-    source: Source,
+    (i, o, source): &'a (usize, crate::limiter::Outcome, Source),
+    windows: &'a mut Vec<crate::limiter::Quota>,
 ) -> Binding<'a> {
+    let (i, source) = (*i, *source);
     let p = &plan.checks[i];
-    let (quota, cost) = match (source, p.policy) {
+    let enforced = |c: &plan::PlannedCheck| match (source, c.policy) {
         (Source::Local, FailurePolicy::Local { share }) => {
-            let local = local_share(&p.check, share);
+            let local = local_share(&c.check, share);
             (local.quota, local.cost)
         }
-        _ => (p.check.quota, p.check.cost),
+        _ => (c.check.quota, c.check.cost),
     };
+    let (quota, cost) = enforced(p);
+    let fixed = snap
+        .rule_headers
+        .get(p.rule as usize)
+        .and_then(|f| f.iter().find_map(|f| f.describing(&quota, cost)));
+    let mut at = 0;
+    if fixed.is_none() {
+        for (j, c) in plan.checks.iter().enumerate().filter(|(_, c)| c.rule == p.rule) {
+            if j == i {
+                at = windows.len();
+            }
+            windows.push(enforced(c).0);
+        }
+    }
     Binding {
         rule: &snap.rules.rules[p.rule as usize].name,
         quota,
         cost,
         outcome: o,
-        fixed: snap
-            .rule_headers
-            .get(p.rule as usize)
-            .and_then(|f| f.iter().find_map(|f| f.describing(&quota, cost))),
+        fixed,
+        windows,
+        at,
     }
 }
 
@@ -274,8 +289,9 @@ impl State {
         } else {
             self.settle_after(&snap, admitted.after, result)?
         };
-        if let Some((i, o, src)) = admitted.binding {
-            let b = binding_of(&plan, &snap, i, &o, src);
+        if let Some(bound) = admitted.binding {
+            let mut windows = Vec::new();
+            let b = binding_of(&plan, &snap, &bound, &mut windows);
             let lim = &self.config().limits;
             // The rate-limit headers and the request id: one regrowth at most.
             resp.headers_mut().reserve(6);
@@ -355,7 +371,9 @@ impl State {
                 if let Some(n) = note {
                     n.decision = "limited";
                 }
-                let b = binding_of(plan, snap, i, &o, src);
+                let bound = (i, o, src);
+                let mut windows = Vec::new();
+                let b = binding_of(plan, snap, &bound, &mut windows);
                 let lim = &self.config().limits;
                 self.metrics().rate_limited();
                 return Some(Ok(respond::rate_limited(

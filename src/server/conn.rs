@@ -1,7 +1,8 @@
 //! Serving connections: the listeners (one, or one per worker with `SO_REUSEPORT`), the
 //! accept loop with its connection limit and drain, and each connection: the h2c sniff, the TLS
-//! handshake, hyper's HTTP/1.1 (parked while idle) or HTTP/2 connection, graceful shutdown, and
-//! the 503 for a connection over `max_connections`.
+//! handshake, hyper's HTTP/1.1 (parked while idle) or HTTP/2 connection (closed when idle,
+//! `h2_idle`), graceful shutdown, and the 503 for a connection over `max_connections` or
+//! `max_connections_per_ip` (`per_ip`).
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -16,6 +17,8 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 
+use super::h2_idle::{H2Streams, StreamBody};
+use super::per_ip::{Entry, PerIp};
 use super::stop::{Level, StopSignal, StopWatch};
 use crate::state::State;
 
@@ -67,6 +70,7 @@ pub async fn serve_with(
 ) {
     let conns = Arc::new(Semaphore::new(gw.config().server.max_connections));
     let w = Worker {
+        per_ip: per_ip_of(&gw),
         gw: gw.clone(),
         stop,
         tls,
@@ -87,6 +91,18 @@ pub(super) struct Worker {
     pub(super) tls: Option<tokio_rustls::TlsAcceptor>,
     /// `server.max_connections`, for all workers together.
     pub(super) conns: Arc<Semaphore>,
+    /// `server.max_connections_per_ip`, for all workers together (`None`: no cap).
+    pub(super) per_ip: Option<Arc<PerIp>>,
+}
+
+/// The per-address connection count `gw`'s config asks for, if any.
+pub(super) fn per_ip_of(gw: &State) -> Option<Arc<PerIp>> {
+    let c = gw.config();
+    PerIp::new(
+        c.server.max_connections_per_ip,
+        c.identity.ipv6_prefix,
+        c.identity.trusted_proxies.clone(),
+    )
 }
 
 /// Accept and serve connections from `listener` until `stop` fires, then drain them (bounded
@@ -97,6 +113,7 @@ pub(super) async fn accept_loop(listener: TcpListener, w: Worker) {
         mut stop,
         tls,
         conns,
+        per_ip,
     } = w;
     let sc = gw.config().server.clone();
     let mut h1 = hyper::server::conn::http1::Builder::new();
@@ -129,8 +146,21 @@ pub(super) async fn accept_loop(listener: TcpListener, w: Worker) {
         };
         let Ok(permit) = conns.clone().try_acquire_owned() else {
             gw.metrics().local_response(503);
-            tokio::spawn(reject_over_capacity(stream));
+            tokio::spawn(reject_over_capacity(stream, "too many connections"));
             continue;
+        };
+        let counted = match per_ip.as_ref().map(|p| (p, p.enter(peer.ip()))) {
+            Some((p, Entry::Refused)) => {
+                drop(permit);
+                gw.metrics().local_response(503);
+                if let Some(suppressed) = p.log.allow() {
+                    tracing::warn!(peer = %peer.ip(), cap = sc.max_connections_per_ip.unwrap_or(0), suppressed, "connection refused: its address holds server.max_connections_per_ip connections already (repeats logged at most once a second, `suppressed` counts the others)");
+                }
+                tokio::spawn(reject_over_capacity(stream, "too many connections from this address"));
+                continue;
+            }
+            Some((_, Entry::Counted(c))) => Some(c),
+            _ => None,
         };
         let _ = stream.set_nodelay(true);
         let gw2 = gw.clone();
@@ -152,6 +182,7 @@ pub(super) async fn accept_loop(listener: TcpListener, w: Worker) {
             if let Err(e) = result {
                 tracing::debug!(error = %e, %peer, "connection ended with error");
             }
+            drop(counted);
             drop(permit);
             drop(open);
             drop(drained);
@@ -309,13 +340,34 @@ where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
 {
     if is_h2 {
+        let idle = gw.config().server.idle_timeout;
+        let streams = H2Streams::new();
+        let counted = streams.clone();
         // Each stream's future lives in its own task (hyper spawns one per request).
         let svc = service_fn(move |req: hyper::Request<Incoming>| {
             let gw = gw.clone();
-            async move { Ok::<_, std::convert::Infallible>(gw.handle(req, peer).await) }
+            let open = counted.open();
+            async move { Ok::<_, std::convert::Infallible>(gw.handle(req, peer).await.map(|b| StreamBody::new(b, open))) }
         });
-        let conn = Box::pin(h2.serve_connection(io, svc));
-        until_stopped(conn, stop, |c| c.graceful_shutdown()).await
+        let mut conn = Box::pin(h2.serve_connection(io, svc));
+        // Finish gracefully (GOAWAY, then close) on shutdown, or once no stream has been open
+        // for `idle_timeout`.
+        let mut timer = Box::pin(tokio::time::sleep(idle));
+        let mut finishing = false;
+        std::future::poll_fn(|cx| {
+            if !finishing {
+                let stopping = stop.poll_level(cx) >= Level::Graceful;
+                if stopping || streams.poll_idle(&mut timer, idle, cx) {
+                    if !stopping {
+                        tracing::debug!(%peer, idle_ms = idle.as_millis() as u64, "closing an idle HTTP/2 connection");
+                    }
+                    finishing = true;
+                    conn.as_mut().graceful_shutdown();
+                }
+            }
+            conn.as_mut().poll(cx)
+        })
+        .await
     } else {
         // hyper's HTTP/1 connection allocates room for one service future for its whole life:
         // boxed, that room is a pointer, and the request handler's state (several KiB) is
@@ -407,17 +459,17 @@ pub const H2_PING_TIMEOUT: Duration = Duration::from_secs(20);
 /// few enough that one connection cannot hold a large share of the gateway's memory.
 pub const H2_MAX_STREAMS: u32 = 256;
 
-/// How long a connection over `max_connections` is served its 503 before it is closed.
+/// How long a connection over `max_connections` (or `max_connections_per_ip`) is served its
+/// 503 before it is closed.
 const REJECT_WITHIN: Duration = Duration::from_secs(1);
 
-/// Over `max_connections`: answer the connection's request with the 503 of `respond.rs`, in
-/// the protocol the client speaks (HTTP/1.1, or h2c with prior knowledge), then close. Bounded
-/// by [`REJECT_WITHIN`], so a slow client cannot hold the extra connection.
-async fn reject_over_capacity(stream: tokio::net::TcpStream) {
-    let svc = service_fn(|_req: hyper::Request<Incoming>| async {
-        Ok::<_, std::convert::Infallible>(
-            crate::http::respond::GatewayError::Unavailable("too many connections").into_response(),
-        )
+/// Over `max_connections` or `max_connections_per_ip`: answer the connection's request with the
+/// 503 of `respond.rs` (`why` its message), in the protocol the client speaks (HTTP/1.1, or h2c
+/// with prior knowledge), then close. Bounded by [`REJECT_WITHIN`], so a slow client cannot
+/// hold the extra connection.
+async fn reject_over_capacity(stream: tokio::net::TcpStream, why: &'static str) {
+    let svc = service_fn(move |_req: hyper::Request<Incoming>| async move {
+        Ok::<_, std::convert::Infallible>(crate::http::respond::GatewayError::Unavailable(why).into_response())
     });
     let _ = tokio::time::timeout(REJECT_WITHIN, async move {
         let Some(is_h2) = sniff_h2(&stream).await else {

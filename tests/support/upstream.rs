@@ -6,7 +6,9 @@
 //! every 100 ms for 30 s; `/reset` sends one chunk and then fails the body (the connection is
 //! cut mid-response); `/hang` answers after 30 s; `/status/<code>` answers that status after
 //! 200 ms; `/cost/<n>` answers with `X-Tokens-Used: n`; `/trailer-cost/<n>` streams two chunks
-//! and then `X-Tokens-Used: n` as a trailer; anything else answers at once.
+//! and then `X-Tokens-Used: n` as a trailer; `/ratelimit` answers with its own `RateLimit` and
+//! `RateLimit-Policy`; anything else answers at once. It also counts the connections open now and
+//! the most ever open at once.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -34,6 +36,10 @@ pub struct Counts {
     pub total: AtomicUsize,
     /// Connections accepted.
     pub connections: AtomicUsize,
+    /// Connections open now.
+    pub open_connections: AtomicUsize,
+    /// The most connections ever open at once.
+    pub max_open_connections: AtomicUsize,
 }
 
 /// One request being served: counted until dropped (with its response body).
@@ -76,6 +82,11 @@ impl CountingUpstream {
     /// `http://addr`.
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// The most connections open at once so far.
+    pub fn max_open_connections(&self) -> usize {
+        self.counts.max_open_connections.load(Ordering::SeqCst)
     }
 }
 
@@ -135,6 +146,13 @@ async fn serve(counts: Arc<Counts>, req: Request<Incoming>) -> Result<Response<B
         // hyper sends only the trailer fields the head announces.
         r.headers_mut().insert("trailer", "x-tokens-used".parse().unwrap());
         return Ok(r);
+    } else if path == "/ratelimit" {
+        let mut r = Response::new(body(serving, 1, Duration::ZERO, false));
+        r.headers_mut()
+            .insert("ratelimit-policy", "\"origin\";q=100;w=3600".parse().unwrap());
+        r.headers_mut()
+            .insert("ratelimit", "\"origin\";r=7;t=1200".parse().unwrap());
+        return Ok(r);
     } else if path == "/hang" {
         tokio::time::sleep(Duration::from_secs(30)).await;
         body(serving, 1, Duration::ZERO, false)
@@ -154,12 +172,16 @@ pub async fn counting_upstream() -> CountingUpstream {
         loop {
             let Ok((stream, _)) = l.accept().await else { continue };
             c.connections.fetch_add(1, Ordering::SeqCst);
+            let open = c.open_connections.fetch_add(1, Ordering::SeqCst) + 1;
+            c.max_open_connections.fetch_max(open, Ordering::SeqCst);
             let c = c.clone();
             tokio::spawn(async move {
+                let counts = c.clone();
                 let svc = hyper::service::service_fn(move |req| serve(c.clone(), req));
                 let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
                     .serve_connection(TokioIo::new(stream), svc)
                     .await;
+                counts.open_connections.fetch_sub(1, Ordering::SeqCst);
             });
         }
     });

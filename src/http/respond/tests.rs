@@ -38,6 +38,8 @@ fn deny(rule: &str, limit: u64, retry_us: u64, at_us: u64) -> http::Response<cra
         cost: 1,
         outcome: &outcome,
         fixed: None,
+        windows: &[],
+        at: 0,
     };
     super::rate_limited(&b, true, true, at_us)
 }

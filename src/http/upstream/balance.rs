@@ -149,6 +149,8 @@ impl Upstream {
                         }
                     }
                     Ok(Ok(s)) => up.failure(i, &format!("health check answered {s}"), true),
+                    // At its connection cap the target is busy, not down: no verdict this round.
+                    Ok(Err(e)) if e.is_saturated() => {}
                     Ok(Err(e)) => up.failure(i, &format!("health check failed: {e}"), true),
                     Err(_) => up.failure(i, &"health check timed out", true),
                 }

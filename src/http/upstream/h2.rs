@@ -157,7 +157,8 @@ impl Upstream {
     /// A new HTTP/2 connection to target `i`. Under `auto`, a target that agreed to HTTP/1.1
     /// instead gets the connection pooled as such, and this fails with [`UpstreamError::NoH2`].
     pub(super) async fn h2_conn(&self, i: usize) -> Result<H2Conn, UpstreamError> {
-        match self.connect(i).await? {
+        let place = self.place(i).await?;
+        match self.connect(i, place).await? {
             Conn::H2(c) => Ok(c),
             Conn::H1(s) => {
                 self.checkin(i, s);

@@ -18,6 +18,7 @@ fn config(n: usize) -> UpstreamConfig {
         connect_timeout: Duration::from_millis(100),
         request_timeout: Duration::from_secs(1),
         pool_max_idle_per_host: 4,
+        max_connections_per_target: 1024,
     }
 }
 
