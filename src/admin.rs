@@ -86,6 +86,11 @@ async fn route(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Resp
             // The one store condition readiness follows: a Redis user without the permissions
             // the scripts need is a deployment mistake, not an outage.
             match gw.store_permission_error() {
+                _ if gw.draining() => respond::text(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "not ready: draining for shutdown\n",
+                    "text/plain",
+                ),
                 None => respond::text(StatusCode::OK, "ready\n", "text/plain"),
                 Some(e) => respond::text(
                     StatusCode::SERVICE_UNAVAILABLE,

@@ -126,7 +126,7 @@ fn main() -> ExitCode {
                 let running = tollgate::server::start(cfg).await.map_err(|e| e.to_string())?;
                 tollgate::demo::shutdown_signal().await;
                 tracing::info!("signal received");
-                running.stop().await;
+                running.drain_then_stop().await;
                 Ok(())
             })
         }

@@ -40,6 +40,31 @@ impl Running {
         let _ = self.shutdown.send(true);
         let _ = self.done.await;
     }
+
+    /// What SIGTERM does: the drain window (`server.drain`) first — still serving, `/readyz`
+    /// failing, HTTP/1.1 answered with `Connection: close`, HTTP/2 sent GOAWAY, idle connections
+    /// left open — then [`Running::stop`]. Balancers that keep existing connections pinned to a
+    /// terminating instance get every request answered (ARCHITECTURE.md, "Shutdown without
+    /// dropping a request").
+    pub async fn drain_then_stop(self) {
+        let window = self.gateway.config().server.drain;
+        if !window.is_zero() {
+            let open = self.gateway.metrics().open_connections.get();
+            tracing::info!(
+                drain_ms = window.as_millis() as u64,
+                open_connections = open,
+                "draining: still serving; /readyz fails, HTTP/1.1 responses carry Connection: close, HTTP/2 connections get GOAWAY"
+            );
+            self.gateway.start_drain();
+            tokio::time::sleep(window).await;
+            tracing::info!(
+                served = self.gateway.drained_requests(),
+                open_connections = self.gateway.metrics().open_connections.get(),
+                "drain window over: closing idle connections and finishing in-flight requests"
+            );
+        }
+        self.stop().await;
+    }
 }
 
 /// Bind the listeners and start serving. Use port 0 in `config` to get free ports.
@@ -104,7 +129,9 @@ pub async fn start_with(gw: Arc<State>) -> Result<Running, StartError> {
             let _ = gw.reload(why).await;
         }
     });
-    tokio::spawn(crate::admin::serve(gw.clone(), admin, rx.clone()));
+    // The admin listener stays up until the proxy has drained, so the drain can be scraped.
+    let (admin_stop, admin_rx) = watch::channel(false);
+    tokio::spawn(crate::admin::serve(gw.clone(), admin, admin_rx));
     let acceptor = tls.map(|(a, _)| a);
     let tls_on = acceptor.is_some();
     let conns = Arc::new(Semaphore::new(gw.config().server.max_connections));
@@ -141,6 +168,7 @@ pub async fn start_with(gw: Arc<State>) -> Result<Running, StartError> {
         // Nothing is admitted any more: give every lease's unused units back to the fleet.
         gw_done.limiter().return_leases(true).await;
         let _ = release.send(true);
+        let _ = admin_stop.send(true);
     });
     let targets: Vec<String> = gw.upstream().status().into_iter().map(|(t, _)| t).collect();
     tracing::info!(

@@ -88,6 +88,10 @@ pub struct State {
     activity: crate::activity::Activity,
     /// The last permission check's refusal (`NOPERM`), while it stands: `/readyz` fails with it.
     store_permission: parking_lot::Mutex<Option<String>>,
+    /// Raised to `true` when the drain window begins ([`State::start_drain`]).
+    drain: tokio::sync::watch::Sender<bool>,
+    /// Requests answered during the drain window.
+    drained_requests: AtomicU64,
 }
 
 /// Seconds since the Unix epoch (0 before it).
@@ -330,6 +334,8 @@ impl State {
             config,
             activity,
             store_permission: parking_lot::Mutex::new(None),
+            drain: tokio::sync::watch::channel(false).0,
+            drained_requests: AtomicU64::new(0),
         });
         Ok(gw)
     }
@@ -432,6 +438,33 @@ impl State {
             }
             Err(_) => {}
         }
+    }
+
+    /// Begin the drain window: `/readyz` fails, HTTP/1.1 responses carry `Connection: close`
+    /// and HTTP/2 connections get GOAWAY, while every request is still served (ARCHITECTURE.md,
+    /// "Shutdown without dropping a request").
+    pub fn start_drain(&self) {
+        self.drain.send_replace(true);
+    }
+
+    /// In the drain window (or past it)? One atomic load.
+    pub fn draining(&self) -> bool {
+        *self.drain.borrow()
+    }
+
+    /// Count a request answered during the drain window; the count so far.
+    pub fn drained_request(&self) -> u64 {
+        self.drained_requests.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1
+    }
+
+    /// Requests answered during the drain window.
+    pub fn drained_requests(&self) -> u64 {
+        self.drained_requests.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Resolves (with `changed()`) when the drain window begins.
+    pub fn drain_watch(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.drain.subscribe()
     }
 
     /// The standing permission refusal, if any (see [`State::check_store_permissions`]).

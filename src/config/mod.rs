@@ -248,6 +248,10 @@ pub struct ServerConfig {
     pub max_header_bytes: usize,
     /// Drain deadline on shutdown.
     pub shutdown_grace: Duration,
+    /// The drain window after SIGTERM, before `shutdown_grace` begins: still serving (and
+    /// accepting), `/readyz` failing, HTTP/1.1 answered with `Connection: close`, HTTP/2 sent
+    /// GOAWAY. `0s` turns it off.
+    pub drain: Duration,
     /// How the proxy's connections are spread over the worker threads.
     pub runtime: Runtime,
     /// What a request path with an encoded `/` or `\` gets.
@@ -686,6 +690,7 @@ impl GatewayConfig {
             max_header_bytes: at_least(f, &sv.max_header_bytes, "server.max_header_bytes", 1024, 16 * 1024)?,
             // By default in-flight requests get as long to finish as the upstream gets to answer.
             shutdown_grace: opt_duration(f, &sv.shutdown_grace, upstream.request_timeout)?,
+            drain: opt_duration(f, &sv.drain, DEFAULT_DRAIN)?,
             runtime: match sv.runtime {
                 None => Runtime::default(),
                 Some(raw::RawRuntime::WorkStealing) => Runtime::WorkStealing,
@@ -746,6 +751,10 @@ impl GatewayConfig {
 
 #[cfg(test)]
 mod tests;
+
+/// `server.drain` when not set: long enough for a balancer or kube-proxy to take the instance
+/// out before it stops accepting.
+const DEFAULT_DRAIN: Duration = Duration::from_secs(5);
 
 /// `server.upgrades`: protocol names (an `Upgrade` token without its `/version`), lower case;
 /// `[websocket]` when absent.

@@ -258,6 +258,8 @@ pub struct RawServer {
     pub max_header_bytes: Option<Spanned<usize>>,
     /// Time in-flight requests get on shutdown.
     pub shutdown_grace: Option<Spanned<String>>,
+    /// The drain window after SIGTERM.
+    pub drain: Option<Spanned<String>>,
     /// `work_stealing` or `thread_per_core`.
     pub runtime: Option<RawRuntime>,
     /// `reject` (default) or `keep`: what a path with `%2F` / `%5C` gets.

@@ -134,6 +134,7 @@ impl State {
         let mut facts = Facts::of(req.headers());
         let id = facts::ensure_request_id(req.headers_mut(), &facts);
         let grpc = facts.grpc;
+        let http1 = req.version() < Version::HTTP_2;
         let line = self.access_sampler().take().then(|| access::Line {
             id: id.clone(),
             started: Instant::now(),
@@ -148,6 +149,15 @@ impl State {
             .await;
         let mut resp = self.response_of(result, grpc, pending.line.as_mut().map(|l| &mut l.note));
         resp.headers_mut().insert(X_REQUEST_ID.clone(), id);
+        if self.draining() {
+            // The drain window: the client's next request goes on a new connection, which the
+            // balancer no longer sends here (HTTP/2 connections got GOAWAY instead).
+            self.drained_request();
+            if http1 && resp.status() != http::StatusCode::SWITCHING_PROTOCOLS {
+                resp.headers_mut()
+                    .insert(header::CONNECTION, http::HeaderValue::from_static("close"));
+            }
+        }
         match pending.answered() {
             Some(l) => {
                 let status = resp.status().as_u16();

@@ -139,10 +139,20 @@ pub(super) async fn accept_loop(listener: TcpListener, w: Worker) {
     // What the connections watch: raised to `Graceful` when `stop` fires, to `Killed` when
     // `shutdown_grace` has passed (every connection still open is dropped).
     let signal = StopSignal::new();
+    // The drain window (`State::start_drain`): connections keep being accepted and served.
+    let mut drain = gw.drain_watch();
+    let mut draining = false;
     loop {
         let (stream, peer) = tokio::select! {
             x = crate::http::accept(&listener) => x,
             _ = stop.changed() => break,
+            r = drain.changed(), if !draining => {
+                draining = true;
+                if r.is_ok() {
+                    signal.raise(Level::Draining);
+                }
+                continue;
+            }
         };
         let Ok(permit) = conns.clone().try_acquire_owned() else {
             gw.metrics().local_response(503);
@@ -356,7 +366,9 @@ where
         let mut finishing = false;
         std::future::poll_fn(|cx| {
             if !finishing {
-                let stopping = stop.poll_level(cx) >= Level::Graceful;
+                // GOAWAY from the drain window on: the client opens its next streams on a new
+                // connection (to another gateway, once this one is out of the balancer).
+                let stopping = stop.poll_level(cx) >= Level::Draining;
                 if stopping || streams.poll_idle(&mut timer, idle, cx) {
                     if !stopping {
                         tracing::debug!(%peer, idle_ms = idle.as_millis() as u64, "closing an idle HTTP/2 connection");

@@ -21,17 +21,22 @@ use parking_lot::Mutex;
 pub(super) enum Level {
     /// Serving.
     Running = 0,
+    /// The drain window (`server.drain`): still serving and accepting, but HTTP/2 connections
+    /// get GOAWAY (HTTP/1.1 responses carry `Connection: close`, see `State::draining`); idle
+    /// connections stay open.
+    Draining = 1,
     /// Finish in-flight requests, then close.
-    Graceful = 1,
+    Graceful = 2,
     /// The grace period passed: drop the connection now.
-    Killed = 2,
+    Killed = 3,
 }
 
 impl Level {
     fn from_u8(v: u8) -> Level {
         match v {
             0 => Level::Running,
-            1 => Level::Graceful,
+            1 => Level::Draining,
+            2 => Level::Graceful,
             _ => Level::Killed,
         }
     }
