@@ -52,6 +52,13 @@ struct KindLabels {
     kind: String,
 }
 
+/// A store shard: its master's `host:port` (never a password).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ShardLabels {
+    /// `host:port`.
+    pub shard: String,
+}
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ResultLabels {
     result: String,
@@ -179,6 +186,8 @@ pub struct Metrics {
     pub store_circuit_open: Counter,
     /// Store shards whose circuit breaker is open (0 when healthy; standalone Redis has one).
     pub breaker_open: Gauge,
+    /// `tollgate_store_shard_breaker_open{shard}`: 1 while that shard's breaker is open.
+    pub shard_breaker_open: Family<ShardLabels, Gauge>,
     /// `tollgate_store_permission_errors_total`: permission checks that found the Redis user
     /// lacking a permission (`NOPERM`).
     pub store_permission_errors: Counter,
@@ -281,6 +290,12 @@ impl Metrics {
             "store_breaker_open",
             "Store shards (Redis masters) whose circuit breaker is open; 0 when all are healthy",
             breaker_open.clone(),
+        );
+        let shard_breaker_open = Family::<ShardLabels, Gauge>::default();
+        registry.register(
+            "store_shard_breaker_open",
+            "1 while the circuit breaker of this store shard (a Redis master, by host:port) is open",
+            shard_breaker_open.clone(),
         );
         let store_permission_errors = Counter::default();
         registry.register(
@@ -486,6 +501,7 @@ impl Metrics {
             store_timeout,
             store_circuit_open,
             breaker_open,
+            shard_breaker_open,
             store_permission_errors,
             deny_cache_hits,
             memory_evicted,

@@ -320,6 +320,15 @@ fn spawn_probe(gw: &Arc<State>, stop: watch::Receiver<bool>) {
         async move {
             let open = gw.limiter().heal().await;
             gw.metrics().breaker_open.set(i64::try_from(open).unwrap_or(i64::MAX));
+            if let crate::limiter::Backend::Redis(r) = &gw.limiter().store {
+                for (shard, is_open, _) in r.shard_states() {
+                    let g = gw
+                        .metrics()
+                        .shard_breaker_open
+                        .get_or_create(&crate::metrics::ShardLabels { shard });
+                    g.set(i64::from(is_open));
+                }
+            }
         }
     });
 }

@@ -376,3 +376,77 @@ async fn starts_while_redis_is_down_and_picks_it_up_later() {
     assert_eq!(exactly_n_admitted(&c, &gw.url, "late", 8).await, 5);
     gw.stop().await;
 }
+
+/// A Cluster master killed with no replica to take over: its shard's breaker opens and stays
+/// open (it used to close on every probe, which the cluster client answered from another
+/// node, and open again: 25 times in 6 s), the gauges show it, and fail-open requests on that
+/// shard answer fast instead of paying `store.timeout` again and again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_cluster_master_without_a_replica_keeps_its_breaker_open() {
+    let mut cluster = RedisCluster::start();
+    let up = echo().await;
+    let gw = gateway(
+        &format!("http://{up}"),
+        &store_yaml("redis_cluster", &cluster.seed_urls()),
+        RULES,
+        None,
+    )
+    .await;
+    let c = client();
+    let victim = cluster.masters()[0];
+    for r in cluster.replicas_of(victim) {
+        cluster.kill_node(r);
+    }
+    cluster.kill_node(victim);
+    // Callers spread over every shard (`header:X-Who` keys hash to all slots): a third of
+    // them live on the dead one.
+    let url = format!("{}/exact/x", gw.url);
+    let n = AtomicU64::new(0);
+    let on_any = |c: &reqwest::Client| {
+        let i = n.fetch_add(1, Ordering::Relaxed);
+        c.get(&url).header("x-who", format!("w{i}")).send()
+    };
+    let shard_open = |metrics: &str| {
+        metrics
+            .lines()
+            .filter(|l| l.starts_with("tollgate_store_shard_breaker_open{") && l.contains(&format!(":{victim}\"")))
+            .any(|l| l.ends_with(" 1"))
+    };
+    let opened = eventually(Duration::from_secs(5), || async {
+        for _ in 0..10 {
+            let _ = on_any(&c).await;
+        }
+        metric_value(&c, &gw.admin, "tollgate_store_breaker_open").await >= 1.0
+    })
+    .await;
+    assert!(opened, "the dead shard's breaker never opened");
+    // Two seconds of probes every 100 ms: it stays open, and the shard's own gauge says so.
+    let t0 = Instant::now();
+    let (mut scrapes, mut lat) = (0, Vec::new());
+    while t0.elapsed() < Duration::from_secs(2) {
+        assert_eq!(
+            metric_value(&c, &gw.admin, "tollgate_store_breaker_open").await,
+            1.0,
+            "after {:?}",
+            t0.elapsed()
+        );
+        let metrics = get_text(&c, format!("{}/metrics", gw.admin)).await;
+        assert!(shard_open(&metrics), "no open shard gauge for :{victim}");
+        for _ in 0..5 {
+            let t = Instant::now();
+            assert_eq!(on_any(&c).await.unwrap().status(), 200, "failure: open");
+            lat.push(t.elapsed());
+        }
+        scrapes += 1;
+    }
+    lat.sort();
+    let p99 = lat[(lat.len() * 99) / 100];
+    eprintln!("dead master, no replica: {scrapes} scrapes all open; fail-open p99 {p99:?}");
+    assert!(
+        p99 < Duration::from_millis(15),
+        "fail-open requests paid the store timeout: p99 {p99:?}"
+    );
+    let status = get_json(&c, format!("{}/status", gw.admin)).await;
+    assert_eq!(status["store"]["breakers_open"], 1, "{status}");
+    gw.stop().await;
+}

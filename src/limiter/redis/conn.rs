@@ -616,3 +616,59 @@ impl Inner {
         }
     }
 }
+
+/// `url` (a configured seed URL: scheme, user, database) pointed at `addr` (`host:port`)
+/// instead of its own host and port.
+fn url_for_node(url: &str, addr: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("redis", url));
+    let (user, rest) = match rest.rsplit_once('@') {
+        Some((u, r)) => (format!("{u}@"), r),
+        None => (String::new(), rest),
+    };
+    let path = rest.find('/').map_or("", |i| &rest[i..]);
+    format!("{scheme}://{user}{addr}{path}")
+}
+
+/// `PING` the node at `addr` on a connection of its own (the store's auth and TLS), within the
+/// store's timeout (at least 100 ms): whether that node itself answers, whatever the cluster
+/// client would route to.
+pub(super) async fn ping_node(inner: &Inner, addr: &str) -> Result<(), StoreError> {
+    let seed = inner
+        .urls
+        .first()
+        .ok_or_else(|| StoreError::Redis("no Redis URL configured".into()))?;
+    let url = url_for_node(seed, addr);
+    let wait = inner.timeout.max(Duration::from_millis(100));
+    let ping = async {
+        let conn = open(RedisMode::Single, std::slice::from_ref(&url), wait, &inner.auth).await?;
+        let Conn::Single(mut cm) = conn else {
+            return Err(StoreError::Redis("not a single-node connection".into()));
+        };
+        redis::cmd("PING")
+            .query_async::<String>(&mut cm)
+            .await
+            .map(|_| ())
+            .map_err(store_err)
+    };
+    match tokio::time::timeout(wait.saturating_mul(4), ping).await {
+        Ok(r) => r,
+        Err(_) => Err(StoreError::Timeout),
+    }
+}
+
+#[cfg(test)]
+mod node_url_tests {
+    use super::url_for_node;
+
+    #[test]
+    fn a_seed_url_is_pointed_at_another_node() {
+        assert_eq!(
+            url_for_node("redis://10.0.0.1:7000", "10.0.0.2:7001"),
+            "redis://10.0.0.2:7001"
+        );
+        assert_eq!(
+            url_for_node("rediss://user@seed:7000/0", "10.0.0.2:7001"),
+            "rediss://user@10.0.0.2:7001/0"
+        );
+    }
+}

@@ -269,6 +269,15 @@ impl RedisStore {
         inner.refresh_topology().await;
         let open: Vec<Arc<slots::Shard>> = inner.topo.load().open_shards().cloned().collect();
         for shard in &open {
+            // The shard itself first, on a connection of its own: the cluster client may
+            // answer a call routed to a dead master from another node, which would close the
+            // breaker of a shard that is still down (it flapped open and closed every probe).
+            if inner.mode == RedisMode::Cluster {
+                if let Err(e) = conn::ping_node(inner, &shard.addr).await {
+                    tracing::debug!(shard = %shard.addr, error = %e, "store shard does not answer itself; breaker stays open");
+                    continue;
+                }
+            }
             // A keyless peek on the shard's master: routing and the script (loaded if missing).
             let target = match shard.probe_slot {
                 Some(slot) if inner.mode == RedisMode::Cluster => Target::Node(RoutingInfo::SingleNode(
