@@ -344,7 +344,9 @@ async fn unknown_api_keys_and_invalid_jwts_buy_no_fresh_quota() {
     use serde_json::json;
     let up = echo().await;
     let pem = format!("{}/tests/fixtures/jwt/rsa_public.pem", env!("CARGO_MANIFEST_DIR"));
-    let extra = format!("identity:\n  jwt:\n    algorithms: [RS256]\n    public_key_file: {pem}\n    issuer: https://auth.example.com\n    leeway: 5s\n");
+    // `invalid_credentials: ip`: a bad credential counts as the IP (the default, `reject`,
+    // refuses it: `present_but_invalid_credentials_get_401_and_ambiguous_ones_400`).
+    let extra = format!("identity:\n  invalid_credentials: ip\n  jwt:\n    algorithms: [RS256]\n    public_key_file: {pem}\n    issuer: https://auth.example.com\n    leeway: 5s\n");
     let keys = format!(
         "keys:\n  - {{ id: cust_1, sha256: {}, tier: pro }}\n",
         tollgate::identity::keys::hash_key("registered-key")
@@ -410,6 +412,94 @@ async fn unknown_api_keys_and_invalid_jwts_buy_no_fresh_quota() {
     );
     assert_eq!(status(a, "GET", "/x", "X-API-Key: registered-key\r\n").await, 200);
     gw.stop().await;
+}
+
+/// A binary gateway with RS256 JWTs (issuer `https://auth.example.com`) and the registered
+/// API key `registered-key`, on [`PER_USER_RULES`]; `identity_extra` is added under `identity:`.
+fn jwt_and_key_binary(up: SocketAddr, identity_extra: &str) -> (BinaryGateway, tempfile::TempDir) {
+    let pem = format!("{}/tests/fixtures/jwt/rsa_public.pem", env!("CARGO_MANIFEST_DIR"));
+    let keys_dir = tempfile::tempdir().unwrap();
+    let keys = keys_dir.path().join("keys.yaml");
+    std::fs::write(
+        &keys,
+        format!(
+            "keys:\n  - {{ id: cust_1, sha256: {}, tier: pro }}\n",
+            tollgate::identity::keys::hash_key("registered-key")
+        ),
+    )
+    .unwrap();
+    let extra = format!(
+        "keys_file: {}\nidentity:\n{identity_extra}  jwt:\n    algorithms: [RS256]\n    public_key_file: {pem}\n    issuer: https://auth.example.com\n",
+        keys.display()
+    );
+    (binary(&format!("http://{up}"), &extra, PER_USER_RULES), keys_dir)
+}
+
+#[test]
+fn bearer_scheme_spellings_and_fractional_dates_identify_the_user() {
+    use serde_json::json;
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let up = rt.block_on(echo());
+    let (gw, _keys) = jwt_and_key_binary(up, "");
+    let a: SocketAddr = gw.url.trim_start_matches("http://").parse().unwrap();
+    let now = now_secs() as f64;
+    // A NumericDate may be fractional (RFC 7519 §2).
+    let token = rs256(&json!({
+        "sub": "frank", "iss": "https://auth.example.com", "exp": now + 600.5, "nbf": now - 10.25,
+    }));
+    rt.block_on(async {
+        let mut codes = Vec::new();
+        // The scheme is case-insensitive and followed by any spaces or tabs (RFC 9110 §11).
+        for spelling in ["BEARER ", "Bearer\t", "bearer    ", "Bearer "] {
+            let h = format!("Authorization: {spelling}{token}\r\n");
+            codes.push(status(a, "GET", "/x", &h).await);
+        }
+        assert_eq!(codes, [200, 200, 200, 429], "one user, 3 per hour, across spellings");
+        // The 3 were the user's, not the IP's: the address alone still has its own.
+        assert_eq!(status(a, "GET", "/x", "").await, 200);
+    });
+}
+
+#[test]
+fn present_but_invalid_credentials_get_401_and_ambiguous_ones_400() {
+    use serde_json::json;
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let up = rt.block_on(echo());
+    let (gw, _keys) = jwt_and_key_binary(up, "");
+    let a: SocketAddr = gw.url.trim_start_matches("http://").parse().unwrap();
+    let good = rs256(&json!({"sub": "gina", "iss": "https://auth.example.com", "exp": now_secs() + 600}));
+    let expired = rs256(&json!({"sub": "gina", "iss": "https://auth.example.com", "exp": now_secs() - 3600}));
+    rt.block_on(async {
+        let raw = |extra: String| async move {
+            send(a, &request("GET", "/x", &extra), Duration::from_secs(5)).await
+        };
+        for extra in [
+            "X-API-Key: registered-key\r\nX-API-Key: registered-key\r\n".to_string(),
+            "X-API-Key: bogus\r\nX-API-Key: registered-key\r\n".to_string(),
+            "X-API-Key: registered-key, bogus\r\n".to_string(),
+            format!("Authorization: Bearer {good}\r\nAuthorization: Bearer {good}\r\n"),
+        ] {
+            let r = raw(extra.clone()).await;
+            assert_eq!(status_of(&r), 400, "{extra:?} -> {r}");
+            assert!(r.contains("\"error\":\"bad_request\""), "{r}");
+        }
+        for extra in [
+            "X-API-Key: minted-secret-4242\r\n".to_string(),
+            format!("Authorization: Bearer {expired}\r\n"),
+            "Authorization: Bearer not.a.jwt\r\n".to_string(),
+        ] {
+            let r = raw(extra.clone()).await;
+            assert_eq!(status_of(&r), 401, "{extra:?} -> {r}");
+            assert!(r.contains("\"error\":\"invalid_credentials\""), "{r}");
+            assert!(!r.contains("minted-secret-4242") && !r.contains("not.a.jwt"), "echoed: {r}");
+        }
+        // None of those spent anything: the IP, the key and the user each still have 3.
+        for extra in ["", "X-API-Key: registered-key\r\n"] {
+            assert_eq!(status(a, "GET", "/x", extra).await, 200);
+        }
+        let h = format!("Authorization: Bearer {good}\r\n");
+        assert_eq!(status(a, "GET", "/x", &h).await, 200);
+    });
 }
 
 /// URL-safe base64 without padding (JWT segments), so the test needs no extra crate.
@@ -652,7 +742,8 @@ fn hostile_bytes_in_identity_headers_never_5xx_and_the_binary_stays_up() {
                 req.extend_from_slice(b"\r\n\r\n");
                 let r = send(addr, &req, Duration::from_secs(5)).await;
                 let code = status_of(&r);
-                assert!(matches!(code, 200 | 400 | 429), "{name}: {v:?} -> {r:?}");
+                // 401: a credential that identifies no one (`invalid_credentials: reject`).
+                assert!(matches!(code, 200 | 400 | 401 | 429), "{name}: {v:?} -> {r:?}");
                 codes.push(code);
             }
         }
@@ -717,14 +808,14 @@ async fn five_thousand_entry_x_forwarded_for_and_30_kb_bearer_are_bounded() {
     let started = Instant::now();
     assert_eq!(status(a, "GET", "/x", &xff).await, 200);
     assert!(started.elapsed() < Duration::from_secs(2));
-    // 30 KB bearer tokens are not parsed (16 KiB cap) and are no identity: the caller is its
-    // IP (10.0.0.1 above has used 1 of 3; 127.0.0.1 is fresh).
+    // 30 KB bearer tokens are not parsed (16 KiB cap) and are no identity: refused
+    // (`invalid_credentials: reject`), never a fresh caller.
     let mut codes = Vec::new();
     for i in 0..4 {
         let t = format!("Authorization: Bearer {}{i}\r\n", "A".repeat(30 * 1024));
         codes.push(status(a, "GET", "/x", &t).await);
     }
-    assert_eq!(codes, [200, 200, 200, 429], "30 KB tokens bought quota");
+    assert_eq!(codes, [401, 401, 401, 401], "30 KB tokens bought quota");
     gw.stop().await;
 }
 
