@@ -1487,3 +1487,151 @@ fn admin_listener_is_loopback_only_by_default() {
         }
     }
 }
+
+/// One raw admin request with its own `Host` and extra header lines; the whole response.
+async fn admin_raw(admin: &str, method: &str, target: &str, host: &str, extra: &str) -> String {
+    let addr: SocketAddr = admin.trim_start_matches("http://").parse().unwrap();
+    let req = format!(
+        "{method} {target} HTTP/1.1\r\nHost: {host}\r\n{extra}Content-Length: 0\r\nConnection: close\r\n\r\n"
+    );
+    send(addr, req.as_bytes(), Duration::from_secs(5)).await
+}
+
+#[tokio::test]
+async fn tokenless_admin_answers_only_loopback_hosts_and_no_foreign_origin_mutates() {
+    let up = echo().await;
+    let gw = gateway(&format!("http://{up}"), "", PER_IP_RULES, None).await;
+    let adm = gw.admin.clone();
+    let port = adm.rsplit(':').next().unwrap().to_string();
+    // A DNS-rebinding page's own name: refused, for reads and mutations alike.
+    for (method, target) in [("GET", "/status"), ("GET", "/rules"), ("POST", "/reload")] {
+        let r = admin_raw(&adm, method, target, &format!("evil.example:{port}"), "").await;
+        assert_eq!(status_of(&r), 403, "{method} {target}: {r}");
+        assert!(r.contains("\"error\":\"forbidden\""), "{r}");
+    }
+    let body = format!(
+        r#"{{"rule":"per-ip","limits":[{{"limit":1000000000,"window":"1h"}}],"expires_at":{}}}"#,
+        now_secs() + 3600
+    );
+    let put = |host: String, origin: &'static str| {
+        let adm = adm.clone();
+        let body = body.clone();
+        async move {
+            let addr: SocketAddr = adm.trim_start_matches("http://").parse().unwrap();
+            let req = format!(
+                "PUT /overrides/ip/127.0.0.1 HTTP/1.1\r\nHost: {host}\r\n{origin}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            status_of(&send(addr, req.as_bytes(), Duration::from_secs(5)).await)
+        }
+    };
+    assert_eq!(put(format!("evil.example:{port}"), "").await, 403);
+    // Loopback Host, foreign Origin: a cross-site form or fetch. Refused.
+    assert_eq!(put(format!("127.0.0.1:{port}"), "Origin: http://evil.example\r\n").await, 403);
+    assert_eq!(put(format!("127.0.0.1:{port}"), "Origin: null\r\n").await, 403);
+    let r = admin_raw(&adm, "POST", "/reload", &format!("127.0.0.1:{port}"), "Origin: http://evil.example\r\n").await;
+    assert_eq!(status_of(&r), 403, "{r}");
+    // No override was made by any of them: the IP still has its 3.
+    let codes = [
+        status(gw.addr(), "GET", "/x", "").await,
+        status(gw.addr(), "GET", "/x", "").await,
+        status(gw.addr(), "GET", "/x", "").await,
+        status(gw.addr(), "GET", "/x", "").await,
+    ];
+    assert_eq!(codes, [200, 200, 200, 429]);
+    // Loopback Hosts, any spelling and port, and loopback Origins are served.
+    for host in [format!("127.0.0.1:{port}"), "localhost".into(), format!("LOCALHOST:{port}"), "[::1]:1".into()] {
+        let r = admin_raw(&adm, "GET", "/status", &host, "").await;
+        assert_eq!(status_of(&r), 200, "{host}: {r}");
+    }
+    let r = admin_raw(&adm, "POST", "/reload", "localhost", &format!("Origin: http://localhost:{port}\r\n")).await;
+    assert_eq!(status_of(&r), 200, "{r}");
+    // Probes and scrapers send whatever Host they like to the open endpoints.
+    for target in ["/healthz", "/readyz", "/metrics"] {
+        let r = admin_raw(&adm, "GET", target, "10.0.0.7:9090", "").await;
+        assert_eq!(status_of(&r), 200, "{target}: {r}");
+    }
+    gw.stop().await;
+}
+
+#[test]
+fn admin_with_a_token_still_refuses_mutations_from_a_foreign_origin() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let up = rt.block_on(echo());
+    let gw = binary_env(
+        &format!("http://{up}"),
+        "admin:\n  token_env: HARDENING_ADMIN_TOKEN\n",
+        PER_IP_RULES,
+        &[("HARDENING_ADMIN_TOKEN", "t0ken-for-origin-test")],
+    );
+    let auth = "Authorization: Bearer t0ken-for-origin-test\r\n";
+    rt.block_on(async {
+        let r = admin_raw(&gw.admin, "POST", "/reload", "127.0.0.1", &format!("{auth}Origin: https://evil.example\r\n")).await;
+        assert_eq!(status_of(&r), 403, "{r}");
+        let r = admin_raw(&gw.admin, "POST", "/reload", "127.0.0.1", auth).await;
+        assert_eq!(status_of(&r), 200, "{r}");
+        // With a token the Host is not what protects it: any Host is answered.
+        let r = admin_raw(&gw.admin, "GET", "/status", "admin.internal.example", auth).await;
+        assert_eq!(status_of(&r), 200, "{r}");
+    });
+}
+
+#[tokio::test]
+async fn every_admin_response_is_no_store() {
+    let up = echo().await;
+    let gw = gateway(&format!("http://{up}"), "", PER_IP_RULES, None).await;
+    let c = client();
+    for (method, target) in [
+        ("GET", "/metrics"),
+        ("GET", "/healthz"),
+        ("GET", "/readyz"),
+        ("GET", "/readyz?store=1"),
+        ("GET", "/status"),
+        ("GET", "/rules"),
+        ("GET", "/explain?path=/x"),
+        ("GET", "/keys/127.0.0.1"),
+        ("GET", "/"),
+        ("GET", "/dashboard.json"),
+        ("GET", "/overrides"),
+        ("POST", "/reload"),
+        ("GET", "/no-such-page"),
+    ] {
+        let r = c
+            .request(method.parse().unwrap(), format!("{}{target}", gw.admin))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(
+            r.headers().get("cache-control").map(|v| v.to_str().unwrap().to_string()),
+            Some("no-store".to_string()),
+            "{method} {target} ({})",
+            r.status()
+        );
+    }
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn explain_refuses_an_ip_that_is_not_one() {
+    let up = echo().await;
+    let gw = gateway(&format!("http://{up}"), "", PER_IP_RULES, None).await;
+    let c = client();
+    for bad in ["not-ip", "", "1.2.3.4.5", "127.0.0.1:80"] {
+        let r = c
+            .get(format!("{}/explain?path=/x&ip={bad}", gw.admin))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400, "ip={bad:?}");
+    }
+    let v: serde_json::Value = c
+        .get(format!("{}/explain?path=/x&ip=10.1.2.3", gw.admin))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["identity"]["ip"], "10.1.2.3", "{v}");
+    gw.stop().await;
+}
