@@ -140,12 +140,18 @@ pub fn identify_checked(
     let mut key_fields = headers.get_all(&cfg.api_key_header).iter();
     let key_value = key_fields.next().map(|v| v.as_bytes()).filter(|v| !v.is_empty());
     if key_fields.next().is_some() {
-        return (by_ip(), Some(CredentialProblem::Ambiguous("more than one API key header field")));
+        return (
+            by_ip(),
+            Some(CredentialProblem::Ambiguous("more than one API key header field")),
+        );
     }
     let key = key_value.map(|v| (v, keys.lookup(v)));
     if let Some((v, None)) = key {
         if v.contains(&b',') {
-            return (by_ip(), Some(CredentialProblem::Ambiguous("an API key header holding a list")));
+            return (
+                by_ip(),
+                Some(CredentialProblem::Ambiguous("an API key header holding a list")),
+            );
         }
     }
     if let Some(jwt) = &cfg.jwt {

@@ -470,9 +470,7 @@ fn present_but_invalid_credentials_get_401_and_ambiguous_ones_400() {
     let good = rs256(&json!({"sub": "gina", "iss": "https://auth.example.com", "exp": now_secs() + 600}));
     let expired = rs256(&json!({"sub": "gina", "iss": "https://auth.example.com", "exp": now_secs() - 3600}));
     rt.block_on(async {
-        let raw = |extra: String| async move {
-            send(a, &request("GET", "/x", &extra), Duration::from_secs(5)).await
-        };
+        let raw = |extra: String| async move { send(a, &request("GET", "/x", &extra), Duration::from_secs(5)).await };
         for extra in [
             "X-API-Key: registered-key\r\nX-API-Key: registered-key\r\n".to_string(),
             "X-API-Key: bogus\r\nX-API-Key: registered-key\r\n".to_string(),
@@ -491,7 +489,10 @@ fn present_but_invalid_credentials_get_401_and_ambiguous_ones_400() {
             let r = raw(extra.clone()).await;
             assert_eq!(status_of(&r), 401, "{extra:?} -> {r}");
             assert!(r.contains("\"error\":\"invalid_credentials\""), "{r}");
-            assert!(!r.contains("minted-secret-4242") && !r.contains("not.a.jwt"), "echoed: {r}");
+            assert!(
+                !r.contains("minted-secret-4242") && !r.contains("not.a.jwt"),
+                "echoed: {r}"
+            );
         }
         // None of those spent anything: the IP, the key and the user each still have 3.
         for extra in ["", "X-API-Key: registered-key\r\n"] {
@@ -1491,9 +1492,8 @@ fn admin_listener_is_loopback_only_by_default() {
 /// One raw admin request with its own `Host` and extra header lines; the whole response.
 async fn admin_raw(admin: &str, method: &str, target: &str, host: &str, extra: &str) -> String {
     let addr: SocketAddr = admin.trim_start_matches("http://").parse().unwrap();
-    let req = format!(
-        "{method} {target} HTTP/1.1\r\nHost: {host}\r\n{extra}Content-Length: 0\r\nConnection: close\r\n\r\n"
-    );
+    let req =
+        format!("{method} {target} HTTP/1.1\r\nHost: {host}\r\n{extra}Content-Length: 0\r\nConnection: close\r\n\r\n");
     send(addr, req.as_bytes(), Duration::from_secs(5)).await
 }
 
@@ -1527,9 +1527,19 @@ async fn tokenless_admin_answers_only_loopback_hosts_and_no_foreign_origin_mutat
     };
     assert_eq!(put(format!("evil.example:{port}"), "").await, 403);
     // Loopback Host, foreign Origin: a cross-site form or fetch. Refused.
-    assert_eq!(put(format!("127.0.0.1:{port}"), "Origin: http://evil.example\r\n").await, 403);
+    assert_eq!(
+        put(format!("127.0.0.1:{port}"), "Origin: http://evil.example\r\n").await,
+        403
+    );
     assert_eq!(put(format!("127.0.0.1:{port}"), "Origin: null\r\n").await, 403);
-    let r = admin_raw(&adm, "POST", "/reload", &format!("127.0.0.1:{port}"), "Origin: http://evil.example\r\n").await;
+    let r = admin_raw(
+        &adm,
+        "POST",
+        "/reload",
+        &format!("127.0.0.1:{port}"),
+        "Origin: http://evil.example\r\n",
+    )
+    .await;
     assert_eq!(status_of(&r), 403, "{r}");
     // No override was made by any of them: the IP still has its 3.
     let codes = [
@@ -1540,11 +1550,23 @@ async fn tokenless_admin_answers_only_loopback_hosts_and_no_foreign_origin_mutat
     ];
     assert_eq!(codes, [200, 200, 200, 429]);
     // Loopback Hosts, any spelling and port, and loopback Origins are served.
-    for host in [format!("127.0.0.1:{port}"), "localhost".into(), format!("LOCALHOST:{port}"), "[::1]:1".into()] {
+    for host in [
+        format!("127.0.0.1:{port}"),
+        "localhost".into(),
+        format!("LOCALHOST:{port}"),
+        "[::1]:1".into(),
+    ] {
         let r = admin_raw(&adm, "GET", "/status", &host, "").await;
         assert_eq!(status_of(&r), 200, "{host}: {r}");
     }
-    let r = admin_raw(&adm, "POST", "/reload", "localhost", &format!("Origin: http://localhost:{port}\r\n")).await;
+    let r = admin_raw(
+        &adm,
+        "POST",
+        "/reload",
+        "localhost",
+        &format!("Origin: http://localhost:{port}\r\n"),
+    )
+    .await;
     assert_eq!(status_of(&r), 200, "{r}");
     // Probes and scrapers send whatever Host they like to the open endpoints.
     for target in ["/healthz", "/readyz", "/metrics"] {
@@ -1566,7 +1588,14 @@ fn admin_with_a_token_still_refuses_mutations_from_a_foreign_origin() {
     );
     let auth = "Authorization: Bearer t0ken-for-origin-test\r\n";
     rt.block_on(async {
-        let r = admin_raw(&gw.admin, "POST", "/reload", "127.0.0.1", &format!("{auth}Origin: https://evil.example\r\n")).await;
+        let r = admin_raw(
+            &gw.admin,
+            "POST",
+            "/reload",
+            "127.0.0.1",
+            &format!("{auth}Origin: https://evil.example\r\n"),
+        )
+        .await;
         assert_eq!(status_of(&r), 403, "{r}");
         let r = admin_raw(&gw.admin, "POST", "/reload", "127.0.0.1", auth).await;
         assert_eq!(status_of(&r), 200, "{r}");
@@ -1602,7 +1631,9 @@ async fn every_admin_response_is_no_store() {
             .await
             .unwrap();
         assert_eq!(
-            r.headers().get("cache-control").map(|v| v.to_str().unwrap().to_string()),
+            r.headers()
+                .get("cache-control")
+                .map(|v| v.to_str().unwrap().to_string()),
             Some("no-store".to_string()),
             "{method} {target} ({})",
             r.status()

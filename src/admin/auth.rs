@@ -160,11 +160,31 @@ mod tests {
             }
             h
         };
-        for host in ["127.0.0.1", "127.0.0.1:9090", "localhost", "LocalHost:1", "[::1]", "[::1]:9090", "127.9.9.9:80"] {
-            assert!(from_allowed(false, true, &Method::GET, "/status", &req(Some(host), None)).is_ok(), "{host}");
+        for host in [
+            "127.0.0.1",
+            "127.0.0.1:9090",
+            "localhost",
+            "LocalHost:1",
+            "[::1]",
+            "[::1]:9090",
+            "127.9.9.9:80",
+        ] {
+            assert!(
+                from_allowed(false, true, &Method::GET, "/status", &req(Some(host), None)).is_ok(),
+                "{host}"
+            );
         }
-        for host in ["evil.example", "evil.example:9090", "localhost.evil.example", "10.0.0.5:9090", "[::2]"] {
-            assert!(from_allowed(false, true, &Method::GET, "/status", &req(Some(host), None)).is_err(), "{host}");
+        for host in [
+            "evil.example",
+            "evil.example:9090",
+            "localhost.evil.example",
+            "10.0.0.5:9090",
+            "[::2]",
+        ] {
+            assert!(
+                from_allowed(false, true, &Method::GET, "/status", &req(Some(host), None)).is_err(),
+                "{host}"
+            );
         }
         assert!(from_allowed(false, true, &Method::GET, "/status", &req(None, None)).is_err());
         // Open endpoints, a token, or a non-loopback listener with an address literal.
@@ -174,15 +194,37 @@ mod tests {
         assert!(from_allowed(false, false, &Method::GET, "/status", &req(Some("evil.example"), None)).is_err());
         let lo = Some("127.0.0.1:9090");
         for origin in ["http://127.0.0.1:9090", "http://localhost", "https://[::1]:1"] {
-            assert!(from_allowed(false, true, &Method::POST, "/reload", &req(lo, Some(origin))).is_ok(), "{origin}");
+            assert!(
+                from_allowed(false, true, &Method::POST, "/reload", &req(lo, Some(origin))).is_ok(),
+                "{origin}"
+            );
         }
-        for origin in ["http://evil.example", "null", "http://127.0.0.1.evil.example", "http://127.0.0.1@evil.example", "file://"] {
+        for origin in [
+            "http://evil.example",
+            "null",
+            "http://127.0.0.1.evil.example",
+            "http://127.0.0.1@evil.example",
+            "file://",
+        ] {
             for token in [false, true] {
-                let r = from_allowed(token, true, &Method::PUT, "/overrides/ip/1.2.3.4", &req(lo, Some(origin)));
+                let r = from_allowed(
+                    token,
+                    true,
+                    &Method::PUT,
+                    "/overrides/ip/1.2.3.4",
+                    &req(lo, Some(origin)),
+                );
                 assert!(r.is_err(), "{origin} token={token}");
             }
         }
         // Reads are not refused for their Origin.
-        assert!(from_allowed(false, true, &Method::GET, "/status", &req(lo, Some("http://evil.example"))).is_ok());
+        assert!(from_allowed(
+            false,
+            true,
+            &Method::GET,
+            "/status",
+            &req(lo, Some("http://evil.example"))
+        )
+        .is_ok());
     }
 }

@@ -144,7 +144,10 @@ impl GatewayError {
             h.insert(header::RETRY_AFTER, HeaderValue::from(s));
         }
         if matches!(self, GatewayError::InvalidCredentials) {
-            h.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer error=\"invalid_token\""));
+            h.insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer error=\"invalid_token\""),
+            );
         }
         if matches!(self, GatewayError::Unauthorized) {
             h.append(

@@ -194,7 +194,10 @@ impl JwtVerifier {
                     return Err(ConfigError::at(
                         file,
                         &l.referenced,
-                        format!("identity.jwt.leeway: {:?} is more than 5m, which would accept long-expired tokens", l.value),
+                        format!(
+                            "identity.jwt.leeway: {:?} is more than 5m, which would accept long-expired tokens",
+                            l.value
+                        ),
                     ));
                 }
                 d.as_secs()
@@ -351,7 +354,9 @@ impl JwtVerifier {
         if fields.next().is_some() {
             return Err(CredentialProblem::Ambiguous("more than one bearer token header field"));
         }
-        let Some(token) = bearer_token(v.as_bytes()) else { return Ok(None) };
+        let Some(token) = bearer_token(v.as_bytes()) else {
+            return Ok(None);
+        };
         let token = std::str::from_utf8(token).map_err(|_| CredentialProblem::Invalid)?;
         self.verify(token, now_secs).map(Some).ok_or(CredentialProblem::Invalid)
     }

@@ -384,21 +384,31 @@ fn bearer_scheme_is_case_insensitive_with_any_whitespace() {
     let t = encode(&Header::new(Algorithm::RS256), &claims(600), &rsa_key()).unwrap();
     for spelling in ["BEARER ", "bEaReR ", "Bearer\t", "Bearer \t  ", "  Bearer  "] {
         let mut h = HeaderMap::new();
-        h.insert("authorization", HeaderValue::from_str(&format!("{spelling}{t}")).unwrap());
-        assert_eq!(checked(&h, &cfg, &KeyRegistry::empty()).0.kind, IdentityKind::Jwt, "{spelling:?}");
+        h.insert(
+            "authorization",
+            HeaderValue::from_str(&format!("{spelling}{t}")).unwrap(),
+        );
+        assert_eq!(
+            checked(&h, &cfg, &KeyRegistry::empty()).0.kind,
+            IdentityKind::Jwt,
+            "{spelling:?}"
+        );
     }
     // Another scheme is not this gateway's credential: the IP, no refusal.
     let mut h = HeaderMap::new();
-    h.insert("authorization", HeaderValue::from_static("Basic YWxhZGRpbjpvcGVuc2VzYW1l"));
-    assert_eq!(checked(&h, &cfg, &KeyRegistry::empty()), (who(&HeaderMap::new(), &cfg), None));
+    h.insert(
+        "authorization",
+        HeaderValue::from_static("Basic YWxhZGRpbjpvcGVuc2VzYW1l"),
+    );
+    assert_eq!(
+        checked(&h, &cfg, &KeyRegistry::empty()),
+        (who(&HeaderMap::new(), &cfg), None)
+    );
 }
 
 #[test]
 fn ambiguous_and_invalid_credentials_are_refused_unless_configured_as_ip() {
-    let yaml = format!(
-        "keys:\n  - {{ id: cust_1, sha256: {} }}\n",
-        keys::hash_key("good-key")
-    );
+    let yaml = format!("keys:\n  - {{ id: cust_1, sha256: {} }}\n", keys::hash_key("good-key"));
     let path = Path::new("keys.yaml");
     let keys = KeyRegistry::compile(path, parse_str(path, &yaml).unwrap()).unwrap();
     let with = |vals: &[&str]| {
@@ -412,18 +422,31 @@ fn ambiguous_and_invalid_credentials_are_refused_unless_configured_as_ip() {
     let ip = config("  invalid_credentials: ip\n");
     for cfg in [&reject, &ip] {
         assert_eq!(checked(&with(&["good-key"]), cfg, &keys).0.kind, IdentityKind::ApiKey);
-        for vals in [&["good-key", "good-key"][..], &["bogus", "good-key"], &["good-key, bogus"]] {
+        for vals in [
+            &["good-key", "good-key"][..],
+            &["bogus", "good-key"],
+            &["good-key, bogus"],
+        ] {
             assert!(
-                matches!(checked(&with(vals), cfg, &keys).1, Some(CredentialProblem::Ambiguous(_))),
+                matches!(
+                    checked(&with(vals), cfg, &keys).1,
+                    Some(CredentialProblem::Ambiguous(_))
+                ),
                 "{vals:?}"
             );
         }
     }
-    assert_eq!(checked(&with(&["bogus"]), &reject, &keys).1, Some(CredentialProblem::Invalid));
+    assert_eq!(
+        checked(&with(&["bogus"]), &reject, &keys).1,
+        Some(CredentialProblem::Invalid)
+    );
     let (id, refused) = checked(&with(&["bogus"]), &ip, &keys);
     assert_eq!((id.kind, refused), (IdentityKind::Ip, None));
     // An empty field is no credential.
     assert_eq!(checked(&with(&[""]), &reject, &keys).1, None);
     // The default is `reject`.
-    assert_eq!(config("  ipv6_prefix: 64\n").invalid_credentials, InvalidCredentials::Reject);
+    assert_eq!(
+        config("  ipv6_prefix: 64\n").invalid_credentials,
+        InvalidCredentials::Reject
+    );
 }
