@@ -494,6 +494,18 @@ fn present_but_invalid_credentials_get_401_and_ambiguous_ones_400() {
                 "echoed: {r}"
             );
         }
+        // /explain says so, without the credential.
+        let v: serde_json::Value = client()
+            .get(format!("{}/explain?path=/x", gw.admin))
+            .header("X-API-Key", "minted-secret-4242")
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(v["refused"]["status"], 401, "{v}");
+        assert!(!v.to_string().contains("minted-secret-4242"), "{v}");
         // None of those spent anything: the IP, the key and the user each still have 3.
         for extra in ["", "X-API-Key: registered-key\r\n"] {
             assert_eq!(status(a, "GET", "/x", extra).await, 200);
@@ -524,7 +536,14 @@ mod base64_like {
 async fn store_keys_carry_only_a_hex_hash_of_caller_bytes() {
     let up = echo().await;
     let rules = "rules:\n  - { name: by-client, match: { path: \"/**\" }, key: \"header:X-Client\", algorithm: fixed_window, limit: 5, window: 1h }\n  - { name: by-user, match: { path: \"/**\" }, key: user, algorithm: fixed_window, limit: 5, window: 1h }\n";
-    let gw = gateway(&format!("http://{up}"), "", rules, None).await;
+    // Unknown keys count as the IP here, so every rule plans a store key.
+    let gw = gateway(
+        &format!("http://{up}"),
+        "identity:\n  invalid_credentials: ip\n",
+        rules,
+        None,
+    )
+    .await;
     let c = client();
     for hostile in ["} *:{evil}\t:tl:", "x\u{7f}y", "{0}:{1}", "\u{1}\u{2}"] {
         let Ok(hv) = reqwest::header::HeaderValue::from_bytes(hostile.as_bytes()) else {
