@@ -3,8 +3,11 @@
 //! `/dashboard.json`, `/dashboard/limited/{hash}`: [`dashboard`]).
 //!
 //! `/healthz`, `/readyz` and `/metrics` are open; every other endpoint needs the admin token when
-//! one is configured ([`auth`]). Mutations (reload, counter reset) are written to the audit log
-//! (tracing target `tollgate::audit`) with the caller's address, never with the token.
+//! one is configured ([`auth`]). Without a token only loopback `Host` values are answered, and no
+//! mutation is taken from a foreign `Origin` ([`auth::from_allowed`]); both get a 403. Every
+//! response carries `Cache-Control: no-store`. Mutations (reload, counter reset) are written to
+//! the audit log (tracing target `tollgate::audit`) with the caller's address, never with the
+//! token.
 
 pub mod auth;
 pub mod dashboard;
@@ -68,7 +71,30 @@ fn query_param<'a>(q: &'a str, name: &str) -> Option<std::borrow::Cow<'a, str>> 
     })
 }
 
+/// Answer one admin request: refused (403) when it comes from a foreign Host or Origin, else
+/// [`answer`]ed; either way marked `Cache-Control: no-store` (counters, tokens' effects and
+/// health change from one second to the next, and a cache must never serve them).
 async fn route(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
+    let from = auth::from_allowed(
+        gw.config().admin.token.is_some(),
+        gw.config().admin_listen.ip().is_loopback(),
+        req.method(),
+        req.uri().path(),
+        req.headers(),
+    );
+    let mut resp = match from {
+        Ok(()) => answer(gw, req, peer).await,
+        Err(why) => {
+            tracing::warn!(target: "tollgate::audit", caller = %peer, method = %req.method(), path = %req.uri().path(), "admin request refused: {why}");
+            GatewayError::Forbidden(why).into_response()
+        }
+    };
+    resp.headers_mut()
+        .insert(http::header::CACHE_CONTROL, http::HeaderValue::from_static("no-store"));
+    resp
+}
+
+async fn answer(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
     let path = req.uri().path().to_string();
     let query = req.uri().query().unwrap_or("").to_string();
     if !auth::is_open(req.method(), &path) && !auth::allowed(gw.config().admin.token.as_ref(), req.headers()) {
@@ -177,9 +203,13 @@ async fn route(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Resp
                 return GatewayError::BadRequest("invalid method").into_response();
             };
             let p = query_param(&query, "path").unwrap_or("/".into()).into_owned();
-            let ip: IpAddr = query_param(&query, "ip")
-                .and_then(|s| s.parse().ok())
-                .unwrap_or(IpAddr::from([127, 0, 0, 1]));
+            let ip: IpAddr = match query_param(&query, "ip") {
+                None => IpAddr::from([127, 0, 0, 1]),
+                Some(s) => match s.parse() {
+                    Ok(ip) => ip,
+                    Err(_) => return GatewayError::BadRequest("ip: not an IP address").into_response(),
+                },
+            };
             let snap = gw.snapshot().load_full();
             let now_secs = gw.clock().now_us() / 1_000_000;
             let runtime = gw.runtime().load_full();

@@ -3,8 +3,10 @@
 //!
 //! Exactly one identity per request, strongest first: a valid JWT, else a registered API key,
 //! else the client IP. An invalid token or an unknown key is *not* an identity (otherwise a
-//! client could mint fresh credentials to reset its quota); the request falls through to the
-//! next kind.
+//! client could mint fresh credentials to reset its quota): with `invalid_credentials: reject`
+//! (the default) the request is refused with a 401 ([`CredentialProblem::Invalid`]); with
+//! `invalid_credentials: ip` it falls through to the next kind. A credential header sent twice,
+//! or an API key header holding a list, is ambiguous and always refused (400).
 
 pub mod jwt;
 mod keyfile;
@@ -34,6 +36,30 @@ pub struct IdentityConfig {
     pub ipv6_prefix: u8,
     /// At most this many X-Forwarded-For entries are read, from the right.
     pub max_forwarded_entries: usize,
+    /// What a present credential that identifies no one gets.
+    pub invalid_credentials: InvalidCredentials,
+}
+
+/// `identity.invalid_credentials`: what a request whose credential is present but does not
+/// identify anyone (an unknown API key, a JWT that does not verify or has expired) gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum InvalidCredentials {
+    /// Refused with a 401 before any limit is checked (the default).
+    #[default]
+    Reject,
+    /// Identified by the client IP, as if it had sent no credential.
+    Ip,
+}
+
+/// Why a request's credentials were refused before any limit was checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CredentialProblem {
+    /// A credential header sent twice, or an API key header holding a list: which one the
+    /// upstream would read is unknown, so neither is believed (400).
+    Ambiguous(&'static str),
+    /// A credential that is present but identifies no one, under
+    /// `invalid_credentials: reject` (401). The credential itself is never echoed.
+    Invalid,
 }
 
 /// Which credential identified the caller.
@@ -79,7 +105,8 @@ pub struct Identity {
     pub ip: IpAddr,
 }
 
-/// Identify the caller. `now_secs` is the Unix time used for JWT `exp`/`nbf`.
+/// Identify the caller. `now_secs` is the Unix time used for JWT `exp`/`nbf`. A request whose
+/// credentials are refused ([`identify_checked`]) is identified by its IP here.
 pub fn identify(
     headers: &HeaderMap,
     peer: IpAddr,
@@ -87,35 +114,77 @@ pub fn identify(
     cfg: &IdentityConfig,
     now_secs: u64,
 ) -> Identity {
+    identify_checked(headers, peer, keys, cfg, now_secs).0
+}
+
+/// Identify the caller, and say whether its credentials must be refused. When the second value
+/// is `Some`, the request must not be checked against any limit or forwarded: it is answered
+/// with that problem (the identity is then the client IP, for logs only).
+pub fn identify_checked(
+    headers: &HeaderMap,
+    peer: IpAddr,
+    keys: &KeyRegistry,
+    cfg: &IdentityConfig,
+    now_secs: u64,
+) -> (Identity, Option<CredentialProblem>) {
     let ip = client_ip(headers, peer, cfg);
-    if let Some(jwt) = &cfg.jwt {
-        if let Some(c) = jwt.verify_headers(headers, now_secs) {
-            return Identity {
-                kind: IdentityKind::Jwt,
-                id: IdText::Shared(c.user),
-                tier: c.tier.unwrap_or_else(|| ANONYMOUS_TIER.clone()),
-                org: c.org,
-                ip,
-            };
+    let by_ip = || Identity {
+        kind: IdentityKind::Ip,
+        id: ip_text(ip),
+        tier: ANONYMOUS_TIER.clone(),
+        org: None,
+        ip,
+    };
+    let reject = cfg.invalid_credentials == InvalidCredentials::Reject;
+    // The API key, checked for ambiguity before anything else identifies the caller.
+    let mut key_fields = headers.get_all(&cfg.api_key_header).iter();
+    let key_value = key_fields.next().map(|v| v.as_bytes()).filter(|v| !v.is_empty());
+    if key_fields.next().is_some() {
+        return (
+            by_ip(),
+            Some(CredentialProblem::Ambiguous("more than one API key header field")),
+        );
+    }
+    let key = key_value.map(|v| (v, keys.lookup(v)));
+    if let Some((v, None)) = key {
+        if v.contains(&b',') {
+            return (
+                by_ip(),
+                Some(CredentialProblem::Ambiguous("an API key header holding a list")),
+            );
         }
     }
-    if let Some(v) = headers.get(&cfg.api_key_header) {
-        if let Some(k) = keys.lookup(v.as_bytes()) {
-            return Identity {
+    if let Some(jwt) = &cfg.jwt {
+        match jwt.verify_headers(headers, now_secs) {
+            Ok(Some(c)) => {
+                let id = Identity {
+                    kind: IdentityKind::Jwt,
+                    id: IdText::Shared(c.user),
+                    tier: c.tier.unwrap_or_else(|| ANONYMOUS_TIER.clone()),
+                    org: c.org,
+                    ip,
+                };
+                return (id, None);
+            }
+            Ok(None) => {}
+            Err(p @ CredentialProblem::Ambiguous(_)) => return (by_ip(), Some(p)),
+            Err(CredentialProblem::Invalid) if reject => return (by_ip(), Some(CredentialProblem::Invalid)),
+            Err(CredentialProblem::Invalid) => {}
+        }
+    }
+    match key {
+        Some((_, Some(k))) => {
+            let id = Identity {
                 kind: IdentityKind::ApiKey,
                 id: IdText::Shared(k.id.clone()),
                 tier: k.tier.clone(),
                 org: k.org.clone(),
                 ip,
             };
+            (id, None)
         }
-    }
-    Identity {
-        kind: IdentityKind::Ip,
-        id: ip_text(ip),
-        tier: ANONYMOUS_TIER.clone(),
-        org: None,
-        ip,
+        Some((_, None)) if reject => (by_ip(), Some(CredentialProblem::Invalid)),
+        _ => (by_ip(), None),
     }
 }
 

@@ -344,7 +344,9 @@ async fn unknown_api_keys_and_invalid_jwts_buy_no_fresh_quota() {
     use serde_json::json;
     let up = echo().await;
     let pem = format!("{}/tests/fixtures/jwt/rsa_public.pem", env!("CARGO_MANIFEST_DIR"));
-    let extra = format!("identity:\n  jwt:\n    algorithms: [RS256]\n    public_key_file: {pem}\n    issuer: https://auth.example.com\n    leeway: 5s\n");
+    // `invalid_credentials: ip`: a bad credential counts as the IP (the default, `reject`,
+    // refuses it: `present_but_invalid_credentials_get_401_and_ambiguous_ones_400`).
+    let extra = format!("identity:\n  invalid_credentials: ip\n  jwt:\n    algorithms: [RS256]\n    public_key_file: {pem}\n    issuer: https://auth.example.com\n    leeway: 5s\n");
     let keys = format!(
         "keys:\n  - {{ id: cust_1, sha256: {}, tier: pro }}\n",
         tollgate::identity::keys::hash_key("registered-key")
@@ -412,6 +414,107 @@ async fn unknown_api_keys_and_invalid_jwts_buy_no_fresh_quota() {
     gw.stop().await;
 }
 
+/// A binary gateway with RS256 JWTs (issuer `https://auth.example.com`) and the registered
+/// API key `registered-key`, on [`PER_USER_RULES`]; `identity_extra` is added under `identity:`.
+fn jwt_and_key_binary(up: SocketAddr, identity_extra: &str) -> (BinaryGateway, tempfile::TempDir) {
+    let pem = format!("{}/tests/fixtures/jwt/rsa_public.pem", env!("CARGO_MANIFEST_DIR"));
+    let keys_dir = tempfile::tempdir().unwrap();
+    let keys = keys_dir.path().join("keys.yaml");
+    std::fs::write(
+        &keys,
+        format!(
+            "keys:\n  - {{ id: cust_1, sha256: {}, tier: pro }}\n",
+            tollgate::identity::keys::hash_key("registered-key")
+        ),
+    )
+    .unwrap();
+    let extra = format!(
+        "keys_file: {}\nidentity:\n{identity_extra}  jwt:\n    algorithms: [RS256]\n    public_key_file: {pem}\n    issuer: https://auth.example.com\n",
+        keys.display()
+    );
+    (binary(&format!("http://{up}"), &extra, PER_USER_RULES), keys_dir)
+}
+
+#[test]
+fn bearer_scheme_spellings_and_fractional_dates_identify_the_user() {
+    use serde_json::json;
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let up = rt.block_on(echo());
+    let (gw, _keys) = jwt_and_key_binary(up, "");
+    let a: SocketAddr = gw.url.trim_start_matches("http://").parse().unwrap();
+    let now = now_secs() as f64;
+    // A NumericDate may be fractional (RFC 7519 §2).
+    let token = rs256(&json!({
+        "sub": "frank", "iss": "https://auth.example.com", "exp": now + 600.5, "nbf": now - 10.25,
+    }));
+    rt.block_on(async {
+        let mut codes = Vec::new();
+        // The scheme is case-insensitive and followed by any spaces or tabs (RFC 9110 §11).
+        for spelling in ["BEARER ", "Bearer\t", "bearer    ", "Bearer "] {
+            let h = format!("Authorization: {spelling}{token}\r\n");
+            codes.push(status(a, "GET", "/x", &h).await);
+        }
+        assert_eq!(codes, [200, 200, 200, 429], "one user, 3 per hour, across spellings");
+        // The 3 were the user's, not the IP's: the address alone still has its own.
+        assert_eq!(status(a, "GET", "/x", "").await, 200);
+    });
+}
+
+#[test]
+fn present_but_invalid_credentials_get_401_and_ambiguous_ones_400() {
+    use serde_json::json;
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let up = rt.block_on(echo());
+    let (gw, _keys) = jwt_and_key_binary(up, "");
+    let a: SocketAddr = gw.url.trim_start_matches("http://").parse().unwrap();
+    let good = rs256(&json!({"sub": "gina", "iss": "https://auth.example.com", "exp": now_secs() + 600}));
+    let expired = rs256(&json!({"sub": "gina", "iss": "https://auth.example.com", "exp": now_secs() - 3600}));
+    rt.block_on(async {
+        let raw = |extra: String| async move { send(a, &request("GET", "/x", &extra), Duration::from_secs(5)).await };
+        for extra in [
+            "X-API-Key: registered-key\r\nX-API-Key: registered-key\r\n".to_string(),
+            "X-API-Key: bogus\r\nX-API-Key: registered-key\r\n".to_string(),
+            "X-API-Key: registered-key, bogus\r\n".to_string(),
+            format!("Authorization: Bearer {good}\r\nAuthorization: Bearer {good}\r\n"),
+        ] {
+            let r = raw(extra.clone()).await;
+            assert_eq!(status_of(&r), 400, "{extra:?} -> {r}");
+            assert!(r.contains("\"error\":\"bad_request\""), "{r}");
+        }
+        for extra in [
+            "X-API-Key: minted-secret-4242\r\n".to_string(),
+            format!("Authorization: Bearer {expired}\r\n"),
+            "Authorization: Bearer not.a.jwt\r\n".to_string(),
+        ] {
+            let r = raw(extra.clone()).await;
+            assert_eq!(status_of(&r), 401, "{extra:?} -> {r}");
+            assert!(r.contains("\"error\":\"invalid_credentials\""), "{r}");
+            assert!(
+                !r.contains("minted-secret-4242") && !r.contains("not.a.jwt"),
+                "echoed: {r}"
+            );
+        }
+        // /explain says so, without the credential.
+        let v: serde_json::Value = client()
+            .get(format!("{}/explain?path=/x", gw.admin))
+            .header("X-API-Key", "minted-secret-4242")
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(v["refused"]["status"], 401, "{v}");
+        assert!(!v.to_string().contains("minted-secret-4242"), "{v}");
+        // None of those spent anything: the IP, the key and the user each still have 3.
+        for extra in ["", "X-API-Key: registered-key\r\n"] {
+            assert_eq!(status(a, "GET", "/x", extra).await, 200);
+        }
+        let h = format!("Authorization: Bearer {good}\r\n");
+        assert_eq!(status(a, "GET", "/x", &h).await, 200);
+    });
+}
+
 /// URL-safe base64 without padding (JWT segments), so the test needs no extra crate.
 mod base64_like {
     pub fn encode(b: &[u8]) -> String {
@@ -433,7 +536,14 @@ mod base64_like {
 async fn store_keys_carry_only_a_hex_hash_of_caller_bytes() {
     let up = echo().await;
     let rules = "rules:\n  - { name: by-client, match: { path: \"/**\" }, key: \"header:X-Client\", algorithm: fixed_window, limit: 5, window: 1h }\n  - { name: by-user, match: { path: \"/**\" }, key: user, algorithm: fixed_window, limit: 5, window: 1h }\n";
-    let gw = gateway(&format!("http://{up}"), "", rules, None).await;
+    // Unknown keys count as the IP here, so every rule plans a store key.
+    let gw = gateway(
+        &format!("http://{up}"),
+        "identity:\n  invalid_credentials: ip\n",
+        rules,
+        None,
+    )
+    .await;
     let c = client();
     for hostile in ["} *:{evil}\t:tl:", "x\u{7f}y", "{0}:{1}", "\u{1}\u{2}"] {
         let Ok(hv) = reqwest::header::HeaderValue::from_bytes(hostile.as_bytes()) else {
@@ -652,7 +762,8 @@ fn hostile_bytes_in_identity_headers_never_5xx_and_the_binary_stays_up() {
                 req.extend_from_slice(b"\r\n\r\n");
                 let r = send(addr, &req, Duration::from_secs(5)).await;
                 let code = status_of(&r);
-                assert!(matches!(code, 200 | 400 | 429), "{name}: {v:?} -> {r:?}");
+                // 401: a credential that identifies no one (`invalid_credentials: reject`).
+                assert!(matches!(code, 200 | 400 | 401 | 429), "{name}: {v:?} -> {r:?}");
                 codes.push(code);
             }
         }
@@ -717,14 +828,14 @@ async fn five_thousand_entry_x_forwarded_for_and_30_kb_bearer_are_bounded() {
     let started = Instant::now();
     assert_eq!(status(a, "GET", "/x", &xff).await, 200);
     assert!(started.elapsed() < Duration::from_secs(2));
-    // 30 KB bearer tokens are not parsed (16 KiB cap) and are no identity: the caller is its
-    // IP (10.0.0.1 above has used 1 of 3; 127.0.0.1 is fresh).
+    // 30 KB bearer tokens are not parsed (16 KiB cap) and are no identity: refused
+    // (`invalid_credentials: reject`), never a fresh caller.
     let mut codes = Vec::new();
     for i in 0..4 {
         let t = format!("Authorization: Bearer {}{i}\r\n", "A".repeat(30 * 1024));
         codes.push(status(a, "GET", "/x", &t).await);
     }
-    assert_eq!(codes, [200, 200, 200, 429], "30 KB tokens bought quota");
+    assert_eq!(codes, [401, 401, 401, 401], "30 KB tokens bought quota");
     gw.stop().await;
 }
 
@@ -1395,4 +1506,182 @@ fn admin_listener_is_loopback_only_by_default() {
             }
         }
     }
+}
+
+/// One raw admin request with its own `Host` and extra header lines; the whole response.
+async fn admin_raw(admin: &str, method: &str, target: &str, host: &str, extra: &str) -> String {
+    let addr: SocketAddr = admin.trim_start_matches("http://").parse().unwrap();
+    let req =
+        format!("{method} {target} HTTP/1.1\r\nHost: {host}\r\n{extra}Content-Length: 0\r\nConnection: close\r\n\r\n");
+    send(addr, req.as_bytes(), Duration::from_secs(5)).await
+}
+
+#[tokio::test]
+async fn tokenless_admin_answers_only_loopback_hosts_and_no_foreign_origin_mutates() {
+    let up = echo().await;
+    let gw = gateway(&format!("http://{up}"), "", PER_IP_RULES, None).await;
+    let adm = gw.admin.clone();
+    let port = adm.rsplit(':').next().unwrap().to_string();
+    // A DNS-rebinding page's own name: refused, for reads and mutations alike.
+    for (method, target) in [("GET", "/status"), ("GET", "/rules"), ("POST", "/reload")] {
+        let r = admin_raw(&adm, method, target, &format!("evil.example:{port}"), "").await;
+        assert_eq!(status_of(&r), 403, "{method} {target}: {r}");
+        assert!(r.contains("\"error\":\"forbidden\""), "{r}");
+    }
+    let body = format!(
+        r#"{{"rule":"per-ip","limits":[{{"limit":1000000000,"window":"1h"}}],"expires_at":{}}}"#,
+        now_secs() + 3600
+    );
+    let put = |host: String, origin: &'static str| {
+        let adm = adm.clone();
+        let body = body.clone();
+        async move {
+            let addr: SocketAddr = adm.trim_start_matches("http://").parse().unwrap();
+            let req = format!(
+                "PUT /overrides/ip/127.0.0.1 HTTP/1.1\r\nHost: {host}\r\n{origin}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            status_of(&send(addr, req.as_bytes(), Duration::from_secs(5)).await)
+        }
+    };
+    assert_eq!(put(format!("evil.example:{port}"), "").await, 403);
+    // Loopback Host, foreign Origin: a cross-site form or fetch. Refused.
+    assert_eq!(
+        put(format!("127.0.0.1:{port}"), "Origin: http://evil.example\r\n").await,
+        403
+    );
+    assert_eq!(put(format!("127.0.0.1:{port}"), "Origin: null\r\n").await, 403);
+    let r = admin_raw(
+        &adm,
+        "POST",
+        "/reload",
+        &format!("127.0.0.1:{port}"),
+        "Origin: http://evil.example\r\n",
+    )
+    .await;
+    assert_eq!(status_of(&r), 403, "{r}");
+    // No override was made by any of them: the IP still has its 3.
+    let codes = [
+        status(gw.addr(), "GET", "/x", "").await,
+        status(gw.addr(), "GET", "/x", "").await,
+        status(gw.addr(), "GET", "/x", "").await,
+        status(gw.addr(), "GET", "/x", "").await,
+    ];
+    assert_eq!(codes, [200, 200, 200, 429]);
+    // Loopback Hosts, any spelling and port, and loopback Origins are served.
+    for host in [
+        format!("127.0.0.1:{port}"),
+        "localhost".into(),
+        format!("LOCALHOST:{port}"),
+        "[::1]:1".into(),
+    ] {
+        let r = admin_raw(&adm, "GET", "/status", &host, "").await;
+        assert_eq!(status_of(&r), 200, "{host}: {r}");
+    }
+    let r = admin_raw(
+        &adm,
+        "POST",
+        "/reload",
+        "localhost",
+        &format!("Origin: http://localhost:{port}\r\n"),
+    )
+    .await;
+    assert_eq!(status_of(&r), 200, "{r}");
+    // Probes and scrapers send whatever Host they like to the open endpoints.
+    for target in ["/healthz", "/readyz", "/metrics"] {
+        let r = admin_raw(&adm, "GET", target, "10.0.0.7:9090", "").await;
+        assert_eq!(status_of(&r), 200, "{target}: {r}");
+    }
+    gw.stop().await;
+}
+
+#[test]
+fn admin_with_a_token_still_refuses_mutations_from_a_foreign_origin() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let up = rt.block_on(echo());
+    let gw = binary_env(
+        &format!("http://{up}"),
+        "admin:\n  token_env: HARDENING_ADMIN_TOKEN\n",
+        PER_IP_RULES,
+        &[("HARDENING_ADMIN_TOKEN", "t0ken-for-origin-test")],
+    );
+    let auth = "Authorization: Bearer t0ken-for-origin-test\r\n";
+    rt.block_on(async {
+        let r = admin_raw(
+            &gw.admin,
+            "POST",
+            "/reload",
+            "127.0.0.1",
+            &format!("{auth}Origin: https://evil.example\r\n"),
+        )
+        .await;
+        assert_eq!(status_of(&r), 403, "{r}");
+        let r = admin_raw(&gw.admin, "POST", "/reload", "127.0.0.1", auth).await;
+        assert_eq!(status_of(&r), 200, "{r}");
+        // With a token the Host is not what protects it: any Host is answered.
+        let r = admin_raw(&gw.admin, "GET", "/status", "admin.internal.example", auth).await;
+        assert_eq!(status_of(&r), 200, "{r}");
+    });
+}
+
+#[tokio::test]
+async fn every_admin_response_is_no_store() {
+    let up = echo().await;
+    let gw = gateway(&format!("http://{up}"), "", PER_IP_RULES, None).await;
+    let c = client();
+    for (method, target) in [
+        ("GET", "/metrics"),
+        ("GET", "/healthz"),
+        ("GET", "/readyz"),
+        ("GET", "/readyz?store=1"),
+        ("GET", "/status"),
+        ("GET", "/rules"),
+        ("GET", "/explain?path=/x"),
+        ("GET", "/keys/127.0.0.1"),
+        ("GET", "/"),
+        ("GET", "/dashboard.json"),
+        ("GET", "/overrides"),
+        ("POST", "/reload"),
+        ("GET", "/no-such-page"),
+    ] {
+        let r = c
+            .request(method.parse().unwrap(), format!("{}{target}", gw.admin))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(
+            r.headers()
+                .get("cache-control")
+                .map(|v| v.to_str().unwrap().to_string()),
+            Some("no-store".to_string()),
+            "{method} {target} ({})",
+            r.status()
+        );
+    }
+    gw.stop().await;
+}
+
+#[tokio::test]
+async fn explain_refuses_an_ip_that_is_not_one() {
+    let up = echo().await;
+    let gw = gateway(&format!("http://{up}"), "", PER_IP_RULES, None).await;
+    let c = client();
+    for bad in ["not-ip", "", "1.2.3.4.5", "127.0.0.1:80"] {
+        let r = c
+            .get(format!("{}/explain?path=/x&ip={bad}", gw.admin))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400, "ip={bad:?}");
+    }
+    let v: serde_json::Value = c
+        .get(format!("{}/explain?path=/x&ip=10.1.2.3", gw.admin))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["identity"]["ip"], "10.1.2.3", "{v}");
+    gw.stop().await;
 }

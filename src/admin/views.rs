@@ -157,7 +157,9 @@ pub fn explain(
                         json!({"store_key": p.check.key.as_str(), "algorithm": q.algorithm.as_str(), "limit": q.limit.get(), "window": window_text(q.window_us.get()), "cost": p.check.cost})
                     })
                     .collect();
-                if planned.is_empty() {
+                if plan.refused.is_some() {
+                    v["skipped"] = Value::String("the request is refused for its credentials (see refused): no limit is checked".into());
+                } else if planned.is_empty() {
                     v["skipped"] = Value::String("the request has no value for this key kind (no org / no header)".into());
                 } else {
                     v["limits"] = Value::Array(planned);
@@ -190,5 +192,11 @@ pub fn explain(
             "ip": ident.ip.to_string(),
         },
         "matches": matches,
+        // What the proxy answers instead of checking limits, if anything (never the credential).
+        "refused": match plan.refused {
+            None => Value::Null,
+            Some(crate::identity::CredentialProblem::Invalid) => json!({"status": 401, "error": "invalid_credentials"}),
+            Some(crate::identity::CredentialProblem::Ambiguous(why)) => json!({"status": 400, "error": "bad_request", "message": why}),
+        },
     })
 }

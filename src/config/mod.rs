@@ -632,7 +632,22 @@ impl GatewayConfig {
             Some(j) => Some(std::sync::Arc::new(JwtKeys::compile(f, dir, j)?)),
             None => None,
         };
+        let invalid_credentials = match &id.invalid_credentials {
+            None => crate::identity::InvalidCredentials::Reject,
+            Some(v) => match v.value.as_str() {
+                "reject" => crate::identity::InvalidCredentials::Reject,
+                "ip" => crate::identity::InvalidCredentials::Ip,
+                other => {
+                    return Err(ConfigError::at(
+                        f,
+                        &v.referenced,
+                        format!("identity.invalid_credentials: unknown value {other:?} (reject | ip)"),
+                    ))
+                }
+            },
+        };
         let identity = IdentityConfig {
+            invalid_credentials,
             api_key_header,
             jwt,
             trusted_proxies,

@@ -191,6 +191,8 @@ pub struct RawIdentity {
     pub ipv6_prefix: Option<Spanned<u8>>,
     /// Most X-Forwarded-For entries read from the right.
     pub max_forwarded_entries: Option<Spanned<usize>>,
+    /// What a present but invalid credential gets: `reject` (401) or `ip`.
+    pub invalid_credentials: Option<Spanned<String>>,
 }
 
 /// `identity.jwt:`.

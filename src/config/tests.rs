@@ -91,6 +91,8 @@ fn errors_name_file_line_and_column() {
         ("upstream: { url: http://127.0.0.1:8081 }\nidentity: { jwt: { algorithms: [none], secret_env: X } }\n", "/etc/tollgate/gateway.yaml:2:32:", "never accepted"),
         ("upstream: { url: http://127.0.0.1:8081 }\nidentity: { jwt: { algorithms: [HS256, RS256], secret_env: X } }\n", "/etc/tollgate/gateway.yaml:2:32:", "one key family"),
         ("upstream: { url: http://127.0.0.1:8081 }\nidentity: { jwt: { algorithms: [HS256], secret_env: X, public_key_file: k.pem } }\n", "/etc/tollgate/gateway.yaml:2:53:", "choose one"),
+        ("upstream: { url: http://127.0.0.1:8081 }\nidentity: { jwt: { algorithms: [RS256], leeway: 100d } }\n", "/etc/tollgate/gateway.yaml:2:49:", "more than 5m"),
+        ("upstream: { url: http://127.0.0.1:8081 }\nidentity: { invalid_credentials: anonymous }\n", "/etc/tollgate/gateway.yaml:2:34:", "reject | ip"),
     ];
     for (yaml, at, what) in cases {
         let e = compile(yaml, &EnvOverrides::default()).unwrap_err().to_string();

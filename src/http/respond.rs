@@ -52,6 +52,22 @@ pub enum GatewayError {
     /// `/keys/{identity}` for a value that is no registered key id, IP or org and has no counters.
     #[error("unknown identity")]
     UnknownIdentity,
+    /// A credential that is present but identifies no one (`identity.invalid_credentials:
+    /// reject`). The body never echoes the credential.
+    #[error("invalid credentials")]
+    InvalidCredentials,
+    /// An admin request refused for where it came from (a foreign Host or Origin).
+    #[error("forbidden: {0}")]
+    Forbidden(&'static str),
+}
+
+impl From<crate::identity::CredentialProblem> for GatewayError {
+    fn from(p: crate::identity::CredentialProblem) -> Self {
+        match p {
+            crate::identity::CredentialProblem::Ambiguous(why) => GatewayError::BadRequest(why),
+            crate::identity::CredentialProblem::Invalid => GatewayError::InvalidCredentials,
+        }
+    }
 }
 
 impl GatewayError {
@@ -66,7 +82,8 @@ impl GatewayError {
             GatewayError::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             GatewayError::NotFound | GatewayError::UnknownIdentity => StatusCode::NOT_FOUND,
             GatewayError::HeadersTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-            GatewayError::Unauthorized => StatusCode::UNAUTHORIZED,
+            GatewayError::Unauthorized | GatewayError::InvalidCredentials => StatusCode::UNAUTHORIZED,
+            GatewayError::Forbidden(_) => StatusCode::FORBIDDEN,
         }
     }
 
@@ -108,6 +125,11 @@ impl GatewayError {
                 "error": "unknown_identity",
                 "message": "Not a registered API key id, an IP address or a registered org, and no counters exist for it: check the spelling.",
             }),
+            GatewayError::InvalidCredentials => json!({
+                "error": "invalid_credentials",
+                "message": "The API key or bearer token was not accepted: it is unknown, expired or does not verify.",
+            }),
+            GatewayError::Forbidden(why) => json!({"error": "forbidden", "message": why}),
             GatewayError::Unauthorized => json!({
                 "error": "unauthorized",
                 "message": "This admin endpoint needs the admin token: Authorization: Bearer <token>, or HTTP Basic with the token as the password.",
@@ -121,7 +143,13 @@ impl GatewayError {
         if let Some(s) = retry {
             h.insert(header::RETRY_AFTER, HeaderValue::from(s));
         }
-        if status == StatusCode::UNAUTHORIZED {
+        if matches!(self, GatewayError::InvalidCredentials) {
+            h.insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer error=\"invalid_token\""),
+            );
+        }
+        if matches!(self, GatewayError::Unauthorized) {
             h.append(
                 header::WWW_AUTHENTICATE,
                 HeaderValue::from_static("Bearer realm=\"tollgate admin\""),

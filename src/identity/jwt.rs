@@ -1,8 +1,11 @@
 //! JWT verification. Tokens are checked against the configured keys, which reload with the
 //! rules ([`JwtKeys`]: a rotated public key or JWKS file needs no restart); `exp`, `nbf`, `iss`
 //! and `aud` are checked against an injected `now` with leeway. Any failure (`alg: none`, an
-//! algorithm outside the configured family, a bad signature, an expired token) yields `None`:
-//! no identity, never an error page.
+//! algorithm outside the configured family, a bad signature, an expired token) yields `None`
+//! from [`JwtKeys::verify`], and [`CredentialProblem::Invalid`] from
+//! [`JwtKeys::verify_headers`] (what the request then gets is `identity.invalid_credentials`).
+//! `exp` and `nbf` may be fractional (RFC 7519 NumericDate): `exp` is rounded down and `nbf`
+//! up, so rounding never widens a token's validity.
 
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
@@ -15,6 +18,7 @@ use sha2::Digest;
 
 use crate::config::error::{duration, ConfigError};
 use crate::config::raw::RawJwt;
+use crate::identity::CredentialProblem;
 
 /// Claims the gateway uses.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -139,8 +143,10 @@ impl JwtKeys {
         self.current.store(Arc::new(v));
     }
 
-    /// Verify the bearer token in the configured header, if any.
-    pub fn verify_headers(&self, headers: &HeaderMap, now_secs: u64) -> Option<JwtClaims> {
+    /// The claims of the bearer token in the configured header: `Ok(None)` when the header is
+    /// absent or carries another scheme, an error when it is sent twice or its token does not
+    /// verify.
+    pub fn verify_headers(&self, headers: &HeaderMap, now_secs: u64) -> Result<Option<JwtClaims>, CredentialProblem> {
         self.current.load().verify_headers(headers, now_secs)
     }
 
@@ -150,12 +156,54 @@ impl JwtKeys {
     }
 }
 
+/// The largest `identity.jwt.leeway` accepted: clock skew is seconds, not hours.
+const MAX_LEEWAY: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// The token of a `Bearer` credential: the scheme matched case-insensitively, then any run of
+/// spaces or tabs (RFC 9110 §11.4). `None` for another scheme.
+fn bearer_token(v: &[u8]) -> Option<&[u8]> {
+    let v = v.trim_ascii();
+    let (scheme, rest) = match v.iter().position(|&b| b == b' ' || b == b'\t') {
+        Some(i) => (&v[..i], &v[i..]),
+        None => (v, &v[v.len()..]),
+    };
+    scheme.eq_ignore_ascii_case(b"bearer").then(|| rest.trim_ascii())
+}
+
+/// A NumericDate (RFC 7519 §2, possibly fractional) as whole seconds: rounded up when `up`,
+/// else down. `None` for a negative or non-numeric value.
+fn numeric_date(v: &Value, up: bool) -> Option<u64> {
+    if let Some(n) = v.as_u64() {
+        return Some(n);
+    }
+    let f = v.as_f64().filter(|f| f.is_finite() && *f >= 0.0)?;
+    // `as` saturates: a date past u64 seconds is u64::MAX.
+    Some(if up { f.ceil() } else { f.floor() } as u64)
+}
+
 /// Tokens longer than this are not even parsed.
 const MAX_TOKEN_BYTES: usize = 16 * 1024;
 
 impl JwtVerifier {
     /// Compile `identity.jwt` (key files relative to `dir`).
     pub fn compile(file: &Path, dir: &Path, raw: &RawJwt) -> Result<Self, ConfigError> {
+        let leeway = match &raw.leeway {
+            Some(l) => {
+                let d = duration(file, l)?;
+                if d > MAX_LEEWAY {
+                    return Err(ConfigError::at(
+                        file,
+                        &l.referenced,
+                        format!(
+                            "identity.jwt.leeway: {:?} is more than 5m, which would accept long-expired tokens",
+                            l.value
+                        ),
+                    ));
+                }
+                d.as_secs()
+            }
+            None => 30,
+        };
         let mut algorithms = Vec::new();
         for a in &raw.algorithms.value {
             if a.eq_ignore_ascii_case("none") {
@@ -278,10 +326,6 @@ impl JwtVerifier {
                 "jwt needs a key: public_key_file, secret_env or jwks_file",
             ));
         }
-        let leeway = match &raw.leeway {
-            Some(l) => duration(file, l)?.as_secs(),
-            None => 30,
-        };
         Ok(JwtVerifier {
             header: raw
                 .header
@@ -301,11 +345,20 @@ impl JwtVerifier {
         })
     }
 
-    /// Verify the bearer token in the configured header, if any.
-    pub fn verify_headers(&self, headers: &HeaderMap, now_secs: u64) -> Option<JwtClaims> {
-        let v = headers.get(&self.header)?.to_str().ok()?;
-        let token = v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer "))?.trim();
-        self.verify(token, now_secs)
+    /// The claims of the bearer token in the configured header: `Ok(None)` when the header is
+    /// absent or carries another scheme, an error when it is sent twice or its token does not
+    /// verify.
+    pub fn verify_headers(&self, headers: &HeaderMap, now_secs: u64) -> Result<Option<JwtClaims>, CredentialProblem> {
+        let mut fields = headers.get_all(&self.header).iter();
+        let Some(v) = fields.next() else { return Ok(None) };
+        if fields.next().is_some() {
+            return Err(CredentialProblem::Ambiguous("more than one bearer token header field"));
+        }
+        let Some(token) = bearer_token(v.as_bytes()) else {
+            return Ok(None);
+        };
+        let token = std::str::from_utf8(token).map_err(|_| CredentialProblem::Invalid)?;
+        self.verify(token, now_secs).map(Some).ok_or(CredentialProblem::Invalid)
     }
 
     /// Verify a compact JWS. `None` for anything but a valid, current token.
@@ -355,9 +408,9 @@ impl JwtVerifier {
         v.validate_aud = false;
         let data = jsonwebtoken::decode::<serde_json::Map<String, Value>>(token, &spec.key, &v).ok()?;
         let c = data.claims;
-        let exp = c.get("exp")?.as_u64()?;
+        let exp = numeric_date(c.get("exp")?, false)?;
         let nbf = match c.get("nbf") {
-            Some(n) => n.as_u64()?,
+            Some(n) => numeric_date(n, true)?,
             None => 0,
         };
         if let Some(iss) = &self.issuer {

@@ -353,3 +353,100 @@ fn ip_text_is_inline_and_holds_the_longest_address() {
         );
     }
 }
+
+/// `who`, with the refusal.
+fn checked(h: &HeaderMap, cfg: &IdentityConfig, keys: &KeyRegistry) -> (Identity, Option<CredentialProblem>) {
+    identify_checked(h, peer(), keys, cfg, NOW)
+}
+
+#[test]
+fn fractional_exp_is_floored_and_nbf_ceiled() {
+    let cfg = rs_config();
+    let at = |exp: f64, nbf: f64| {
+        let mut c = claims(600);
+        c["exp"] = json!(exp);
+        c["nbf"] = json!(nbf);
+        let t = encode(&Header::new(Algorithm::RS256), &c, &rsa_key()).unwrap();
+        checked(&bearer(&t), &cfg, &KeyRegistry::empty())
+    };
+    let now = NOW as f64;
+    assert_eq!(at(now + 600.5, now - 10.5).0.kind, IdentityKind::Jwt);
+    // 30 s leeway: exp NOW-30.5 floors to NOW-31 (expired); ceiled it would still pass.
+    assert_eq!(at(now - 30.5, now - 100.0).1, Some(CredentialProblem::Invalid));
+    assert_eq!(at(now - 29.5, now - 100.0).0.kind, IdentityKind::Jwt);
+    // nbf NOW+30.5 ceils to NOW+31: not yet valid; floored it would pass.
+    assert_eq!(at(now + 600.0, now + 30.5).1, Some(CredentialProblem::Invalid));
+}
+
+#[test]
+fn bearer_scheme_is_case_insensitive_with_any_whitespace() {
+    let cfg = rs_config();
+    let t = encode(&Header::new(Algorithm::RS256), &claims(600), &rsa_key()).unwrap();
+    for spelling in ["BEARER ", "bEaReR ", "Bearer\t", "Bearer \t  ", "  Bearer  "] {
+        let mut h = HeaderMap::new();
+        h.insert(
+            "authorization",
+            HeaderValue::from_str(&format!("{spelling}{t}")).unwrap(),
+        );
+        assert_eq!(
+            checked(&h, &cfg, &KeyRegistry::empty()).0.kind,
+            IdentityKind::Jwt,
+            "{spelling:?}"
+        );
+    }
+    // Another scheme is not this gateway's credential: the IP, no refusal.
+    let mut h = HeaderMap::new();
+    h.insert(
+        "authorization",
+        HeaderValue::from_static("Basic YWxhZGRpbjpvcGVuc2VzYW1l"),
+    );
+    assert_eq!(
+        checked(&h, &cfg, &KeyRegistry::empty()),
+        (who(&HeaderMap::new(), &cfg), None)
+    );
+}
+
+#[test]
+fn ambiguous_and_invalid_credentials_are_refused_unless_configured_as_ip() {
+    let yaml = format!("keys:\n  - {{ id: cust_1, sha256: {} }}\n", keys::hash_key("good-key"));
+    let path = Path::new("keys.yaml");
+    let keys = KeyRegistry::compile(path, parse_str(path, &yaml).unwrap()).unwrap();
+    let with = |vals: &[&str]| {
+        let mut h = HeaderMap::new();
+        for v in vals {
+            h.append("x-api-key", HeaderValue::from_str(v).unwrap());
+        }
+        h
+    };
+    let reject = config("  invalid_credentials: reject\n");
+    let ip = config("  invalid_credentials: ip\n");
+    for cfg in [&reject, &ip] {
+        assert_eq!(checked(&with(&["good-key"]), cfg, &keys).0.kind, IdentityKind::ApiKey);
+        for vals in [
+            &["good-key", "good-key"][..],
+            &["bogus", "good-key"],
+            &["good-key, bogus"],
+        ] {
+            assert!(
+                matches!(
+                    checked(&with(vals), cfg, &keys).1,
+                    Some(CredentialProblem::Ambiguous(_))
+                ),
+                "{vals:?}"
+            );
+        }
+    }
+    assert_eq!(
+        checked(&with(&["bogus"]), &reject, &keys).1,
+        Some(CredentialProblem::Invalid)
+    );
+    let (id, refused) = checked(&with(&["bogus"]), &ip, &keys);
+    assert_eq!((id.kind, refused), (IdentityKind::Ip, None));
+    // An empty field is no credential.
+    assert_eq!(checked(&with(&[""]), &reject, &keys).1, None);
+    // The default is `reject`.
+    assert_eq!(
+        config("  ipv6_prefix: 64\n").invalid_credentials,
+        InvalidCredentials::Reject
+    );
+}

@@ -232,6 +232,9 @@ impl State {
         let snap = self.snapshot().load_full();
         let now_us = self.clock().now_us();
         let mut plan = self.plan_of(&snap, &req, peer, now_us);
+        if let Some(p) = plan.refused {
+            return Err(p.into());
+        }
         if let Some(n) = note.as_deref_mut() {
             let ident = &plan.identity;
             n.identity_kind = ident.kind.as_str();

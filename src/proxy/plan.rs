@@ -10,7 +10,7 @@ use std::net::IpAddr;
 use http::{header, HeaderMap, Method, Uri};
 
 use crate::config::IdentityConfig;
-use crate::identity::{identify, Identity, IdentityKind};
+use crate::identity::{identify_checked, CredentialProblem, Identity, IdentityKind};
 use crate::limiter::keys::KeyBuilder;
 use crate::limiter::{FailurePolicy, LimitCheck, PolicedCheck};
 use crate::rules::runtime::RuntimeOverrides;
@@ -70,8 +70,11 @@ pub struct RequestPlan {
     /// The caller.
     pub identity: Identity,
     /// The chosen rule of each key kind, each with all its limits (its override's, when the
-    /// caller has one), rule after rule. Empty when no rule matched.
+    /// caller has one), rule after rule. Empty when no rule matched, and when `refused`.
     pub checks: PlannedChecks,
+    /// The request's credentials are refused: it is answered with this, checked against no
+    /// limit and never forwarded.
+    pub refused: Option<CredentialProblem>,
 }
 
 /// A request's planned checks, inline up to two (no allocation for the usual one or two
@@ -100,7 +103,14 @@ pub fn plan(
     req: RequestParts<'_>,
     now_secs: u64,
 ) -> RequestPlan {
-    let ident = identify(req.headers, req.peer, &snap.keys, identity, now_secs);
+    let (ident, refused) = identify_checked(req.headers, req.peer, &snap.keys, identity, now_secs);
+    if refused.is_some() {
+        return RequestPlan {
+            identity: ident,
+            checks: PlannedChecks::new(),
+            refused,
+        };
+    }
     let path = normalize(req.uri.path());
     let overridden = if snap.rules.uses_method_override {
         method_override(req.headers)
@@ -154,6 +164,7 @@ pub fn plan(
     RequestPlan {
         identity: ident,
         checks,
+        refused: None,
     }
 }
 
