@@ -130,10 +130,11 @@ async fn slots_are_released_however_the_request_ends() {
     assert_eq!(stream.status(), 200);
     assert!(stream.chunk().await.unwrap().is_some());
     assert_eq!(in_flight(c.clone(), gw.admin.clone()).await, 1);
-    // ... and the client leaving mid-response releases it.
+    // ... and the client leaving mid-response releases it once tollgate stops reading the rest
+    // (the stream runs 30 s; at most `request_timeout`, 2 s here, after the client left).
     drop(stream);
     assert!(
-        eventually(Duration::from_secs(3), || async {
+        eventually(Duration::from_secs(4), || async {
             in_flight(c.clone(), gw.admin.clone()).await == 0
         })
         .await,
@@ -391,8 +392,9 @@ async fn a_long_request_keeps_its_slot_past_the_ttl() {
     }
     let r = c.get(format!("{}/x", gw.url)).send().await.unwrap();
     assert_eq!(r.status(), 429, "the long request's slot expired while it ran");
+    // Released once tollgate stops reading the stream: `request_timeout` (2 s) after the client left.
     drop(long);
-    let freed = eventually(Duration::from_secs(3), || async {
+    let freed = eventually(Duration::from_secs(4), || async {
         c.get(format!("{}/x", gw.url)).send().await.unwrap().status() == 200
     })
     .await;
