@@ -61,14 +61,16 @@
 --   on every key (see each algorithm's *_refund; a concurrency slot is released). Reply:
 --   { now }, packed.
 -- renew: pushes each concurrency slot still held out to now + time to live. Reply: { now }.
--- debit: ARGV[2] = the `now` the check used; spends `cost` more on every key without checking
---   (a bucket's tat moves on, a window's count grows if its window is still stored), so a
---   request's real cost, known after its response, may take a key below zero. Reply: { now }.
+-- debit: ARGV[2] = now ("" for Redis TIME: the instant the real cost is known, not the check's);
+--   spends `cost` more on every key at now without checking (a bucket's tat moves on from
+--   max(tat, now); a window's count grows in now's window, the check's while it lasts), so a
+--   request's real cost, known after its response, may take a key below zero, but never more
+--   than one quota below (see each algorithm's *_debit). Reply: { now }.
 
 -- debit: the extra units of a request whose real cost came after its response (`cost_from`);
 -- sliding log and leaky bucket take no debits (validation refuses cost_from on them).
 local ALGOS = {
-  { eval = tb_eval, spend = tb_spend, refund = tb_refund, debit = tb_spend },
+  { eval = tb_eval, spend = tb_spend, refund = tb_refund, debit = tb_debit },
   { eval = lb_eval, spend = lb_spend, refund = lb_refund },
   { eval = fw_eval, spend = fw_spend, refund = fw_refund, debit = fw_debit },
   { eval = sl_eval, spend = sl_spend, refund = sl_refund },

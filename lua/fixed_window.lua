@@ -88,8 +88,25 @@ local function fw_refund(key, now, limit, w, cost)
   fw_adjust(key, now, w, -cost)
 end
 
--- Debit `cost` more units at `now`: the real cost of a request reported after its response
--- (`cost_from`). The count may go over the limit; the key is then denied until the window ends.
+-- Debit `cost` more units at `now` (the instant the real cost of a request came back after its
+-- response, `cost_from`), without checking: into the window of `now`, which is the check's
+-- window while that one lasts and otherwise the window the cost was learned in, so a debit is
+-- never dropped. The count may go over the limit (the key is then denied until its window
+-- ends), but never past twice the limit. Mirrors `debit` in src/limiter/algorithm.
 local function fw_debit(key, now, limit, w, cost)
-  fw_adjust(key, now, w, cost)
+  local index = tg_index(now, w)
+  local q = tg_shape('f', w)
+  local i, c = fw_get(key, now, limit, w)
+  local count = 0
+  if i == index then
+    count = c
+  end
+  local new = math.max(count, math.min(count + cost, 2 * limit))
+  if i == index then
+    -- Same window: the key already expires at its end.
+    redis.call('HSET', key, 'c', new)
+    tg_remember('fw', key, { index, new, q })
+  else
+    fw_put(key, index, new, w, q)
+  end
 end

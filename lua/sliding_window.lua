@@ -123,7 +123,19 @@ local function sw_refund(key, now, limit, w, cost)
   sw_adjust(key, now, w, -cost)
 end
 
--- Debit `cost` more units at `now` (`cost_from`; mirrors `debit` in src/limiter/algorithm).
+-- Debit `cost` more units at `now` (`cost_from`), without checking: into the current count of
+-- the window of `now` (the check's window while it lasts, else the one the cost was learned
+-- in), so a debit is never dropped; never past twice the limit. Mirrors `debit` in
+-- src/limiter/algorithm.
 local function sw_debit(key, now, limit, w, cost)
-  sw_adjust(key, now, w, cost)
+  local index, prev, curr, same = sw_roll(key, now, limit, w)
+  local q = tg_shape('s', w)
+  local new = math.max(curr, math.min(curr + cost, 2 * limit))
+  if same then
+    -- Same window: only the count moves; the expiry, set when the window began, stands.
+    redis.call('HSET', key, 'c', new)
+    tg_remember('sw', key, { index, prev, new, q })
+  else
+    sw_put(key, index, prev, new, w, q)
+  end
 end

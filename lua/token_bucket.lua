@@ -99,3 +99,20 @@ local function tb_refund(key, now, limit, t, cost)
   redis.call('SET', key, string.format('%d:%d', tonumber(tat) - cost * t, t), 'KEEPTTL')
   tg_forget(key)
 end
+
+-- Debit `cost` more units at `now` (`cost_from`: a request's real cost came back after its
+-- response), without checking: tat = max(tat, now) + cost * t, but never more than twice the
+-- capacity ahead of now (the key is then denied for at most one full refill past empty); a tat
+-- already further ahead stays. Mirrors `debit` in src/limiter/algorithm.
+local function tb_debit(key, now, limit, t, cost)
+  local tat = bucket_get(key, now, limit, t)
+  local base = now
+  if tat and tat > now then
+    base = tat
+  end
+  local new = math.min(base + cost * t, now + 2 * limit * t)
+  if tat and tat > new then
+    new = tat
+  end
+  bucket_put(key, new, t)
+end

@@ -120,7 +120,11 @@ pub fn rule(r: &Rule) -> String {
         s.push_str(&format!(" count_when=[{}]", m.to_text()));
     }
     if let Some(cf) = &r.cost_from {
-        s.push_str(&format!(" cost_from={} (max {})", cf.header, cf.max));
+        s.push_str(&format!(" cost_from={} (max {}", cf.header, cf.max));
+        if let Some(q) = &cf.in_flight {
+            s.push_str(&format!(", at most {} in flight per key", q.limit));
+        }
+        s.push(')');
     }
     if let Some(p) = &r.penalty {
         if p.escalates() {

@@ -448,3 +448,248 @@ async fn a_refused_connect_gives_back_its_count_when_reservation() {
     assert!(passed, "the unit the CONNECTs reserved never came back");
     assert_eq!(send(&c, reqwest::Method::GET, &ok, "10.9.0.1").await, 429);
 }
+
+/// The counter of rule `rule` (not its in-flight cap) that `/keys/{ip}` shows.
+async fn counter(c: &reqwest::Client, admin: &str, ip: &str, rule: &str) -> serde_json::Value {
+    let v = get_json(c, format!("{admin}/keys/{ip}")).await;
+    v["counters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|k| k["rule"] == rule && k["algorithm"] != "concurrency")
+        .cloned()
+        .unwrap_or_else(|| panic!("no counter of {rule} in {v}"))
+}
+
+/// Polls until `ip`'s counter of `rule` has `remaining == want` (within `within`).
+async fn remaining_reaches(
+    c: &reqwest::Client,
+    admin: &str,
+    ip: &str,
+    rule: &str,
+    want: u64,
+    within: Duration,
+) -> bool {
+    eventually(within, || async move {
+        counter(c, admin, ip, rule).await["remaining"] == want
+    })
+    .await
+}
+
+const TOKENS: &str = r#"rules:
+  - { name: tokens, match: { path: "/**" }, key: ip, algorithm: token_bucket, rate: 1/h, capacity: 10000, cost: 100, cost_from: { header: X-Tokens-Used, max: 5000 } }
+"#;
+
+/// A client that leaves before the trailer with the real cost still pays it: the exchange goes
+/// on and the trailer is read (4000 charged, not the estimate of 100); and when the trailer does
+/// not come within `request_timeout` (2 s) after the client left, `max` (5000) is charged.
+async fn leaving_before_the_trailer_is_charged(kind: &str, urls: &[String]) {
+    let up = counting_upstream().await;
+    let gw = binary(&up.url(), &store_yaml(kind, urls), TOKENS);
+    let c = client();
+    for (ip, path, want) in [
+        ("10.8.5.1", "/busy-stream/300/4000", 6000),
+        ("10.8.5.2", "/busy-stream/5000/50", 5000),
+    ] {
+        let mut r = c
+            .get(format!("{}{path}", gw.url))
+            .header("X-Forwarded-For", ip)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert!(r.chunk().await.unwrap().is_some());
+        drop(r);
+        assert!(
+            remaining_reaches(&c, &gw.admin, ip, "tokens", want, Duration::from_secs(5)).await,
+            "{path}: {} left, want {want}",
+            counter(&c, &gw.admin, ip, "tokens").await
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_leaving_before_the_trailer_is_charged() {
+    leaving_before_the_trailer_is_charged("memory", &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_leaving_before_the_trailer_is_charged() {
+    let server = RedisServer::start();
+    leaving_before_the_trailer_is_charged("redis", &[server.url()]).await;
+}
+
+/// Milliseconds since the epoch (the stores' windows are aligned to it).
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+/// A request checked just before a fixed window's end and answered in the next window: its
+/// debit lands in the window it is answered in (before, it was dropped, and a key could spend
+/// 20 times its quota a window). Limit 10,000 per 2 s, estimate 100, reported 5,000.
+async fn a_debit_across_a_window_boundary_lands(kind: &str, urls: &[String]) {
+    const W: u64 = 2000;
+    let up = counting_upstream().await;
+    let rules = r#"rules:
+  - { name: tokens, match: { path: "/**" }, key: ip, algorithm: fixed_window, limit: 10000, window: 2s, cost: 100, cost_from: { header: X-Tokens-Used, max: 5000 } }
+"#;
+    let gw = binary(&up.url(), &store_yaml(kind, urls), rules);
+    let c = client();
+    let mut straddled = 0;
+    for attempt in 0..3 {
+        let ip = format!("10.8.6.{attempt}");
+        // Positioning only (not synchronisation): 350 ms before a window's end.
+        let into = unix_ms() % W;
+        let wait = (W - 350 + W - into) % W;
+        tokio::time::sleep(Duration::from_millis(wait)).await;
+        let sent = unix_ms();
+        let r = c
+            .get(format!("{}/busy/700/5000", gw.url))
+            .header("X-Forwarded-For", &ip)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let _ = r.bytes().await;
+        let answered = unix_ms();
+        if sent / W + 1 != answered / W || sent % W > W - 150 {
+            continue; // the check may not have been in the earlier window: try again
+        }
+        straddled += 1;
+        // The debit (5,000 reported - 100 reserved) counts in the window it was answered in:
+        // 10,000 - 4,900 left there (the estimate stayed in the window of the check).
+        let left_in_window = W - answered % W;
+        let landed = remaining_reaches(
+            &c,
+            &gw.admin,
+            &ip,
+            "tokens",
+            5100,
+            Duration::from_millis(left_in_window.saturating_sub(100)),
+        )
+        .await;
+        assert!(
+            landed && unix_ms() / W == answered / W,
+            "the debit of a request answered after the boundary did not land: {}",
+            counter(&c, &gw.admin, &ip, "tokens").await
+        );
+        break;
+    }
+    assert_eq!(straddled, 1, "no request straddled the boundary in three tries");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_a_debit_across_a_window_boundary_lands() {
+    a_debit_across_a_window_boundary_lands("memory", &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_debit_across_a_window_boundary_lands() {
+    let server = RedisServer::start();
+    a_debit_across_a_window_boundary_lands("redis", &[server.url()]).await;
+}
+
+/// 150 concurrent requests before any settles: capacity 10,000, estimate 100, `max` 5,000 and the
+/// default cap of `max(2, 10,000 / 4,900) = 2` requests in flight per key, so the overspend
+/// before settlement is at most 2 × 4,900: at most 3 of the 5,000-unit requests pass (before,
+/// 100 did), and the upstream never works on more than 2.
+async fn a_burst_before_settlement_is_bounded(kind: &str, urls: &[String]) {
+    let up = counting_upstream().await;
+    let rules = r#"rules:
+  - { name: tokens, match: { path: "/busy/**" }, key: ip, algorithm: token_bucket, rate: 1/h, capacity: 10000, cost: 100, cost_from: { header: X-Tokens-Used, max: 5000 } }
+"#;
+    let gw = binary(&up.url(), &store_yaml(kind, urls), rules);
+    let c = client();
+    let url = format!("{}/busy/300/5000", gw.url);
+    let tasks: Vec<_> = (0..150)
+        .map(|_| {
+            let (c, url) = (c.clone(), url.clone());
+            tokio::spawn(async move { send(&c, reqwest::Method::GET, &url, "10.8.7.1").await })
+        })
+        .collect();
+    let mut admitted = 0u64;
+    for t in tasks {
+        match t.await.unwrap() {
+            200 => admitted += 1,
+            429 => {}
+            other => panic!("unexpected status {other}"),
+        }
+    }
+    let bound = 10_000 + 2 * (5_000 - 100);
+    assert!(
+        admitted >= 1 && admitted * 5_000 <= bound,
+        "{admitted} admitted: {} units against a capacity of 10,000 and a bound of {bound}",
+        admitted * 5_000
+    );
+    assert!(up.max() <= 2, "the upstream worked on {} at once", up.max());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_a_burst_before_settlement_is_bounded() {
+    a_burst_before_settlement_is_bounded("memory", &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_burst_before_settlement_is_bounded() {
+    let server = RedisServer::start();
+    a_burst_before_settlement_is_bounded("redis", &[server.url()]).await;
+}
+
+/// A reported cost far above the capacity (999,990 more on a capacity of 1,000 at 1/s) takes the
+/// key at most one capacity below zero: its bucket is full again within two full refills
+/// (2,000 s), not a thousand (before, a key sat 139 h below zero this way).
+async fn a_debit_stops_one_capacity_below_zero(kind: &str, urls: &[String]) {
+    let up = counting_upstream().await;
+    let rules = r#"rules:
+  - { name: big, match: { path: "/cost/**" }, key: ip, algorithm: token_bucket, rate: 1/s, capacity: 1000, cost: 10, cost_from: { header: X-Tokens-Used, max: 1000000 } }
+"#;
+    let gw = binary(&up.url(), &store_yaml(kind, urls), rules);
+    let c = client();
+    let ip = "10.8.7.2";
+    assert_eq!(
+        send(&c, reqwest::Method::GET, &format!("{}/cost/1000000", gw.url), ip).await,
+        200
+    );
+    let below = eventually(Duration::from_secs(3), || async {
+        counter(&c, &gw.admin, ip, "big").await["reset_ms"]
+            .as_u64()
+            .unwrap_or(0)
+            > 1_000_000
+    })
+    .await;
+    let reset = counter(&c, &gw.admin, ip, "big").await["reset_ms"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(below, "the debit never took the key below zero: reset in {reset} ms");
+    assert!(
+        reset <= 2_000_000,
+        "the key went {reset} ms of refill below full: past one capacity below zero"
+    );
+    // Denied meanwhile, and told to come back within the floor's time.
+    let r = c
+        .get(format!("{}/cost/10", gw.url))
+        .header("X-Forwarded-For", ip)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    let retry: u64 = r.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!(
+        retry <= 1_011,
+        "Retry-After {retry} s: past one capacity (1,000 s) below zero"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_a_debit_stops_one_capacity_below_zero() {
+    a_debit_stops_one_capacity_below_zero("memory", &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_debit_stops_one_capacity_below_zero() {
+    let server = RedisServer::start();
+    a_debit_stops_one_capacity_below_zero("redis", &[server.url()]).await;
+}

@@ -130,10 +130,11 @@ async fn slots_are_released_however_the_request_ends() {
     assert_eq!(stream.status(), 200);
     assert!(stream.chunk().await.unwrap().is_some());
     assert_eq!(in_flight(c.clone(), gw.admin.clone()).await, 1);
-    // ... and the client leaving mid-response releases it.
+    // ... and the client leaving mid-response releases it once tollgate stops reading the rest
+    // (the stream runs 30 s; at most `request_timeout`, 2 s here, after the client left).
     drop(stream);
     assert!(
-        eventually(Duration::from_secs(3), || async {
+        eventually(Duration::from_secs(4), || async {
             in_flight(c.clone(), gw.admin.clone()).await == 0
         })
         .await,
@@ -394,11 +395,79 @@ async fn a_long_request_keeps_its_slot_past_the_ttl() {
     }
     let r = c.get(format!("{}/x", gw.url)).send().await.unwrap();
     assert_eq!(r.status(), 429, "the long request's slot expired while it ran");
+    // Released once tollgate stops reading the stream: `request_timeout` (2 s) after the client left.
     drop(long);
-    let freed = eventually(Duration::from_secs(3), || async {
+    let freed = eventually(Duration::from_secs(4), || async {
         c.get(format!("{}/x", gw.url)).send().await.unwrap().status() == 200
     })
     .await;
     assert!(freed, "the slot was not released when the long request ended");
     gw.stop().await;
+}
+
+/// A client that leaves does not free its slot while the upstream still works on its request
+/// (the upstream here goes on after its connection closed, as a WSGI worker does): on the real
+/// binary with a limit of 2, 12 clients that give up 100 ms into a 1 s request and 6 that leave
+/// after the first chunk of a 1 s response never have the upstream working on more than 2 at
+/// once; the slots free when the upstream is done, and at the latest `request_timeout` (2 s)
+/// after the client left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_keeps_its_slot_until_the_upstream_is_done() {
+    let up = counting_upstream().await;
+    let rules = r#"rules:
+  - { name: inflight, match: { path: "/**" }, key: ip, algorithm: concurrency, limit: 2 }
+"#;
+    let gw = binary(&up.url(), "store:\n  kind: memory\n", rules);
+    let c = client();
+    let status = |path: &'static str| {
+        let (c, url) = (c.clone(), format!("{}{path}", gw.url));
+        async move { c.get(url).send().await.unwrap().status().as_u16() }
+    };
+    // Leaving before the response head.
+    for i in 0..12 {
+        match c
+            .get(format!("{}/busy/1000", gw.url))
+            .timeout(Duration::from_millis(100))
+            .send()
+            .await
+        {
+            Ok(r) => assert_eq!(r.status(), 429, "client {i}"),
+            Err(e) => assert!(e.is_timeout(), "client {i}: {e}"),
+        }
+    }
+    assert!(up.max() <= 2, "the upstream worked on {} at once (limit 2)", up.max());
+    assert!(
+        eventually(Duration::from_secs(3), || async { status("/x").await == 200 }).await,
+        "the slots were not freed once the upstream was done"
+    );
+    // Leaving in the middle of the body.
+    for i in 0..6 {
+        let mut r = c.get(format!("{}/busy-stream/1000", gw.url)).send().await.unwrap();
+        match r.status().as_u16() {
+            200 => assert!(r.chunk().await.unwrap().is_some(), "client {i}"),
+            429 => {}
+            other => panic!("client {i}: {other}"),
+        }
+        drop(r);
+    }
+    assert!(up.max() <= 2, "the upstream worked on {} at once (limit 2)", up.max());
+    // An upstream that takes 30 s: the slot is held until `request_timeout`, then freed.
+    assert!(eventually(Duration::from_secs(3), || async { status("/x").await == 200 }).await);
+    let left = Instant::now();
+    for _ in 0..2 {
+        let r = c
+            .get(format!("{}/busy/30000", gw.url))
+            .timeout(Duration::from_millis(100))
+            .send()
+            .await;
+        assert!(r.is_err_and(|e| e.is_timeout()));
+    }
+    assert_eq!(status("/x").await, 429, "a client that left freed its slot at once");
+    let freed = eventually(Duration::from_secs(4), || async { status("/x").await == 200 }).await;
+    assert!(freed, "the slots were still held long after request_timeout");
+    assert!(
+        left.elapsed() >= Duration::from_millis(1800),
+        "freed after {:?}",
+        left.elapsed()
+    );
 }

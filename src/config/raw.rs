@@ -389,6 +389,9 @@ pub struct RawCostFrom {
     pub header: String,
     /// Largest cost the header may report (larger values count as this).
     pub max: i64,
+    /// Most requests of one key in flight at once (the bound on what a key can spend before
+    /// its requests settle is `in_flight × (max − cost)`); default `max(2, limit / (max − cost))`.
+    pub in_flight: Option<Spanned<i64>>,
 }
 
 /// `penalty:` — one duration, or a base and a maximum for escalation.

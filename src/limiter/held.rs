@@ -1,7 +1,7 @@
 //! Concurrency slots held by running requests, and the settlement of a request's real cost:
 //! the parts of [`Limiter`] that act after a request was admitted.
 
-use super::{by_source, LimitCheck, Limiter, Source, Store};
+use super::{LimitCheck, Limiter, Source, Store};
 
 impl Limiter {
     /// A fresh holder id for one request's concurrency slots (never 0).
@@ -58,11 +58,13 @@ impl Limiter {
     }
 
     /// Settle what admitted checks reserved against the real cost `actual` (units per check):
-    /// refund the difference when it is smaller, debit it when it is larger, each in the store
-    /// and window that spent it.
+    /// refund the difference when it is smaller, in the store and window that spent it; debit it
+    /// when it is larger, in the store that spent it, at the instant it is known (see
+    /// [`Store::debit`]: it lands in the check's window while that one lasts, else in the
+    /// current one, and takes a key at most one quota below zero).
     pub async fn settle(&self, spent: &[(LimitCheck, u64, Source)], actual: u64) {
         let mut refunds = Vec::new();
-        let mut debits: Vec<(LimitCheck, u64, Source)> = Vec::new();
+        let (mut store, mut local): (Vec<LimitCheck>, Vec<LimitCheck>) = (Vec::new(), Vec::new());
         for (c, at, src) in spent {
             let mut d = c.clone();
             if actual < c.cost {
@@ -70,16 +72,24 @@ impl Limiter {
                 refunds.push((d, *at, *src));
             } else if actual > c.cost {
                 d.cost = actual - c.cost;
-                debits.push((d, *at, *src));
+                match src {
+                    Source::Store => store.push(d),
+                    Source::Local => local.push(d),
+                    // Rules that settle never lease, and failure policies spent nothing.
+                    _ => {}
+                }
             }
         }
         if !refunds.is_empty() {
             self.refund(&refunds).await;
         }
-        let (store, local) = by_source(&debits);
         if !store.is_empty() {
-            if let Ok(Err(e)) = tokio::time::timeout(self.timeout, self.store.debit(&store)).await {
-                tracing::warn!(error = %e, "debit of a reported cost failed; the request spent only its estimate");
+            match tokio::time::timeout(self.timeout, self.store.debit(&store)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "debit of a reported cost failed; the request spent only its estimate")
+                }
+                Err(_) => tracing::warn!("debit of a reported cost timed out; it may not have landed"),
             }
         }
         if !local.is_empty() {

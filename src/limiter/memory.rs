@@ -253,18 +253,24 @@ impl MemoryStore {
         }
     }
 
-    /// Spend `c.cost` more on each `(c, at)` of `spent` without checking: the real cost of a
-    /// request admitted at `at` was above its estimate (see [`algorithm::debit`]).
-    pub fn debit_spent(&self, spent: &[(LimitCheck, u64)]) {
-        for (c, at) in spent {
+    /// Spend `c.cost` more on each check of `debits`, without checking, now (this store's
+    /// clock): the real cost of an admitted request was above its estimate (see
+    /// [`algorithm::debit`] for where it lands and how far below zero it may take a key).
+    pub fn debit_spent(&self, debits: &[LimitCheck]) {
+        self.debit_at(debits, self.clock.now_us());
+    }
+
+    /// [`MemoryStore::debit_spent`] at an explicit `now` (used by differential tests). A key of
+    /// another shape is converted first, as a check would.
+    pub fn debit_at(&self, debits: &[LimitCheck], now: u64) {
+        for c in debits {
             let mut shard = self.shards[self.shard_of(c.key.as_str())].lock();
             let e = shard
                 .entry(Box::from(c.key.as_str()))
                 .or_insert_with(|| Entry::empty(c.quota));
-            if e.quota.same_shape(&c.quota) {
-                algorithm::debit(&c.quota, &mut e.state, *at, c.cost);
-                e.refresh_expiry(&c.quota);
-            }
+            e.convert_to(&c.quota, now);
+            algorithm::debit(&c.quota, &mut e.state, now, c.cost);
+            e.refresh_expiry(&c.quota);
         }
     }
 
@@ -410,8 +416,8 @@ impl Store for MemoryStore {
         Ok(())
     }
 
-    async fn debit(&self, spent: &[(LimitCheck, u64)]) -> Result<(), StoreError> {
-        self.debit_spent(spent);
+    async fn debit(&self, debits: &[LimitCheck]) -> Result<(), StoreError> {
+        self.debit_spent(debits);
         Ok(())
     }
 

@@ -97,10 +97,11 @@ pub trait Store: Send + Sync + 'static {
     /// store holds nothing for that key.
     fn peek(&self, checks: &[LimitCheck]) -> impl Future<Output = Result<Vec<Option<Outcome>>, StoreError>> + Send;
 
-    /// Spend each check's `cost` more, without checking, in the window its check was decided in
-    /// (`(check, at_us)` as for [`Store::refund`]): the real cost of a request, reported after
-    /// its response, was above what it reserved (`cost_from`). May take a key below zero.
-    fn debit(&self, spent: &[(LimitCheck, u64)]) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// Spend each check's `cost` more, without checking, at the store's now: the real cost of a
+    /// request, reported after its response, was above what it reserved (`cost_from`). The
+    /// debit lands in the window of now (the check's window while it lasts), never dropped, and
+    /// takes a key at most one quota below zero (see [`crate::limiter::algorithm::debit`]).
+    fn debit(&self, debits: &[LimitCheck]) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Push the concurrency slots of `held` (requests still running) out to a full time to
     /// live, so a long request keeps its slot; checks that are not slots are ignored.
@@ -163,10 +164,10 @@ impl Store for Backend {
             Backend::Redis(r) => r.peek(checks).await,
         }
     }
-    async fn debit(&self, spent: &[(LimitCheck, u64)]) -> Result<(), StoreError> {
+    async fn debit(&self, debits: &[LimitCheck]) -> Result<(), StoreError> {
         match self {
-            Backend::Memory(m) => m.debit(spent).await,
-            Backend::Redis(r) => r.debit(spent).await,
+            Backend::Memory(m) => m.debit(debits).await,
+            Backend::Redis(r) => r.debit(debits).await,
         }
     }
     async fn table_load(&self, key: &str) -> Result<Vec<(String, String)>, StoreError> {

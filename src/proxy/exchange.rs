@@ -3,6 +3,7 @@
 //! its retry and deadline, and the response checked and streamed back (upgrades spliced).
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Instant;
 
 use http::{header, HeaderValue, Method, Request, Response, Version};
@@ -17,7 +18,7 @@ use crate::http::{forward, ProxyBody};
 use crate::state::State;
 
 use super::facts::Facts;
-use super::{access, slots};
+use super::{access, settle, slots};
 
 /// A request made ready for the upstream.
 pub(super) struct Outbound {
@@ -97,13 +98,15 @@ impl State {
     }
 
     /// Send `out` upstream (with its retry, within `request_timeout`) and return its streamed
-    /// response, hop-by-hop headers stripped; an upgrade is spliced through.
+    /// response, hop-by-hop headers stripped, with the request's `slots` for its body to hold
+    /// (`None` when an upgrade took them: they stay held while the upgraded connection is
+    /// open). An error ends the exchange, and releases the slots.
     pub(super) async fn forward(
         &self,
         out: Outbound,
         slots: Option<slots::SlotGuard>,
         note: Option<&mut access::Note>,
-    ) -> Result<Response<ProxyBody>, GatewayError> {
+    ) -> Result<(Response<ProxyBody>, Option<slots::SlotGuard>), GatewayError> {
         let Outbound {
             req,
             client_upgrade,
@@ -199,14 +202,52 @@ impl State {
             }
             let keep = resp.headers().get(header::UPGRADE).cloned();
             forward::strip_hop_by_hop(resp.headers_mut(), keep);
-            return Ok(resp.map(ProxyBody::Upstream));
+            return Ok((resp.map(ProxyBody::Upstream), None));
         }
         forward::strip_hop_by_hop(resp.headers_mut(), None);
-        let resp = resp.map(ProxyBody::Upstream);
-        Ok(match slots {
-            Some(g) => resp.map(|b| ProxyBody::boxed(slots::GuardedBody::new(b, g))),
-            None => resp,
-        })
+        Ok((resp.map(ProxyBody::Upstream), slots))
+    }
+
+    /// [`State::forward`] for a request that holds something until its upstream exchange
+    /// really ends (concurrency `slots`, reservations of response-dependent rules in `after`),
+    /// then settled ([`State::settle_after`]). The exchange runs in a task of its own, so a
+    /// client that goes away (this future dropped) does not end it: the upstream request goes
+    /// on within `request_timeout`, its response is settled all the same, and a body no client
+    /// reads is drained (`settle::HeldBody`) before the slots are released.
+    pub(super) async fn forward_held(
+        self: &Arc<Self>,
+        snap: &Arc<crate::state::Snapshot>,
+        out: Outbound,
+        held: (Option<slots::SlotGuard>, Vec<(u32, settle::Reserved)>),
+        note: Option<&mut access::Note>,
+    ) -> Result<Response<ProxyBody>, GatewayError> {
+        let (slots, after) = held;
+        let (gw, snap) = (self.clone(), snap.clone());
+        let logged = note.is_some();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            let mut n = logged.then(access::Note::default);
+            let (result, slots) = match gw.forward(out, slots, n.as_mut()).await {
+                Ok((r, s)) => (Ok(r), s),
+                Err(e) => (Err(e), None),
+            };
+            let result = gw.settle_after(&snap, after, result, slots);
+            // Without a client to take it, the response is dropped here: a body that still
+            // holds something is then read to its end by a task of its own.
+            let _ = tx.send((result, n));
+        });
+        match rx.await {
+            Ok((result, n)) => {
+                if let (Some(note), Some(n)) = (note, n) {
+                    (note.target, note.attempts, note.upstream_us) = (n.target, n.attempts, n.upstream_us);
+                }
+                result
+            }
+            // The task ended without an answer (it panicked): the exchange is over.
+            Err(_) => Err(GatewayError::BadGateway(
+                "the upstream exchange ended unexpectedly".into(),
+            )),
+        }
     }
 }
 

@@ -277,7 +277,7 @@ impl State {
         }
         if admitted.delay_us > 0 {
             // Leaky bucket: wait our turn. If the client leaves, this future is dropped and the
-            // guard gives the slot back.
+            // guard gives the slot back (and any concurrency slot: the upstream never saw it).
             let _queued = crate::metrics::InFlight::enter(&self.metrics().leaky_queue);
             tokio::time::sleep(Duration::from_micros(admitted.delay_us)).await;
         }
@@ -293,15 +293,17 @@ impl State {
             .any(|(ri, _)| snap.rules.rules[*ri as usize].cost_from.is_some());
         // A request refused on its way out (CONNECT) is settled like an upstream error: a
         // `count_when` rule it does not match gets its reservation back.
+        // A request that holds slots or waits to be settled keeps its upstream exchange going
+        // even if its client leaves (`exchange::forward_held`).
         let result = match self.outbound(req, facts, peer, want_trailers) {
-            Ok(out) => self.forward(out, admitted.slots, note).await,
-            Err(e) => Err(e),
+            Ok(out) if admitted.slots.is_some() || !admitted.after.is_empty() => {
+                self.forward_held(&snap, out, (admitted.slots, admitted.after), note)
+                    .await
+            }
+            Ok(out) => self.forward(out, None, note).await.map(|(r, _)| r),
+            Err(e) => self.settle_after(&snap, admitted.after, Err(e), None),
         };
-        let mut resp = if admitted.after.is_empty() {
-            result?
-        } else {
-            self.settle_after(&snap, admitted.after, result)?
-        };
+        let mut resp = result?;
         if let Some(bound) = admitted.binding {
             let mut windows = Vec::new();
             let b = binding_of(&plan, &snap, &bound, &mut windows);
@@ -368,12 +370,12 @@ impl State {
         }
         // Shadow limits never bind; nor do limits that went unchecked (store down, fail
         // open): their quota is unknown, and `r=0` would stall a header-following client.
-        let idx = headers::binding_index(
-            plan.checks
-                .iter()
-                .zip(&verdict.outcomes)
-                .map(|(c, (o, src))| (c.check.shadow || *src == Source::FailOpen, *o, c.check.cost)),
-        );
+        // A `cost_from` rule's in-flight cap binds only when it denies: an allowed response
+        // shows the rule's own quota.
+        let idx = headers::binding_index(plan.checks.iter().zip(&verdict.outcomes).map(|(c, (o, src))| {
+            let skip = c.check.shadow || *src == Source::FailOpen || (o.allowed && plan::is_in_flight_cap(snap, c));
+            (skip, *o, c.check.cost)
+        }));
         let mut note = note;
         if let Some(i) = idx {
             let (o, src) = verdict.outcomes[i];

@@ -200,6 +200,7 @@ pub fn rule_checks<'v>(
         penalty: rule.penalty,
         lease: None,
     };
+    let first = out.len();
     let file_limits = || {
         let limits = rule.limits_for_id(who);
         let from = if std::ptr::eq(limits, rule.limits.as_slice()) {
@@ -219,6 +220,9 @@ pub fn rule_checks<'v>(
                     .zip(fixed)
                     .map(|(q, key)| planned(check(key.clone(), q), from)),
             );
+            if let Some(c) = out.get(first).and_then(|p| in_flight_check(rule, &p.check)) {
+                out.push(planned(c, from));
+            }
             return;
         }
     }
@@ -250,6 +254,40 @@ pub fn rule_checks<'v>(
             .enumerate()
             .map(|(n, q)| planned(check(keys.key(&tag, &rule.name, n), q), from)),
     );
+    if let Some(c) = out.get(first).and_then(|p| in_flight_check(rule, &p.check)) {
+        out.push(planned(c, from));
+    }
+}
+
+/// A `cost_from` rule's cap on its requests in flight per key (`cost_from.in_flight`): one
+/// concurrency slot per request, at the key of the rule's first limit with `:f` appended (the
+/// same hash tag, so the same store call, all or nothing with the rule's limits). It bounds
+/// what a key can spend before its requests settle to `in_flight × (max − cost)`.
+fn in_flight_check(rule: &crate::rules::Rule, first: &LimitCheck) -> Option<LimitCheck> {
+    let quota = rule.cost_from.as_ref()?.in_flight?;
+    let mut key = String::with_capacity(first.key.as_str().len() + 2);
+    key.push_str(first.key.as_str());
+    key.push_str(":f");
+    Some(LimitCheck {
+        key: key.into(),
+        quota,
+        cost: 1,
+        shadow: rule.shadow,
+        holder: 0,
+        penalty: None,
+        lease: None,
+    })
+}
+
+/// True for the in-flight cap of a `cost_from` rule (see [`in_flight_check`]): a slot of a
+/// rule that is not itself a concurrency rule. It binds a response's headers only when it denies.
+pub fn is_in_flight_cap(snap: &Snapshot, p: &PlannedCheck) -> bool {
+    p.check.is_slot()
+        && snap
+            .rules
+            .rules
+            .get(p.rule as usize)
+            .is_some_and(|r| r.cost_from.is_some())
 }
 
 /// Host without port: the target's authority when it has one (HTTP/2 `:authority`,

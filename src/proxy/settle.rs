@@ -1,16 +1,30 @@
 //! Quota that depends on the response: `count_when` refunds a reservation whose response does
 //! not match, `cost_from` settles a reservation against the cost the upstream reports in a
-//! response header or, for a streamed response, in a trailer. Also the refund of a leaky-bucket
-//! client that leaves while it waits its turn.
+//! response header or, for a streamed response, in a trailer. Also what a response holds until
+//! its upstream exchange really ends (its concurrency slots, the reservations still waiting for
+//! a trailer), and the refund of a leaky-bucket client that leaves while it waits its turn.
+//!
+//! A client that leaves never ends the exchange early: the upstream's answer is still read
+//! (and discarded), for at most `upstream.request_timeout`, so slots stay held while the
+//! upstream works and a cost it reports is still charged. What a `cost_from` rule charges:
+//! - the cost the upstream reports (header or trailer), at most `max`, whether or not the client
+//!   stayed to read it;
+//! - the estimate when the exchange ended without a usable report (the response had none, the
+//!   upstream failed or timed out): what the client would have paid had it stayed;
+//! - `max` when the client left and tollgate stopped reading after `request_timeout` without
+//!   the report: the real cost is unknown and may be anything up to `max`, and leaving must
+//!   never cost less than staying would have.
 
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
+use http::{HeaderMap, Response};
+use http_body_util::BodyExt;
 use hyper::body::{Body, Frame, SizeHint};
-
-use http::Response;
+use tokio::task::JoinHandle;
 
 use crate::http::respond::GatewayError;
 use crate::http::{BoxError, ProxyBody};
@@ -19,6 +33,7 @@ use crate::rules::CostFrom;
 use crate::state::State;
 
 use super::plan::RequestPlan;
+use super::slots::SlotGuard;
 
 /// What one rule of an admitted request reserved: its checks, each with the instant its check
 /// was decided and the store that decided it.
@@ -30,48 +45,107 @@ pub(crate) fn spawn_refund(gw: &Arc<State>, spent: Reserved) {
     tokio::spawn(async move { gw.limiter().refund(&spent).await });
 }
 
-/// Settle `spent` against the reported cost `actual` in a spawned task.
-pub(crate) fn spawn_settle(gw: &Arc<State>, spent: Reserved, actual: u64) {
+/// Settle `spent` against the reported cost `actual` in a spawned task; its handle says when
+/// the settlement has landed.
+pub(crate) fn spawn_settle(gw: &Arc<State>, spent: Reserved, actual: u64) -> JoinHandle<()> {
     let gw = gw.clone();
-    tokio::spawn(async move { gw.limiter().settle(&spent, actual).await });
+    tokio::spawn(async move { gw.limiter().settle(&spent, actual).await })
 }
 
-/// A response body that settles reservations when a trailer reports the real cost. A body that
-/// ends without the trailer leaves the estimate spent.
-pub(crate) struct SettleBody {
-    /// The upstream's body.
-    inner: ProxyBody,
+/// What a response holds until its upstream exchange really ends: the request's concurrency
+/// slots, and the reservations still waiting for the cost a trailer reports. Dropping it
+/// settles what is still waiting (the estimate stays spent, or `max` is charged when the read
+/// was cut short) and then, once every settlement of the request has landed, releases the
+/// slots: a `cost_from` rule's in-flight cap is never freed before its debit counts.
+pub(crate) struct Hold {
     /// The gateway (for its limiter).
     gw: Arc<State>,
+    /// The request's slots, if it took any.
+    slots: Option<SlotGuard>,
     /// Per rule still waiting: where the cost is reported, and what it reserved.
     waiting: Vec<(CostFrom, Reserved)>,
+    /// Settlements under way (costs a header or a trailer reported).
+    settling: Vec<JoinHandle<()>>,
+    /// The client left and the rest of the answer was not read within `request_timeout`: what
+    /// still waits is charged its `max`.
+    cut: bool,
 }
 
-impl SettleBody {
-    /// `inner`, settling `waiting` from its trailers.
-    pub(crate) fn new(inner: ProxyBody, gw: Arc<State>, waiting: Vec<(CostFrom, Reserved)>) -> Self {
-        SettleBody { inner, gw, waiting }
+impl Hold {
+    /// Settle each waiting reservation from `trailers`; one without a usable value keeps its
+    /// estimate (the upstream answered, and reported nothing).
+    fn trailers(&mut self, trailers: &HeaderMap) {
+        for (cf, spent) in std::mem::take(&mut self.waiting) {
+            match trailers.get(&cf.header).and_then(|v| cf.parse(v)) {
+                Some(actual) => self.settling.push(spawn_settle(&self.gw, spent, actual)),
+                None => {
+                    tracing::debug!(header = %cf.header, "no usable cost in the trailers; the estimate stays spent")
+                }
+            }
+        }
     }
 }
 
-impl Body for SettleBody {
+impl Drop for Hold {
+    fn drop(&mut self) {
+        let waiting = std::mem::take(&mut self.waiting);
+        let settling = std::mem::take(&mut self.settling);
+        let slots = self.slots.take();
+        let cut = self.cut;
+        if !waiting.is_empty() && !cut {
+            tracing::debug!("the response ended without its cost; the estimate stays spent");
+        }
+        if settling.is_empty() && (waiting.is_empty() || !cut) {
+            drop(slots);
+            return;
+        }
+        let gw = self.gw.clone();
+        match tokio::runtime::Handle::try_current() {
+            Ok(h) => {
+                h.spawn(async move {
+                    for s in settling {
+                        let _ = s.await;
+                    }
+                    if cut {
+                        for (cf, spent) in waiting {
+                            tracing::debug!(header = %cf.header, max = cf.max, "the client left and the cost never came within upstream.request_timeout; charged max");
+                            gw.limiter().settle(&spent, cf.max).await;
+                        }
+                    }
+                    drop(slots);
+                });
+            }
+            Err(_) => tracing::debug!("no runtime to settle a response's cost; the estimate stays spent"),
+        }
+    }
+}
+
+/// A response body that keeps its [`Hold`] until the upstream's body ends or fails, settling
+/// reservations from its trailers on the way. Dropped before that (the client went away), it
+/// hands the rest of the body and the hold to a task that reads it to its end, discarding the
+/// data, for at most `upstream.request_timeout` ([`drain`]).
+pub(crate) struct HeldBody {
+    /// The upstream's body.
+    inner: ProxyBody,
+    /// `None` once released.
+    hold: Option<Hold>,
+}
+
+impl Body for HeldBody {
     type Data = Bytes;
     type Error = BoxError;
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let r = Pin::new(&mut self.inner).poll_frame(cx);
-        if let Poll::Ready(Some(Ok(frame))) = &r {
-            if let Some(trailers) = frame.trailers_ref() {
-                let waiting = std::mem::take(&mut self.waiting);
-                for (cf, spent) in waiting {
-                    match trailers.get(&cf.header).and_then(|v| cf.parse(v)) {
-                        Some(actual) => spawn_settle(&self.gw, spent, actual),
-                        None => {
-                            tracing::debug!(header = %cf.header, "no usable cost in the trailers; the estimate stays spent")
-                        }
-                    }
+        let this = &mut *self;
+        let r = Pin::new(&mut this.inner).poll_frame(cx);
+        match &r {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let (Some(t), Some(h)) = (frame.trailers_ref(), this.hold.as_mut()) {
+                    h.trailers(t);
                 }
             }
+            Poll::Ready(None) | Poll::Ready(Some(Err(_))) => this.hold = None,
+            Poll::Pending => {}
         }
         r
     }
@@ -85,21 +159,63 @@ impl Body for SettleBody {
     }
 }
 
+impl Drop for HeldBody {
+    fn drop(&mut self) {
+        let Some(hold) = self.hold.take() else { return };
+        if self.inner.is_end_stream() {
+            return;
+        }
+        let body = std::mem::replace(&mut self.inner, crate::http::empty());
+        let within = hold.gw.config().upstream.request_timeout;
+        if let Ok(h) = tokio::runtime::Handle::try_current() {
+            h.spawn(drain(body, hold, within));
+        }
+    }
+}
+
+/// Read what is left of an upstream response whose client went away, discarding the data (it
+/// is never buffered), until it ends, fails or `within` passes: the exchange goes on as if the
+/// client were there, so the slots stay held while the upstream works and a trailer's cost is
+/// still learned. Cut short by `within`, what still waits for a cost is charged its `max`.
+async fn drain(mut body: ProxyBody, mut hold: Hold, within: Duration) {
+    let read = tokio::time::timeout(within, async {
+        while let Some(frame) = body.frame().await {
+            match frame {
+                Ok(f) => {
+                    if let Some(t) = f.trailers_ref() {
+                        hold.trailers(t);
+                    }
+                }
+                Err(_) => break,
+            }
+        }
+    })
+    .await;
+    if read.is_err() {
+        hold.cut = true;
+    }
+}
+
 impl State {
     /// Settle what response-dependent rules reserved, now that the response (or the error that
     /// replaced it) is known: refund a `count_when` rule whose status does not match; settle a
     /// `cost_from` rule from the response header, or from the trailers as the body streams.
+    /// A response that still holds something (the request's `slots`, reservations waiting for
+    /// a trailer) carries it in a [`HeldBody`] until its upstream exchange really ends; an
+    /// error ends the exchange, and the slots with it.
     pub(super) fn settle_after(
         self: &Arc<Self>,
         snap: &crate::state::Snapshot,
         after: Vec<(u32, Reserved)>,
         result: Result<Response<ProxyBody>, GatewayError>,
+        slots: Option<SlotGuard>,
     ) -> Result<Response<ProxyBody>, GatewayError> {
         let status = match &result {
             Ok(r) => r.status().as_u16(),
             Err(e) => e.status().as_u16(),
         };
         let mut waiting = Vec::new();
+        let mut settling = Vec::new();
         for (ri, spent) in after {
             let rule = &snap.rules.rules[ri as usize];
             if rule.count_when.as_ref().is_some_and(|m| !m.matches(status)) {
@@ -111,7 +227,7 @@ impl State {
             };
             match resp.headers().get(&cf.header) {
                 Some(v) => match cf.parse(v) {
-                    Some(actual) => spawn_settle(self, spent, actual),
+                    Some(actual) => settling.push(spawn_settle(self, spent, actual)),
                     None => {
                         tracing::debug!(rule = %rule.name, header = %cf.header, "unusable cost header; the estimate stays spent")
                     }
@@ -120,12 +236,22 @@ impl State {
             }
         }
         let resp = result?;
-        Ok(if waiting.is_empty() {
-            resp
-        } else {
-            let gw = self.clone();
-            resp.map(|b| ProxyBody::boxed(SettleBody::new(b, gw, waiting)))
-        })
+        if slots.is_none() && waiting.is_empty() {
+            return Ok(resp);
+        }
+        let hold = Hold {
+            gw: self.clone(),
+            slots,
+            waiting,
+            settling,
+            cut: false,
+        };
+        Ok(resp.map(|b| {
+            ProxyBody::boxed(HeldBody {
+                inner: b,
+                hold: Some(hold),
+            })
+        }))
     }
 }
 
@@ -138,7 +264,9 @@ pub(super) fn reserved_by_response_rules(
     let mut out: Vec<(u32, Reserved)> = Vec::new();
     for (p, (o, src)) in plan.checks.iter().zip(&verdict.outcomes) {
         let rule = &snap.rules.rules[p.rule as usize];
+        // A `cost_from` rule's in-flight cap is a slot, held with the response, not settled.
         if (rule.count_when.is_none() && rule.cost_from.is_none())
+            || p.check.is_slot()
             || !o.allowed
             || p.check.cost == 0
             || !matches!(src, Source::Store | Source::Local)

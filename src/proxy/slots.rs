@@ -1,16 +1,13 @@
 //! Concurrency slots held by one request: taken with the request's other limits, released when
-//! the response body ends or fails, when the client goes away (the request's future, or the
-//! body, is dropped), or when an upgraded connection closes.
+//! the upstream exchange really ends: its response body ends or fails, or, once the client has
+//! gone, the rest of it has been read or `upstream.request_timeout` has passed (see
+//! `settle::HeldBody`); or when an upgraded connection closes. A request that never reached
+//! the upstream (its client left a leaky-bucket queue) releases them at once.
 
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
-use bytes::Bytes;
-use hyper::body::{Body, Frame, SizeHint};
 use prometheus_client::metrics::gauge::Gauge;
 
-use crate::http::{BoxError, ProxyBody};
 use crate::limiter::{local_share, FailurePolicy, Source, Verdict};
 use crate::state::State;
 
@@ -51,45 +48,6 @@ impl Drop for SlotGuard {
                 tracing::debug!("no runtime to release concurrency slots; they expire after store.concurrency_ttl")
             }
         }
-    }
-}
-
-/// A response body that keeps the request's slots until it ends, fails or is dropped.
-pub(crate) struct GuardedBody {
-    /// The upstream's body.
-    inner: ProxyBody,
-    /// `None` once released.
-    guard: Option<SlotGuard>,
-}
-
-impl GuardedBody {
-    /// `inner`, releasing `guard` with it.
-    pub(crate) fn new(inner: ProxyBody, guard: SlotGuard) -> Self {
-        GuardedBody {
-            inner,
-            guard: Some(guard),
-        }
-    }
-}
-
-impl Body for GuardedBody {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let r = Pin::new(&mut self.inner).poll_frame(cx);
-        if matches!(r, Poll::Ready(None) | Poll::Ready(Some(Err(_)))) {
-            self.guard = None;
-        }
-        r
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
     }
 }
 

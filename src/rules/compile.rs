@@ -347,7 +347,7 @@ impl RuleSet {
                         ),
                     ))
                 }
-                Some(cf) => Some(cost_from(file, name, cf, cost)?),
+                Some(cf) => Some(cost_from(file, name, cf, cost, &limits)?),
             };
             let check_cost = |qs: &[Quota], at: &Location| -> Result<(), ConfigError> {
                 for q in qs {

@@ -106,6 +106,10 @@ pub struct CostFrom {
     pub header: HeaderName,
     /// Largest cost it may report; larger values count as this.
     pub max: u64,
+    /// The cap on this rule's requests in flight per key (`cost_from.in_flight`), as a
+    /// concurrency quota: what a key can spend before its requests settle is at most this many
+    /// times `max - cost`. `None` when `max` is the estimate (nothing to settle upwards).
+    pub in_flight: Option<crate::limiter::Quota>,
 }
 
 impl CostFrom {
@@ -297,11 +301,18 @@ pub struct RuleSet {
 
 impl RuleSet {
     /// Give every concurrency limit (overrides included) the slot time to live `ttl_us`
-    /// (`store.concurrency_ttl`), which the stores use as the limit's window.
+    /// (`store.concurrency_ttl`), which the stores use as the limit's window; so does the
+    /// in-flight cap of a `cost_from` rule.
     pub fn with_slot_ttl(mut self, ttl_us: u64) -> Self {
         let ttl = std::num::NonZeroU64::new(ttl_us).unwrap_or(std::num::NonZeroU64::MIN);
         for r in &mut self.rules {
-            for q in r.limits.iter_mut().chain(r.overrides.values_mut().flatten()) {
+            let in_flight = r.cost_from.as_mut().and_then(|cf| cf.in_flight.as_mut());
+            for q in r
+                .limits
+                .iter_mut()
+                .chain(r.overrides.values_mut().flatten())
+                .chain(in_flight)
+            {
                 if q.algorithm == crate::limiter::Algorithm::Concurrency {
                     q.window_us = ttl;
                     q.interval_us = ttl;

@@ -286,3 +286,25 @@ rules:
     assert!(chosen(&set, "GET", "/api/v1/login", "free", &h).is_empty());
     assert!(set.uses_method_override);
 }
+
+/// `cost_from.in_flight`: as written, else `max(2, least limit / (max - cost))`, and none when
+/// `max` is the estimate; the cap is a concurrency quota with the slot time to live.
+#[test]
+fn cost_from_caps_requests_in_flight() {
+    let set = rules(
+        r#"rules:
+  - { name: given, match: { path: "/a" }, key: ip, algorithm: token_bucket, rate: 1/s, capacity: 10000, cost: 100, cost_from: { header: X-Cost, max: 5000, in_flight: 7 } }
+  - { name: default, match: { path: "/b" }, key: ip, algorithm: fixed_window, limits: [{ limit: 100000, window: 1h }, { limit: 20000, window: 1m }], cost: 100, cost_from: { header: X-Cost, max: 1100 } }
+  - { name: at-least-two, match: { path: "/c" }, key: ip, algorithm: token_bucket, rate: 1/s, capacity: 1000, cost: 10, cost_from: { header: X-Cost, max: 100000 } }
+  - { name: exact, match: { path: "/d" }, key: ip, algorithm: token_bucket, rate: 1/s, capacity: 1000, cost: 10, cost_from: { header: X-Cost, max: 10 } }
+"#,
+    )
+    .with_slot_ttl(9_000_000);
+    let cap = |i: usize| set.rules[i].cost_from.as_ref().unwrap().in_flight;
+    for (i, n) in [(0, 7), (1, 20), (2, 2)] {
+        let q = cap(i).unwrap();
+        assert_eq!(q.algorithm, crate::limiter::Algorithm::Concurrency);
+        assert_eq!((q.limit.get(), q.window_us.get()), (n, 9_000_000), "rule {i}");
+    }
+    assert_eq!(cap(3), None, "max = cost: nothing to debit, no cap");
+}

@@ -9,6 +9,12 @@
 //! and then `X-Tokens-Used: n` as a trailer; `/ratelimit` answers with its own `RateLimit` and
 //! `RateLimit-Policy`; anything else answers at once. It also counts the connections open now and
 //! the most ever open at once.
+//!
+//! Like a WSGI worker, which learns that its client left only when it writes, `/busy/<ms>`
+//! works for `<ms>` whatever happens to the connection (counted all that time), then answers,
+//! with `X-Tokens-Used: n` for `/busy/<ms>/<n>`; `/busy-stream/<ms>/<n>` answers the head and a
+//! first chunk at once, works `<ms>` the same way, then sends a second chunk and
+//! `X-Tokens-Used: n` as a trailer.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -111,6 +117,37 @@ fn body(serving: Serving, frames: usize, every: Duration, fail: bool) -> Body {
 async fn serve(counts: Arc<Counts>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
     let serving = Serving::start(&counts);
     let path = req.uri().path().to_owned();
+    if let Some(rest) = path.strip_prefix("/busy/") {
+        let (ms, cost) = busy_args(rest);
+        let serving = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            serving
+        })
+        .await
+        .unwrap();
+        let mut r = Response::new(body(serving, 1, Duration::ZERO, false));
+        if let Some(n) = cost {
+            r.headers_mut().insert("x-tokens-used", n.into());
+        }
+        return Ok(r);
+    }
+    if let Some(rest) = path.strip_prefix("/busy-stream/") {
+        let (ms, cost) = busy_args(rest);
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, std::io::Error>>(4);
+        tokio::spawn(async move {
+            let _ = tx.send(Ok(Frame::data(Bytes::from_static(b"chunk\n")))).await;
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            let _ = tx.send(Ok(Frame::data(Bytes::from_static(b"chunk\n")))).await;
+            let mut trailers = hyper::HeaderMap::new();
+            trailers.insert("x-tokens-used", cost.unwrap_or(0).into());
+            let _ = tx.send(Ok(Frame::trailers(trailers))).await;
+            drop(serving);
+        });
+        let stream = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|f| (f, rx)) });
+        let mut r = Response::new(StreamBody::new(stream).boxed_unsync());
+        r.headers_mut().insert("trailer", "x-tokens-used".parse().unwrap());
+        return Ok(r);
+    }
     let b = if let Some(ms) = path.strip_prefix("/slow/") {
         tokio::time::sleep(Duration::from_millis(ms.parse().unwrap_or(300))).await;
         body(serving, 1, Duration::ZERO, false)
@@ -160,6 +197,13 @@ async fn serve(counts: Arc<Counts>, req: Request<Incoming>) -> Result<Response<B
         body(serving, 1, Duration::ZERO, false)
     };
     Ok(Response::new(b))
+}
+
+/// `<ms>` or `<ms>/<n>`: how long to work, and the cost to report.
+fn busy_args(rest: &str) -> (u64, Option<u64>) {
+    let mut it = rest.split('/');
+    let ms = it.next().and_then(|v| v.parse().ok()).unwrap_or(300);
+    (ms, it.next().and_then(|v| v.parse().ok()))
 }
 
 /// Start the counting upstream on a free loopback port.

@@ -31,31 +31,48 @@ pub fn refund(q: &Quota, state: &mut Option<State>, at: u64, cost: u64) {
     }
 }
 
-/// Spend `cost` more units for a request admitted at `at`, without checking (its real cost,
-/// known after its response, was above its estimate): a bucket's `tat` moves on from
-/// `max(tat, at)`, a window's count grows while the window of `at` is still the stored one (the
-/// previous count of a sliding window that moved on by one). The state may go below zero: the
-/// key is then denied until it earns its way back. Mirrors `*_debit` in `lua/`.
-pub fn debit(q: &Quota, state: &mut Option<State>, at: u64, cost: u64) {
-    let spent_in = calendar::index(q, at);
-    match (q.algorithm, state.as_mut()) {
-        (Algorithm::TokenBucket, s) => {
-            let tat = match s {
+/// Spend `cost` more units at `now`, without checking: the real cost of an admitted request,
+/// learned after its response, was above what it reserved (`cost_from`). The debit lands in the
+/// window of `now`: the window of the check while that one lasts, else the window the cost was
+/// learned in, so it is never dropped (a window that moved on since the check takes it). A
+/// bucket's `tat` moves on from `max(tat, now)`. A debit never takes a key more than one quota
+/// below zero: a bucket's `tat` stays within twice its capacity of `now`, a window's count
+/// (a sliding window's current count) within twice its limit; state already past that is left
+/// as it is. A state of another shape must be converted first (as a check does). Mirrors
+/// `*_debit` in `lua/`.
+pub fn debit(q: &Quota, state: &mut Option<State>, now: u64, cost: u64) {
+    let limit = q.limit.get();
+    let ceiling = |count: u64| count.max(count.saturating_add(cost).min(limit.saturating_mul(2)));
+    match q.algorithm {
+        Algorithm::TokenBucket => {
+            let t = q.interval_us.get();
+            let tat = match state {
                 Some(State::Bucket { tat }) => *tat,
-                _ => at,
+                _ => now,
             };
-            *state = Some(State::Bucket {
-                tat: tat.max(at).saturating_add(cost.saturating_mul(q.interval_us.get())),
+            let floor = now.saturating_add(limit.saturating_mul(t).saturating_mul(2));
+            let moved = tat.max(now).saturating_add(cost.saturating_mul(t)).min(floor);
+            *state = Some(State::Bucket { tat: moved.max(tat) });
+        }
+        Algorithm::FixedWindow => {
+            let index = calendar::index(q, now);
+            let count = match state {
+                Some(State::Window { index: i, count }) if *i == index => *count,
+                _ => 0,
+            };
+            *state = Some(State::Window {
+                index,
+                count: ceiling(count),
             });
         }
-        (Algorithm::FixedWindow, Some(State::Window { index, count })) if *index == spent_in => *count += cost,
-        (Algorithm::SlidingWindow, Some(State::Sliding { index, prev, curr })) => {
-            if *index == spent_in {
-                *curr += cost;
-            } else if *index == spent_in + 1 {
-                *prev += cost;
+        Algorithm::SlidingWindow => {
+            roll_sliding(q, state, now);
+            if let Some(State::Sliding { curr, .. }) = state {
+                *curr = ceiling(*curr);
             }
         }
+        // Sliding logs, leaky buckets and concurrency take no debits (validation refuses
+        // `cost_from` on them).
         _ => {}
     }
 }

@@ -145,3 +145,64 @@ fn sliding_log_forgets_after_window() {
     assert_eq!(burst(&q, &mut st, T0 + SEC - 1, 1), 0);
     assert_eq!(burst(&q, &mut st, T0 + SEC, 3), 2);
 }
+
+/// A debit learned after its window ended lands in the window it is learned in (never dropped);
+/// one learned in the check's window lands there.
+#[test]
+fn a_debit_lands_in_the_live_window() {
+    for alg in [Algorithm::FixedWindow, Algorithm::SlidingWindow] {
+        let q = Quota::window(alg, nz(100), nz(SEC));
+        let mut st = None;
+        let at = T0 + SEC * 9 / 10;
+        assert!(evaluate(&q, &mut st, at, 10).allowed);
+        spend(&q, &mut st, at, 10);
+        // Same window: 10 + 40 spent, 50 left.
+        debit(&q, &mut st, at + SEC / 20, 40);
+        assert_eq!(evaluate(&q, &mut st, at + SEC / 20, 0).remaining, 50, "{alg:?}");
+        // The next window: the debit of a request checked at `at` counts in full there.
+        let later = T0 + SEC + SEC / 10;
+        let before = evaluate(&q, &mut st, later, 0).remaining;
+        debit(&q, &mut st, later, 30);
+        assert_eq!(
+            evaluate(&q, &mut st, later, 0).remaining,
+            before - 30,
+            "{alg:?}: a debit after the boundary was dropped"
+        );
+    }
+}
+
+/// A debit takes a key at most one quota below zero: a window's count at most twice its limit,
+/// a bucket's tat at most twice its capacity ahead of now; state already past that stays.
+#[test]
+fn a_debit_stops_one_quota_below_zero() {
+    let now = T0 + SEC / 2;
+    let fw = Quota::window(Algorithm::FixedWindow, nz(100), nz(SEC));
+    let mut st = None;
+    debit(&fw, &mut st, now, 1_000_000);
+    assert_eq!(
+        st,
+        Some(State::Window {
+            index: T0 / SEC,
+            count: 200
+        })
+    );
+    let sw = Quota::window(Algorithm::SlidingWindow, nz(100), nz(SEC));
+    let mut st = None;
+    debit(&sw, &mut st, now, 1_000_000);
+    assert!(matches!(st, Some(State::Sliding { curr: 200, .. })), "{st:?}");
+    let tb = Quota::bucket(Algorithm::TokenBucket, nz(100), nz(SEC / 100));
+    let mut st = None;
+    debit(&tb, &mut st, now, 1_000_000);
+    assert_eq!(st, Some(State::Bucket { tat: now + 2 * SEC }));
+    let mut st = Some(State::Bucket { tat: now + 5 * SEC });
+    debit(&tb, &mut st, now, 1);
+    assert_eq!(
+        st,
+        Some(State::Bucket { tat: now + 5 * SEC }),
+        "a debit never lowers a tat"
+    );
+    // Within the floor, a bucket's debit moves tat on from max(tat, now).
+    let mut st = Some(State::Bucket { tat: now - SEC });
+    debit(&tb, &mut st, now, 10);
+    assert_eq!(st, Some(State::Bucket { tat: now + SEC / 10 }));
+}

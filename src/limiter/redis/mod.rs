@@ -301,7 +301,7 @@ impl RedisStore {
         inner.topo.load().open_shards().count()
     }
 
-    /// Run `mode` (refund or debit) on what admitted checks spent: one call per slot, at the
+    /// Run `mode` (a refund) on what admitted checks spent: one call per slot, at the
     /// `now` that slot's check used, concurrently.
     async fn at_spent(&self, mode: Mode, spent: &[(LimitCheck, u64)]) -> Result<(), StoreError> {
         if spent.is_empty() {
@@ -313,6 +313,23 @@ impl RedisStore {
             let at = g.first().map(|&i| spent[i].1);
             inner.call(mode, at, g.iter().map(|&i| &spent[i].0), peeked)
         });
+        for r in futures_util::future::join_all(calls).await {
+            r?;
+        }
+        Ok(())
+    }
+
+    /// Spend each check's `cost` more at `now` (`None`: Redis `TIME`, the normal case; tests
+    /// pass an explicit instant), without checking: one call per slot, concurrently.
+    pub async fn debit_at(&self, debits: &[LimitCheck], now: Option<u64>) -> Result<(), StoreError> {
+        if debits.is_empty() {
+            return Ok(());
+        }
+        let groups = group_by_tag(debits.iter().map(|c| &c.key));
+        let inner = &self.inner;
+        let calls = groups
+            .iter()
+            .map(|g| inner.call(Mode::Debit, now, g.iter().map(|&i| &debits[i]), peeked));
         for r in futures_util::future::join_all(calls).await {
             r?;
         }
@@ -371,10 +388,9 @@ impl Store for RedisStore {
         self.inner.command(&cmd).await.map(|_| ())
     }
 
-    /// Debit each slot's checks at the `now` its check used, like a refund with the sign
-    /// reversed.
-    async fn debit(&self, spent: &[(LimitCheck, u64)]) -> Result<(), StoreError> {
-        self.at_spent(Mode::Debit, spent).await
+    /// Debit at Redis' own `TIME`, one call per slot (see [`RedisStore::debit_at`]).
+    async fn debit(&self, debits: &[LimitCheck]) -> Result<(), StoreError> {
+        self.debit_at(debits, None).await
     }
 
     async fn renew(&self, held: &[LimitCheck]) -> Result<(), StoreError> {

@@ -135,13 +135,21 @@ pub(super) fn count_when(file: &Path, rule: &str, cw: &Spanned<RawCountWhen>) ->
     Ok(out)
 }
 
-/// `cost_from: {header, max}`: a valid header name, and `max` from the rule's `cost` (the
-/// estimate) up to the largest supported cost.
+/// Most requests in flight `cost_from.in_flight` may allow per key.
+pub(super) const MAX_IN_FLIGHT: u64 = 1_000_000;
+
+/// `cost_from: {header, max, in_flight}`: a valid header name, `max` from the rule's `cost` (the
+/// estimate) up to the largest supported cost, and the cap on requests in flight per key
+/// (1 to [`MAX_IN_FLIGHT`]). Without `in_flight` the cap is `max(2, least limit / (max - cost))`
+/// (what a key can spend before it settles is then about one quota, and a client sending one
+/// request after another never waits for its last slot's release), and none when `max` is the
+/// estimate.
 pub(super) fn cost_from(
     file: &Path,
     rule: &str,
     cf: &Spanned<RawCostFrom>,
     estimate: u64,
+    limits: &[Quota],
 ) -> Result<CostFrom, ConfigError> {
     let at = |m: String| ConfigError::at(file, &cf.referenced, format!("rule {rule:?}: cost_from: {m}"));
     let header = HeaderName::from_bytes(cf.value.header.trim().as_bytes())
@@ -153,7 +161,33 @@ pub(super) fn cost_from(
             crate::limiter::algorithm::MAX_UNITS
         )));
     }
-    Ok(CostFrom { header, max })
+    let in_flight = match &cf.value.in_flight {
+        Some(n) => Some(
+            u64::try_from(n.value)
+                .ok()
+                .filter(|n| (1..=MAX_IN_FLIGHT).contains(n))
+                .ok_or_else(|| {
+                    ConfigError::at(
+                        file,
+                        &n.referenced,
+                        format!(
+                            "rule {rule:?}: cost_from: in_flight must be 1 to {MAX_IN_FLIGHT}, got {}",
+                            n.value
+                        ),
+                    )
+                })?,
+        ),
+        None if max > estimate => {
+            let least = limits.iter().map(|q| q.limit.get()).min().unwrap_or(1);
+            Some((least / (max - estimate)).clamp(2, MAX_IN_FLIGHT))
+        }
+        None => None,
+    };
+    let ttl = NonZeroU64::new(super::DEFAULT_SLOT_TTL_US).unwrap_or(NonZeroU64::MIN);
+    let in_flight = in_flight
+        .and_then(NonZeroU64::new)
+        .map(|n| Quota::window(Algorithm::Concurrency, n, ttl));
+    Ok(CostFrom { header, max, in_flight })
 }
 
 pub(super) fn failure_policy(
