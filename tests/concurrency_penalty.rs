@@ -451,8 +451,17 @@ async fn a_client_that_leaves_keeps_its_slot_until_the_upstream_is_done() {
         drop(r);
     }
     assert!(up.max() <= 2, "the upstream worked on {} at once (limit 2)", up.max());
-    // An upstream that takes 30 s: the slot is held until `request_timeout`, then freed.
-    assert!(eventually(Duration::from_secs(3), || async { status("/x").await == 200 }).await);
+    // An upstream that takes 30 s: the slot is held until `request_timeout`, then freed. Both
+    // slots must be free first (the mid-body clients' slots free when their upstream is done).
+    assert!(eventually(Duration::from_secs(4), || async { up.current() == 0 }).await);
+    assert!(
+        eventually(Duration::from_secs(3), || async {
+            let (a, b) = tokio::join!(status("/busy/300"), status("/busy/300"));
+            a == 200 && b == 200
+        })
+        .await,
+        "both slots never came free"
+    );
     let left = Instant::now();
     for _ in 0..2 {
         let r = c
