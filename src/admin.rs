@@ -210,6 +210,15 @@ async fn answer(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Res
                     Err(_) => return GatewayError::BadRequest("ip: not an IP address").into_response(),
                 },
             };
+            // `host=` explains the request as sent under that Host (the admin API's own Host is
+            // loopback when it has no token).
+            let mut headers = req.headers().clone();
+            if let Some(h) = query_param(&query, "host") {
+                let Ok(v) = http::HeaderValue::from_str(&h) else {
+                    return GatewayError::BadRequest("host: not a valid Host value").into_response();
+                };
+                headers.insert(http::header::HOST, v);
+            }
             let snap = gw.snapshot().load_full();
             let now_secs = gw.clock().now_us() / 1_000_000;
             let runtime = gw.runtime().load_full();
@@ -220,7 +229,7 @@ async fn answer(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Res
                 &runtime,
                 &method,
                 &p,
-                req.headers(),
+                &headers,
                 ip,
                 now_secs,
             );
@@ -229,7 +238,7 @@ async fn answer(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Res
             let parts = RequestParts {
                 method: &method,
                 uri: &uri,
-                headers: req.headers(),
+                headers: &headers,
                 peer: ip,
             };
             let plan = crate::proxy::plan::plan(&snap, &runtime, gw.keys(), &gw.config().identity, parts, now_secs);
