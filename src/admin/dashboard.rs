@@ -1,4 +1,4 @@
-//! The admin dashboard (DESIGN.md §13): `GET /` serves one self-contained page (HTML, CSS and
+//! The admin dashboard: `GET /` serves one self-contained page (HTML, CSS and
 //! JS compiled into the binary, no CDN, no build step) that refreshes every 2 s from
 //! `GET /dashboard.json`; `GET /dashboard/limited/{hash}` is the detail of one limited identity
 //! hash. All three sit behind the admin token like `/status`: a browser opens them with HTTP

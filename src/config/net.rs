@@ -1,4 +1,4 @@
-//! The network parts of `gateway.yaml` (DESIGN.md §11): TLS on the proxy listener, the upstream
+//! The network parts of `gateway.yaml`: TLS on the proxy listener, the upstream
 //! targets with their protocol, TLS, ejection and health check, the store's TLS and password, and the
 //! access log. Certificates and keys are parsed here already, so `tollgate check` refuses a file
 //! that `run` could not load, with the line and column of the field that names it.

@@ -1,4 +1,4 @@
-//! `X-Request-Id` (DESIGN.md §11): a valid incoming id is kept, otherwise one is generated —
+//! `X-Request-Id`: a valid incoming id is kept, otherwise one is generated —
 //! 128 bits as 32 hex digits. Generated ids are a counter mixed with a random per-process key
 //! (splitmix64, a bijection: never a repeat within a process, unrelated across processes);
 //! one atomic add per 32 ids, no system call, and no allocation of its own per request.

@@ -1,4 +1,4 @@
-//! TLS with rustls and the `ring` provider (DESIGN.md §11), TLS 1.2 and 1.3 only.
+//! TLS with rustls and the `ring` provider, TLS 1.2 and 1.3 only.
 //!
 //! * The proxy listener: [`server_config`] builds a config whose certificate comes from a
 //!   [`CertResolver`], re-read by [`CertResolver::reload`] when its files change. A new

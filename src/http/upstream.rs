@@ -210,7 +210,7 @@ impl Replay {
     }
 }
 
-/// Can a request be replayed (DESIGN.md §11): an idempotent method and no body.
+/// Can a request be replayed: an idempotent method and no body.
 pub fn replayable(method: &Method, headers: &HeaderMap, body_is_end: bool) -> bool {
     let idempotent = matches!(
         *method,

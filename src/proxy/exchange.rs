@@ -80,7 +80,7 @@ impl State {
             parts,
             ProxyBody::Request(Limited::new(body, self.config().server.max_body_bytes as usize)),
         );
-        // A retry may replay this request (DESIGN.md §11). With one target nothing is copied:
+        // A retry may replay this request. With one target nothing is copied:
         // only an attempt that was never written is sent again.
         let replay =
             (client_upgrade.is_none() && up::replayable(req.method(), req.headers(), body_is_end)).then(|| {

@@ -1,4 +1,4 @@
-//! The ONE test support module of the integration tests (DESIGN.md §8). Every test binary
+//! The ONE test support module of the integration tests. Every test binary
 //! includes it with `mod support;` and uses a subset of it, hence the `dead_code` allowance.
 //!
 //! * [`redis`](self::redis): real `redis-server` processes, standalone and a 6-node cluster, on

@@ -1,4 +1,4 @@
-//! Balancing and ejection (DESIGN.md §11). Power of two choices: two random targets that are in,
+//! Balancing and ejection. Power of two choices: two random targets that are in,
 //! the one with fewer requests in flight (counted until the response body ends) wins. `eject_after`
 //! consecutive failures (connect errors, TLS failures, exchanges that failed, 5xx answers) take a
 //! target out for `eject_for`, doubled each time it fails again after coming back, at most

@@ -1,4 +1,4 @@
-//! HTTP/2 (`upstream.protocol: h2c | h2 | auto`, DESIGN.md §11). A target keeps at most
+//! HTTP/2 (`upstream.protocol: h2c | h2 | auto`). A target keeps at most
 //! [`H2_MAX_CONNECTIONS`] HTTP/2 connections, each carrying many concurrent streams. A request
 //! takes the connection with the fewest open streams; a new connection is made only when every one
 //! carries [`H2_STREAMS_PER_CONNECTION`] streams, and requests that arrive while it is being made
