@@ -250,7 +250,7 @@ mod tests {
         let all = |n: &str| {
             h.get_all(n)
                 .iter()
-                .map(|v| v.to_str().unwrap().to_owned())
+                .map(|v| v.to_str().unwrap().to_owned()) // allow-panic: test
                 .collect::<Vec<_>>()
         };
         assert_eq!(all("ratelimit"), ["\"origin\";r=5", "\"gate\";r=1"]);
