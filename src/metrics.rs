@@ -195,8 +195,9 @@ pub struct Metrics {
     pub deny_cache_hits: Counter,
     /// Live memory-store entries evicted to make room (`kind="live"`).
     pub memory_evicted: Counter,
-    /// Of those, entries that were denying (`kind="denying"`): each lets a caller through early.
-    pub memory_evicted_denying: Counter,
+    /// Checks the memory store refused because only denying keys and held slots were left
+    /// (`kind="refused"`); the rule's failure policy answered them.
+    pub memory_refused: Counter,
     /// `tollgate_upstream_responses_total{status}` handles 1xx..5xx, then
     /// `tollgate_upstream_failures_total` (no response: refused, reset, timed out).
     pub upstream_status: [Counter; 6],
@@ -306,11 +307,11 @@ impl Metrics {
         let evictions = Family::<KindLabels, Counter>::default();
         registry.register(
             "memory_evictions",
-            "Live memory-store entries evicted to make room, by kind (live: all; denying: of those, entries that were denying)",
+            "Memory-store room made or refused, by kind (live: admitting entries evicted to make room; refused: checks refused a new key because only denying keys and held slots were left)",
             evictions.clone(),
         );
         let memory_evicted = evictions.get_or_create(&KindLabels { kind: "live".into() }).clone();
-        let memory_evicted_denying = evictions.get_or_create(&KindLabels { kind: "denying".into() }).clone();
+        let memory_refused = evictions.get_or_create(&KindLabels { kind: "refused".into() }).clone();
         let leases = crate::limiter::lease::LeaseMetrics::default();
         for (name, help, c) in [
             (
@@ -505,7 +506,7 @@ impl Metrics {
             store_permission_errors,
             deny_cache_hits,
             memory_evicted,
-            memory_evicted_denying,
+            memory_refused,
             leases,
             upstream_status,
             upstream_latency,

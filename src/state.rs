@@ -259,7 +259,7 @@ impl State {
         let store = match sc.kind {
             StoreKind::Memory => Backend::Memory(Arc::new(
                 MemoryStore::new(clock.clone(), sc.memory_max_keys)
-                    .with_eviction_counters(metrics.memory_evicted.clone(), metrics.memory_evicted_denying.clone()),
+                    .with_eviction_counters(metrics.memory_evicted.clone(), metrics.memory_refused.clone()),
             )),
             StoreKind::Redis | StoreKind::RedisCluster => {
                 let mode = if sc.kind == StoreKind::Redis {
@@ -288,7 +288,7 @@ impl State {
             store,
             local: Arc::new(
                 MemoryStore::new(clock.clone(), sc.memory_max_keys)
-                    .with_eviction_counters(metrics.memory_evicted.clone(), metrics.memory_evicted_denying.clone()),
+                    .with_eviction_counters(metrics.memory_evicted.clone(), metrics.memory_refused.clone()),
             ),
             deny: config
                 .limits

@@ -112,6 +112,19 @@ impl DenyCache {
         }
     }
 
+    /// The instant the store said `c` can pass, if a denial under `c`'s effective limit is
+    /// answered from the cache at `now` (as [`DenyCache::get`]'s [`Lookup::Hit`], marking no
+    /// refresh): a request with several limits looks at all of them first, so it is told the
+    /// longest wait of the whole request, not the first one found.
+    pub fn peek(&self, c: &LimitCheck, now: u64) -> Option<u64> {
+        let (s, h) = self.slot(&c.key);
+        let shard = self.shards[s].lock();
+        shard
+            .get(&h)
+            .filter(|e| e.limit == self.limit_of(c) && e.recheck_at > now)
+            .map(|e| e.pass_at)
+    }
+
     /// Remember that `c` (its key under its effective limit) is denied until `pass_at`, as the
     /// store said; the cache answers for it until `recheck_at` (at most `pass_at`).
     pub fn insert(&self, c: &LimitCheck, recheck_at: u64, pass_at: u64) {

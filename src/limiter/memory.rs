@@ -10,8 +10,13 @@
 //!
 //! # Memory bound
 //! Each shard holds at most `max_keys / SHARDS` keys. Expired state is swept when a shard fills;
-//! if it is still full, the entry closest to its own expiry is evicted (forgetting it gives back
-//! the least quota).
+//! if it is still full, the admitting entries closest to their own expiry are evicted
+//! (forgetting one gives back the least quota). An entry that is **denying** (spent, or in its
+//! penalty box) or holding a concurrency slot is never evicted: forgetting it would let its
+//! caller straight back in, so a client could reset its own exhausted key by flooding the store
+//! with fresh ones. When only such entries are left, a check that needs a new key is *refused*
+//! ([`StoreError::Full`]) and the rule's failure policy decides (ARCHITECTURE.md, "Never
+//! over-admit").
 
 use smallvec::SmallVec;
 use std::collections::HashMap;
@@ -74,9 +79,12 @@ impl Entry {
         self.penalty.and_then(|(until, _)| (until > now).then(|| until - now))
     }
 
-    /// True when this entry would deny a request now (evicting it would let its caller in).
-    fn denying(&self, now: u64) -> bool {
-        self.penalized(now).is_some() || !algorithm::admits(&self.quota, &self.state, now, 1)
+    /// True when forgetting this entry now can only give back quota its caller may use anyway:
+    /// it admits a request and holds no concurrency slot. A denying entry (evicting it would
+    /// let its caller in) or a held slot (evicting it would let more run at once) is not.
+    fn evictable(&self, now: u64) -> bool {
+        let holds_slot = matches!(&self.state, Some(State::Slots { held }) if held.iter().any(|(_, exp)| *exp > now));
+        !holds_slot && self.penalized(now).is_none() && algorithm::admits(&self.quota, &self.state, now, 1)
     }
 
     /// Bring the state to `q`'s shape at `now` (see [`algorithm::used`]): the consumption it
@@ -104,9 +112,9 @@ pub struct MemoryStore {
     /// Live entries dropped to make room (not expired ones): `tollgate_memory_evictions_total
     /// {kind="live"}` once registered (see [`MemoryStore::with_eviction_counters`]).
     evicted: Counter,
-    /// Of those, entries that were denying when they were dropped (a last resort: forgetting
-    /// one lets its caller through again): `{kind="denying"}`.
-    evicted_denying: Counter,
+    /// Checks refused because their key was new and the shard held only entries that may not
+    /// be evicted (denying ones, held slots): `{kind="refused"}`.
+    refused: Counter,
     /// Hashes keys to shards (seeded apart from the maps, so a shard's keys still spread
     /// over its map's buckets).
     hasher: foldhash::fast::RandomState,
@@ -123,22 +131,23 @@ impl MemoryStore {
             per_shard_cap: (max_keys / SHARDS).max(16),
             clock,
             evicted: Counter::default(),
-            evicted_denying: Counter::default(),
+            refused: Counter::default(),
             hasher: Default::default(),
             tables: Mutex::new(HashMap::new()),
         }
     }
 
-    /// Count evictions on these (registered) counters: live entries, and denying ones.
-    pub fn with_eviction_counters(mut self, live: Counter, denying: Counter) -> Self {
+    /// Count on these (registered) counters: live entries evicted, and checks refused for
+    /// want of room.
+    pub fn with_eviction_counters(mut self, live: Counter, refused: Counter) -> Self {
         self.evicted = live;
-        self.evicted_denying = denying;
+        self.refused = refused;
         self
     }
 
-    /// Live entries evicted to make room so far, and how many of them were denying.
+    /// Live entries evicted to make room so far, and checks refused for want of room.
     pub fn evictions(&self) -> (u64, u64) {
-        (self.evicted.get(), self.evicted_denying.get())
+        (self.evicted.get(), self.refused.get())
     }
 
     /// Number of keys currently tracked (for tests and metrics).
@@ -165,8 +174,21 @@ impl MemoryStore {
         idx.into_iter().map(|i| (i, self.shards[i].lock())).collect()
     }
 
-    /// The decision logic shared by `check`, at an explicit `now` (used by differential tests).
+    /// [`MemoryStore::decide_at`]'s outcomes alone (a refused check reads as denied for a
+    /// second): for tests that never fill the store.
     pub fn check_at<C: AsRef<LimitCheck>>(&self, checks: &[C], now: u64) -> super::Outcomes {
+        let mut checked = self.decide_at(checks, now);
+        for (i, _) in checked.failed.drain(..) {
+            checked.outcomes[i] = refused(now);
+        }
+        checked.outcomes
+    }
+
+    /// The decision logic shared by `check`, at an explicit `now` (used by differential tests).
+    /// All or nothing: either every non-shadow check admits and each spends, or nothing is
+    /// spent. A check whose key is new while its shard holds only entries that may not be
+    /// evicted is refused (`failed`, [`StoreError::Full`]), and then nothing is spent either.
+    pub fn decide_at<C: AsRef<LimitCheck>>(&self, checks: &[C], now: u64) -> Checked {
         let shard_of: SmallVec<[usize; INLINE_CHECKS]> =
             checks.iter().map(|c| self.shard_of(c.as_ref().key.as_str())).collect();
         let mut guards = self.lock_all(&shard_of);
@@ -209,19 +231,38 @@ impl MemoryStore {
             .zip(&outcomes)
             .any(|(c, o)| !o.allowed && !c.as_ref().shadow);
         if blocked {
-            return outcomes;
+            return Checked {
+                outcomes,
+                failed: Vec::new(),
+            };
+        }
+        // Room for every new key first, so a refusal spends nothing anywhere.
+        let cap = self.per_shard_cap;
+        let mut failed = Vec::new();
+        for (i, ((c, o), &shard)) in checks
+            .iter()
+            .map(AsRef::as_ref)
+            .zip(&outcomes)
+            .zip(&shard_of)
+            .enumerate()
+        {
+            let map = guard_for(&mut guards, shard);
+            if o.allowed && !map.contains_key(c.key.as_str()) && map.len() >= cap {
+                self.evicted.inc_by(make_room(map, now, cap));
+                if map.len() >= cap {
+                    self.refused.inc();
+                    failed.push((i, StoreError::Full));
+                }
+            }
+        }
+        if !failed.is_empty() {
+            return Checked { outcomes, failed };
         }
         for ((c, o), &shard) in checks.iter().map(AsRef::as_ref).zip(&outcomes).zip(&shard_of) {
             if !o.allowed {
                 continue; // a denied shadow limit spends nothing
             }
-            let cap = self.per_shard_cap;
             let map = guard_for(&mut guards, shard);
-            if !map.contains_key(c.key.as_str()) && map.len() >= cap {
-                let (forced, denying) = make_room(map, now, cap);
-                self.evicted.inc_by(forced);
-                self.evicted_denying.inc_by(denying);
-            }
             let Some(e) = entry_for(map, c) else { continue };
             if c.is_slot() {
                 if c.cost > 0 {
@@ -232,7 +273,10 @@ impl MemoryStore {
             }
             e.refresh_expiry(&c.quota);
         }
-        outcomes
+        Checked {
+            outcomes,
+            failed: Vec::new(),
+        }
     }
 
     /// Give back what admitted checks spent, each in the window it was decided in
@@ -307,6 +351,17 @@ fn penalized(now: u64, left: u64) -> Outcome {
     }
 }
 
+/// What [`MemoryStore::check_at`] reports for a refused check: denied, retry in a second.
+fn refused(now: u64) -> Outcome {
+    Outcome {
+        allowed: false,
+        reset_us: 1_000_000,
+        retry_after_us: 1_000_000,
+        at_us: now,
+        ..Outcome::default()
+    }
+}
+
 /// `c`'s entry in `map`, made empty if it has none; the key is copied only then (`entry`
 /// wants an owned key, which would allocate on every hit, and the hit is what every request
 /// of a known caller takes). Always `Some`: the `Option` only spares a panic path.
@@ -328,59 +383,44 @@ fn guard_for<'a, 'b>(guards: &'a mut [Guard<'b>], shard: usize) -> &'a mut Shard
 }
 
 /// Make room in a full shard: drop expired entries, then, if that freed less than an eighth of
-/// the cap, live entries until an eighth is free: first those that would admit a request now,
-/// nearest their own expiry first (forgetting those gives back the least quota), and only then
-/// entries that are denying (forgetting one lets its caller through again). Each sweep is O(n)
-/// but frees at least `cap / 8` slots, so under key rotation the cost per new key stays O(1)
-/// amortised. Returns (live entries evicted, of which denying).
-fn make_room(map: &mut Shard, now: u64, cap: usize) -> (u64, u64) {
+/// the cap, entries that would admit a request now and hold no slot, nearest their own expiry
+/// first (forgetting those gives back the least quota), until an eighth is free or none is
+/// left. A denying entry or a held slot is never dropped (see the module docs). Each sweep is
+/// O(n) but frees up to `cap / 8` slots, so under key rotation the cost per new key stays O(1)
+/// amortised. Returns the live entries evicted.
+fn make_room(map: &mut Shard, now: u64, cap: usize) -> u64 {
     map.retain(|_, e| e.expires_at > now);
     let target = cap - (cap / 8).max(1);
     if map.len() <= target {
-        return (0, 0);
+        return 0;
     }
-    let mut excess = map.len() - target;
-    let mut forced = 0;
-    let mut denying = 0;
-    for evict_denying in [false, true] {
-        if excess == 0 {
-            break;
-        }
-        let mut expiries: Vec<u64> = map
-            .values()
-            .filter(|e| e.denying(now) == evict_denying)
-            .map(|e| e.expires_at)
-            .collect();
-        if expiries.is_empty() {
-            continue;
-        }
-        let n = excess.min(expiries.len());
-        let (_, cutoff, _) = expiries.select_nth_unstable(n - 1);
-        let cutoff = *cutoff;
-        let mut evicted = 0;
-        map.retain(|_, e| {
-            if evicted < n && e.expires_at <= cutoff && e.denying(now) == evict_denying {
-                evicted += 1;
-                false
-            } else {
-                true
-            }
-        });
-        excess -= evicted;
-        forced += evicted as u64;
-        if evict_denying {
-            denying += evicted as u64;
-        }
+    let excess = map.len() - target;
+    let mut expiries: Vec<u64> = map
+        .values()
+        .filter(|e| e.evictable(now))
+        .map(|e| e.expires_at)
+        .collect();
+    if expiries.is_empty() {
+        return 0;
     }
-    (forced, denying)
+    let n = excess.min(expiries.len());
+    let (_, cutoff, _) = expiries.select_nth_unstable(n - 1);
+    let cutoff = *cutoff;
+    let mut evicted = 0;
+    map.retain(|_, e| {
+        if evicted < n && e.expires_at <= cutoff && e.evictable(now) {
+            evicted += 1;
+            false
+        } else {
+            true
+        }
+    });
+    evicted as u64
 }
 
 impl Store for MemoryStore {
     async fn check<C: AsRef<LimitCheck> + Sync>(&self, checks: &[C]) -> Checked {
-        Checked {
-            outcomes: self.check_at(checks, self.clock.now_us()),
-            failed: Vec::new(),
-        }
+        self.decide_at(checks, self.clock.now_us())
     }
 
     async fn refund(&self, spent: &[(LimitCheck, u64)]) -> Result<(), StoreError> {

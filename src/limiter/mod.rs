@@ -108,35 +108,39 @@ impl Limiter {
         // Deny-cache entries this request refreshes (see `deny_cache`: one refresh at a time).
         let mut refreshing: SmallVec<[usize; 2]> = SmallVec::new();
         if let Some(deny) = &self.deny {
-            let grace = u64::try_from(self.timeout.saturating_mul(2).as_micros()).unwrap_or(u64::MAX);
+            // Every cached denial of the request first: the answer names the binding one (the
+            // longest wait), so a client is never told to come back before it can pass.
+            let mut outcomes: Option<SmallVec<[(Outcome, Source); 2]>> = None;
             for (i, c) in checks.iter().map(AsRef::as_ref).enumerate() {
                 if c.shadow {
                     continue;
                 }
-                let pass_at = match deny.get(c, now, grace) {
-                    Lookup::Hit(pass_at) => pass_at,
-                    Lookup::Refresh => {
-                        refreshing.push(i);
-                        continue;
-                    }
-                    Lookup::Miss => continue,
-                };
-                // The store's own wait, counted down: not the cache entry's life (≤ 1 s),
-                // which would tell the client to come back before it can pass.
-                let wait = pass_at.saturating_sub(now).max(1);
-                let mut outcomes: SmallVec<[(Outcome, Source); 2]> =
-                    checks.iter().map(|_| (full(), Source::DenyCache)).collect();
-                outcomes[i].0 = Outcome {
-                    allowed: false,
-                    reset_us: wait,
-                    retry_after_us: wait,
-                    at_us: now,
-                    ..Outcome::default()
-                };
+                if let Some(pass_at) = deny.peek(c, now) {
+                    let o =
+                        outcomes.get_or_insert_with(|| checks.iter().map(|_| (full(), Source::DenyCache)).collect());
+                    // The store's own wait, counted down: not the cache entry's life (≤ 1 s),
+                    // which would tell the client to come back before it can pass.
+                    let wait = pass_at.saturating_sub(now).max(1);
+                    o[i].0 = Outcome {
+                        allowed: false,
+                        reset_us: wait,
+                        retry_after_us: wait,
+                        at_us: now,
+                        ..Outcome::default()
+                    };
+                }
+            }
+            if let Some(outcomes) = outcomes {
                 return Ok(Verdict {
                     outcomes,
                     store_error: None,
                 });
+            }
+            let grace = u64::try_from(self.timeout.saturating_mul(2).as_micros()).unwrap_or(u64::MAX);
+            for (i, c) in checks.iter().map(AsRef::as_ref).enumerate() {
+                if !c.shadow && deny.get(c, now, grace) == Lookup::Refresh {
+                    refreshing.push(i);
+                }
             }
         }
         if let Some(leases) = &self.leases {
@@ -145,11 +149,12 @@ impl Limiter {
             }
         }
         if let Backend::Memory(m) = &self.store {
-            let checked = Checked {
-                outcomes: m.check_at(checks, now),
-                failed: Vec::new(),
-            };
-            return Ok(self.answered(checks, checked, now, &refreshing).0);
+            let checked = m.decide_at(checks, now);
+            if checked.failed.is_empty() {
+                return Ok(self.answered(checks, checked, now, &refreshing).0);
+            }
+            // Refused for want of room: the failure policies decide, which may await a refund.
+            return Err(Ask { now, refreshing });
         }
         Err(Ask { now, refreshing })
     }
@@ -317,8 +322,9 @@ impl Limiter {
         }
         if !local.is_empty() && verdict.admits(checks) {
             let local_checks: Vec<LimitCheck> = local.iter().map(|(_, c)| c.clone()).collect();
-            let decided = self.local.check(&local_checks).await;
-            for ((i, _), o) in local.iter().zip(decided.outcomes) {
+            // A check the local store refused for want of room reads as denied.
+            let decided = self.local.check_at(&local_checks, self.clock.now_us());
+            for ((i, _), o) in local.iter().zip(decided) {
                 verdict.outcomes[*i].0 = o;
             }
         }

@@ -37,6 +37,10 @@ pub enum StoreError {
     /// configuration mistake, never transient (docs/operations.md, "Redis ACL").
     #[error("the Redis user lacks a permission tollgate needs (see docs/operations.md#redis-acl): {0}")]
     Permission(String),
+    /// The memory store is full of entries it may not forget (denying keys, held slots) and
+    /// refused a new key (`store.memory_max_keys`); passes as those entries expire.
+    #[error("the memory store is full of denying keys (store.memory_max_keys)")]
+    Full,
 }
 
 impl StoreError {
@@ -46,7 +50,7 @@ impl StoreError {
     pub fn is_transient(&self) -> bool {
         matches!(
             self,
-            StoreError::Timeout | StoreError::CircuitOpen | StoreError::Redis(_)
+            StoreError::Timeout | StoreError::CircuitOpen | StoreError::Redis(_) | StoreError::Full
         )
     }
 }

@@ -82,3 +82,87 @@ fn a_key_whose_wait_is_over_is_never_answered_nor_held() {
     assert_eq!(cache.get(&c, 11 * SEC, GRACE), Lookup::Refresh);
     assert_eq!(cache.get(&c, 11 * SEC + 10, GRACE), Lookup::Miss);
 }
+
+/// Two windows of one rule, 5 per 10 s and 6 per minute, sliding: once the minute is spent,
+/// the 10 s window (still weighted by the last window) denies too, with a wait of a second or
+/// two. Every later 429 answered from the cache must name the minute's wait, as the store's
+/// first answer did: waiting only the 10 s window's time would get another 429.
+#[tokio::test]
+async fn a_cached_denial_carries_the_binding_limit_of_the_whole_request() {
+    use std::sync::Arc;
+
+    use crate::clock::FakeClock;
+    use crate::limiter::memory::MemoryStore;
+    use crate::limiter::{Backend, FailurePolicy, Limiter, PolicedCheck};
+
+    struct Closed(LimitCheck);
+    impl AsRef<LimitCheck> for Closed {
+        fn as_ref(&self) -> &LimitCheck {
+            &self.0
+        }
+    }
+    impl PolicedCheck for Closed {
+        fn policy(&self) -> FailurePolicy {
+            FailurePolicy::Closed
+        }
+    }
+    let window = |limit: u64, secs: u64| {
+        Quota::window(
+            Algorithm::SlidingWindow,
+            NonZeroU64::new(limit).unwrap_or(NonZeroU64::MIN),
+            NonZeroU64::new(secs * SEC).unwrap_or(NonZeroU64::MIN),
+        )
+    };
+    let t0 = 1_700_000_040 * SEC;
+    let clock = FakeClock::new(t0);
+    for deny_cache in [false, true] {
+        let limiter = Limiter {
+            store: Backend::Memory(Arc::new(MemoryStore::new(Arc::new(clock.clone()), 1000))),
+            local: Arc::new(MemoryStore::new(Arc::new(clock.clone()), 1000)),
+            deny: deny_cache.then(|| DenyCache::new(1000)),
+            timeout: std::time::Duration::from_millis(20),
+            clock: Arc::new(clock.clone()),
+            held: Default::default(),
+            next_holder: std::sync::atomic::AtomicU64::new(1),
+            leases: None,
+        };
+        let checks = [
+            Closed(LimitCheck::new(
+                StoreKey::from(format!("tl:{{a{deny_cache}}}:r:10s")),
+                window(5, 10),
+                1,
+            )),
+            Closed(LimitCheck::new(
+                StoreKey::from(format!("tl:{{a{deny_cache}}}:r:1m")),
+                window(6, 60),
+                1,
+            )),
+        ];
+        // 3 at 0 s, 2 at 12 s, 1 at 15 s: 6 in the minute, and the 10 s window weighs the
+        // last one's 3 at about half.
+        let mut admitted = 0;
+        for (at, n) in [(0, 3), (12, 2), (15, 1)] {
+            clock.set_us(t0 + at * SEC);
+            for _ in 0..n {
+                admitted += usize::from(limiter.check(&checks).await.admits(&checks));
+            }
+        }
+        assert_eq!(admitted, 6, "the minute is spent");
+        for n in 0..4 {
+            clock.advance_us(SEC / 10);
+            let v = limiter.check(&checks).await;
+            assert!(!v.admits(&checks));
+            let wait = v
+                .outcomes
+                .iter()
+                .filter(|(o, _)| !o.allowed)
+                .map(|(o, _)| o.retry_after_us)
+                .max();
+            let wait = wait.unwrap_or(0);
+            assert!(
+                wait > 40 * SEC,
+                "denial {n} (deny cache {deny_cache}): told to retry in {wait} µs, but the minute binds"
+            );
+        }
+    }
+}

@@ -386,3 +386,86 @@ fn the_penalty_box_holds_escalates_and_lifts() {
         .unwrap();
     assert!(at(7_000_003).allowed);
 }
+
+/// A client that spent its limit, then floods the store with fresh keys (a header rule with a
+/// new value each time), must not get its own exhausted key evicted: once only denying keys are
+/// left, new keys are refused and the exhausted key keeps denying.
+#[test]
+fn flooding_with_new_keys_never_evicts_a_denying_key() {
+    let store = MemoryStore::new(Arc::new(FakeClock::new(T0)), 640);
+    let own = on("tl:{me}:per-ip:1h", quota(Algorithm::FixedWindow, 5, 3_600_000_000), 1);
+    assert_eq!(admit(&store, &own, T0, 10), 5, "the client's own limit");
+    // 1 per day per junk value: each new key is spent at once, so it is denying too.
+    let mut refused = 0;
+    for i in 0..2_100 {
+        let junk = on(
+            &format!("tl:{{j{i}}}:junk:1d"),
+            quota(Algorithm::FixedWindow, 1, 86_400_000_000),
+            1,
+        );
+        let checked = store.decide_at(&[own.clone(), junk], T0 + 1);
+        assert!(!checked.outcomes[0].allowed, "request {i}: the exhausted key denies");
+        let alone = on(
+            &format!("tl:{{k{i}}}:junk:1d"),
+            quota(Algorithm::FixedWindow, 1, 86_400_000_000),
+            1,
+        );
+        let checked = store.decide_at(&[alone], T0 + 1);
+        refused += checked.failed.len();
+        assert!(checked.failed.iter().all(|(_, e)| matches!(e, StoreError::Full)));
+    }
+    assert!(refused > 0, "a full store of denying keys refuses new ones");
+    assert_eq!(
+        admit(&store, &own, T0 + 2, 10),
+        0,
+        "the exhausted key was never forgotten"
+    );
+    assert_eq!(store.evictions().1, refused as u64, "refusals are counted");
+    assert!(store.len() <= 64 * 16, "{} keys", store.len());
+}
+
+/// Admitting keys are still evicted to make room (closest to expiry first), so a store full of
+/// ordinary callers keeps taking new ones.
+#[test]
+fn admitting_keys_are_evicted_to_make_room() {
+    let store = MemoryStore::new(Arc::new(FakeClock::new(T0)), 64 * 16);
+    for i in 0..10_000 {
+        let c = on(
+            &format!("tl:{{{i}}}:r:1h"),
+            quota(Algorithm::FixedWindow, 5, 3_600_000_000),
+            1,
+        );
+        assert!(store.decide_at(&[c], T0).failed.is_empty(), "key {i} refused");
+    }
+    assert!(store.evictions().0 > 0);
+    assert_eq!(store.evictions().1, 0);
+}
+
+/// A held concurrency slot is never evicted: forgetting it would let more requests run at once.
+#[test]
+fn held_slots_are_never_evicted() {
+    let store = MemoryStore::new(Arc::new(FakeClock::new(T0)), 64 * 16);
+    let q = Quota::window(
+        Algorithm::Concurrency,
+        NonZeroU64::new(2).unwrap(),
+        NonZeroU64::new(60_000_000).unwrap(),
+    );
+    let mut slot = on("tl:{me}:conc:c", q, 1);
+    for holder in [1, 2] {
+        slot.holder = holder;
+        assert!(store.check_at(std::slice::from_ref(&slot), T0)[0].allowed);
+    }
+    for i in 0..10_000 {
+        let c = on(
+            &format!("tl:{{{i}}}:r:1h"),
+            quota(Algorithm::FixedWindow, 5, 3_600_000_000),
+            1,
+        );
+        store.decide_at(&[c], T0);
+    }
+    slot.holder = 3;
+    assert!(
+        !store.check_at(std::slice::from_ref(&slot), T0)[0].allowed,
+        "both slots are still held"
+    );
+}
