@@ -1011,6 +1011,7 @@ fn a_client_that_leaves_is_logged_and_counted_and_durations_cover_the_whole_body
         assert_eq!(
             client()
                 .get(format!("{base}/slow/300"))
+                .header("user-agent", "ops-test/1")
                 .send()
                 .await
                 .unwrap()
@@ -1059,7 +1060,56 @@ fn a_client_that_leaves_is_logged_and_counted_and_durations_cover_the_whole_body
     let whole = find("/slow/300");
     assert_eq!(field(&whole, "client_aborted"), false, "{whole}");
     assert_eq!(field(&whole, "bytes_out"), 6, "{whole}");
+    // Who, over what, and which trace.
+    assert!(
+        field(&whole, "client").as_str().unwrap_or("").starts_with("127.0.0.1:"),
+        "{whole}"
+    );
+    assert_eq!(field(&whole, "protocol"), "HTTP/1.1", "{whole}");
+    assert_eq!(field(&whole, "host"), format!("127.0.0.1:{port}"), "{whole}");
+    assert_eq!(field(&whole, "user_agent"), "ops-test/1", "{whole}");
+    let trace = field(&whole, "trace_id");
+    assert!(
+        trace
+            .as_str()
+            .is_some_and(|t| t.len() == 32 && t.bytes().all(|b| b.is_ascii_hexdigit())),
+        "{whole}"
+    );
     assert!(field(&whole, "duration_ms").as_f64().unwrap() >= 300.0, "{whole}");
     let n = rt.block_on(metric_value(&client(), &admin, aborts));
     assert_eq!(n, 1.0, "{aborts}");
+}
+
+/// A rule that fails open while its store is down: the request goes through, and its access
+/// line says `fail_open` and names the rule, not `allowed` by no rule.
+#[test]
+fn a_fail_open_request_is_logged_as_fail_open_with_its_rule() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let up = echo_upstream(&rt);
+    let dir = tempfile::tempdir().unwrap();
+    let (port, admin_port) = (free_port(), free_port());
+    // A Redis that is not there.
+    let body = format!(
+        "{}access_log: true\nstore:\n  kind: redis\n  urls: [\"redis://127.0.0.1:{}\"]\n  timeout: 50ms\n",
+        upstream_yaml(&up),
+        free_port()
+    );
+    let p = write(dir.path(), port, &format!("127.0.0.1:{admin_port}"), &body, RULES);
+    let gw = run(&p, &[], port, admin_port);
+    assert_eq!(status_of(&format!("http://127.0.0.1:{port}/open/x")), 200);
+    let line = eventually_some_blocking(Duration::from_secs(5), || {
+        gw.log()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find(|v| v["target"] == "access")
+    })
+    .unwrap_or_else(|| panic!("no access line: {}", gw.log()));
+    let f = if line["fields"].is_object() {
+        &line["fields"]
+    } else {
+        &line
+    };
+    assert_eq!(f["decision"], "fail_open", "{line}");
+    assert_eq!(f["rule"], "open", "{line}");
+    assert_eq!(f["status"], 200, "{line}");
 }

@@ -44,6 +44,53 @@ async fn status_body_and_headers_pass_through_and_hop_by_hop_is_dropped() {
     gw.stop().await;
 }
 
+/// W3C Trace Context: a valid `traceparent` keeps its trace id and flags and gets tollgate's
+/// span as the parent upstream, with `tracestate` untouched; without one (or with a malformed
+/// one) the gateway starts a trace, and the stale `tracestate` is dropped.
+#[tokio::test]
+async fn traceparent_is_continued_or_started_and_forwarded() {
+    let up = echo().await;
+    let gw = gateway(&format!("http://{up}"), "", OPEN_RULES, None).await;
+    let c = client();
+    let sent_with = |tp: Option<&'static str>| {
+        let mut r = c.get(format!("{}/t", gw.url)).header("tracestate", "congo=t61rcWkgMzE");
+        if let Some(tp) = tp {
+            r = r.header("traceparent", tp);
+        }
+        async move {
+            let v: serde_json::Value = r.send().await.unwrap().json().await.unwrap();
+            v["headers"].clone()
+        }
+    };
+    let h = sent_with(Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")).await;
+    let tp = h["traceparent"].as_str().unwrap_or_else(|| panic!("{h}"));
+    let parts: Vec<&str> = tp.split('-').collect();
+    assert_eq!(parts.len(), 4, "{tp}");
+    assert_eq!(
+        (parts[0], parts[1], parts[3]),
+        ("00", "4bf92f3577b34da6a3ce929d0e0e4736", "01")
+    );
+    assert_eq!(parts[2].len(), 16);
+    assert_ne!(
+        parts[2], "00f067aa0ba902b7",
+        "the gateway's own span is the upstream's parent"
+    );
+    assert_eq!(h["tracestate"], "congo=t61rcWkgMzE");
+    for tp in [None, Some("00-xyz-00f067aa0ba902b7-01")] {
+        let h = sent_with(tp).await;
+        let new = h["traceparent"].as_str().unwrap_or_else(|| panic!("{h}"));
+        let parts: Vec<&str> = new.split('-').collect();
+        assert_eq!(parts.len(), 4, "{new}");
+        assert_eq!(parts[1].len(), 32);
+        assert!(parts[1].bytes().all(|b| b.is_ascii_hexdigit()) && parts[1] != "0".repeat(32));
+        assert!(
+            h.get("tracestate").is_none(),
+            "a new trace drops the old tracestate: {h}"
+        );
+    }
+    gw.stop().await;
+}
+
 #[tokio::test]
 async fn eight_mib_body_streams_intact_both_ways() {
     let up = echo().await;

@@ -1,7 +1,7 @@
 //! HTTP plumbing: the response body type, the one place errors become responses
 //! ([`respond`]), rate-limit headers ([`headers`]), forwarding helpers ([`forward`]) and the
 //! upstream targets and their pools ([`upstream`]), TLS ([`tls`]), request ids
-//! ([`request_id`]), idle HTTP/1.1 connections without buffers ([`idle`]) and the coarse
+//! ([`request_id`]), W3C trace context ([`trace`]), idle HTTP/1.1 connections without buffers ([`idle`]) and the coarse
 //! deadlines of the request path ([`coarse_timer`]).
 
 pub mod coarse_timer;
@@ -11,6 +11,7 @@ pub mod idle;
 pub mod request_id;
 pub mod respond;
 pub mod tls;
+pub mod trace;
 pub mod upstream;
 pub mod value_buf;
 

@@ -1,7 +1,13 @@
 //! The access log: one structured line per request (or per sampled request), on the tracing
-//! target `access`. It names the request id, method, path without its query, status, decision
-//! and rule, the caller's identity kind and salted hash, the upstream target, the bytes sent and
-//! the durations — never a key, a token, a header value or a query string.
+//! target `access`. It names the request id and trace id, the client's address, the protocol,
+//! host, method and path without its query, the user agent, status, decision and rule, the
+//! caller's identity kind and salted hash, the upstream target, the bytes received and sent and
+//! the durations — never a key, a token, a credential header or a query string.
+//!
+//! `decision` is one of `allowed`, `limited`, `unavailable` (a fail-closed rule's store was
+//! down), `fail_open` (a rule's store was down and it let the request through unchecked; `rule`
+//! names it), `unmatched`, `error`, `client_aborted`. `bytes_in` is the request's
+//! `Content-Length` (absent for a chunked body).
 //!
 //! The line is written when the response body has ended, so `duration_ms` is the whole
 //! exchange. A client that leaves still gets its line: before the response, as status 499 with
@@ -17,7 +23,8 @@ use crate::config::AccessLog;
 /// What the request path learned about one request, filled only when it is logged.
 #[derive(Debug, Default)]
 pub struct Note {
-    /// `allowed`, `limited`, `unavailable`, `unmatched`, `error`.
+    /// `allowed`, `limited`, `unavailable`, `fail_open`, `unmatched`, `error` (see the module
+    /// docs).
     pub decision: &'static str,
     /// The rule whose limit bound or denied.
     pub rule: Option<Arc<str>>,
@@ -72,8 +79,25 @@ pub struct Line {
     pub method: http::Method,
     /// Its path, without the query.
     pub path: String,
+    /// The client's address (the connection's peer).
+    pub client: std::net::SocketAddr,
+    /// `HTTP/1.0`, `HTTP/1.1` or `HTTP/2`.
+    pub protocol: &'static str,
+    /// The request's authority, else its `Host` (what `host:` rules match).
+    pub host: Option<http::HeaderValue>,
+    /// Its `User-Agent`.
+    pub user_agent: Option<http::HeaderValue>,
+    /// Its `Content-Length`.
+    pub bytes_in: Option<u64>,
+    /// Its trace id, 32 hex digits.
+    pub trace_id: [u8; 32],
     /// What the request path learned.
     pub note: Note,
+}
+
+/// A header value for a log field: `-` when absent or not printable text.
+fn text(v: Option<&http::HeaderValue>) -> &str {
+    v.and_then(|v| v.to_str().ok()).unwrap_or("-")
 }
 
 impl Line {
@@ -85,8 +109,13 @@ impl Line {
         tracing::info!(
             target: "access",
             request_id = self.id.to_str().unwrap_or("-"),
+            trace_id = std::str::from_utf8(&self.trace_id).unwrap_or("-"),
+            client = %self.client,
+            protocol = self.protocol,
+            host = text(self.host.as_ref()),
             method = self.method.as_str(),
             path = self.path.as_str(),
+            user_agent = text(self.user_agent.as_ref()),
             status,
             decision = note.decision,
             rule = note.rule.as_deref().unwrap_or("-"),
@@ -96,6 +125,7 @@ impl Line {
             attempts = note.attempts,
             upstream_ms = note.upstream_us as f64 / 1000.0,
             duration_ms = total_us as f64 / 1000.0,
+            bytes_in = self.bytes_in,
             bytes_out,
             client_aborted,
             "access"

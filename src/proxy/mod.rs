@@ -77,9 +77,9 @@ fn binding_of<'a>(
     }
 }
 
-/// Header fields tollgate may add to a request on its way upstream: `X-Request-Id`, `TE`,
-/// `X-Forwarded-For`, `-Proto`, `-Host` and `Forwarded`, and `Host` again.
-const FORWARD_ROOM: usize = 7;
+/// Header fields tollgate may add to a request on its way upstream: `X-Request-Id`,
+/// `traceparent`, `TE`, `X-Forwarded-For`, `-Proto`, `-Host` and `Forwarded`, and `Host` again.
+const FORWARD_ROOM: usize = 8;
 
 /// Refuses requests a proxy must not pass on, and bodies over `max_body_bytes` by their
 /// `Content-Length`.
@@ -133,6 +133,7 @@ impl State {
         req.headers_mut().reserve(FORWARD_ROOM);
         let mut facts = Facts::of(req.headers());
         let id = facts::ensure_request_id(req.headers_mut(), &facts);
+        let trace = crate::http::trace::ensure(req.headers_mut(), false);
         let grpc = facts.grpc;
         let http1 = req.version() < Version::HTTP_2;
         let line = self.access_sampler().take().then(|| access::Line {
@@ -140,6 +141,20 @@ impl State {
             started: Instant::now(),
             method: req.method().clone(),
             path: req.uri().path().to_owned(),
+            client: peer,
+            protocol: match req.version() {
+                Version::HTTP_10 => "HTTP/1.0",
+                Version::HTTP_2 => "HTTP/2",
+                _ => "HTTP/1.1",
+            },
+            host: req
+                .uri()
+                .authority()
+                .and_then(|a| http::HeaderValue::from_str(a.as_str()).ok())
+                .or_else(|| req.headers().get(header::HOST).cloned()),
+            user_agent: req.headers().get(header::USER_AGENT).cloned(),
+            bytes_in: facts.content_length.and_then(Result::ok),
+            trace_id: trace.trace_id_hex(),
             note: access::Note::default(),
         });
         // Dropped with this future if the client leaves before the response: counted and logged.
@@ -377,10 +392,27 @@ impl State {
             (skip, *o, c.check.cost)
         }));
         let mut note = note;
+        if let Some(n) = note.as_deref_mut() {
+            // The store was down for a rule that lets requests through unchecked: say so, and
+            // which rule, rather than "allowed" by no rule.
+            if let Some(c) = plan
+                .checks
+                .iter()
+                .zip(&verdict.outcomes)
+                .find(|(c, (_, s))| !c.check.shadow && *s == Source::FailOpen)
+                .map(|(c, _)| c)
+            {
+                n.decision = "fail_open";
+                n.rule = Some(snap.rules.rules[c.rule as usize].name.clone());
+            }
+        }
         if let Some(i) = idx {
             let (o, src) = verdict.outcomes[i];
             if let Some(n) = note.as_deref_mut() {
-                n.rule = Some(snap.rules.rules[plan.checks[i].rule as usize].name.clone());
+                // A fail-open line keeps the rule that went unchecked, unless another denies.
+                if !o.allowed || n.decision != "fail_open" {
+                    n.rule = Some(snap.rules.rules[plan.checks[i].rule as usize].name.clone());
+                }
             }
             if !o.allowed {
                 if let Some(n) = note {
