@@ -80,10 +80,16 @@ enum Command {
     },
 }
 
+/// The log filter when `RUST_LOG` is not set. rustls and the Redis client are held to errors:
+/// rustls warns on every handshake of a client that sends an IP address as SNI (an illegal but
+/// common extension tollgate ignores), and the Redis client's warnings carry its build paths;
+/// tollgate logs the store's failures itself (throttled, with the shard).
+const DEFAULT_LOG_FILTER: &str = "info,rustls=error,redis=error";
+
 fn init_logs(format: Option<LogFormat>) {
     use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG_FILTER));
     let json = match format {
         Some(LogFormat::Json) => true,
         Some(LogFormat::Human) => false,
@@ -117,7 +123,9 @@ fn main() -> ExitCode {
             let cfg = match GatewayConfig::load(&config, &EnvOverrides::from_env()) {
                 Ok(cfg) => cfg,
                 Err(e) => {
-                    eprintln!("tollgate: {e}");
+                    // A log line, so it is JSON when the logs are (a crash-looping pod's reason
+                    // reaches the log pipeline like any other line).
+                    tracing::error!(error = %e, config = %config.display(), "tollgate: cannot start: the configuration was refused (`tollgate check --config` gives the same answer)");
                     return ExitCode::FAILURE;
                 }
             };
@@ -192,7 +200,7 @@ fn runtime_of(single: bool, f: impl std::future::Future<Output = Result<(), Stri
     match rt.block_on(f) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("tollgate: {e}");
+            tracing::error!(error = %e, "tollgate: stopped with an error");
             ExitCode::FAILURE
         }
     }

@@ -67,7 +67,7 @@ fn run(p: &Path, env: &[(&str, &str)], port: u16, admin_port: u16) -> BinaryGate
     BinaryGateway::spawn(&mut cmd, p.with_file_name("tollgate.log"), &[port, admin_port])
 }
 
-/// `run` must exit with failure within 10 s; returns its stderr.
+/// `run` must exit with failure within 10 s; returns the reason its JSON ERROR line gives.
 fn run_refused(p: &Path, env: &[(&str, &str)]) -> String {
     let mut child = tollgate(env)
         .args(["run", "--config"])
@@ -86,7 +86,14 @@ fn run_refused(p: &Path, env: &[(&str, &str)]) -> String {
     let mut err = String::new();
     use std::io::Read;
     child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
-    err
+    // Logs are JSON off a terminal, and so is the start-up error: one ERROR line whose `error`
+    // field is the reason.
+    let reason = err
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|v| v["level"] == "ERROR")
+        .and_then(|v| v["error"].as_str().map(str::to_owned));
+    reason.unwrap_or_else(|| panic!("no JSON ERROR line with the reason: {err}"))
 }
 
 fn upstream_yaml(up: &str) -> String {

@@ -58,7 +58,9 @@ impl State {
                 }
                 (_, false, false) => {
                     if *src != Source::DenyCache {
-                        tracing::info!(rule = %rule.name, identity_kind = ident.kind.as_str(), identity = %caller(ident).tag(self.keys(), ""), retry_after_ms = o.retry_after_us / 1000, "denied");
+                        // DEBUG: a flood of denials is counted (`tollgate_requests_total`), not
+                        // logged line by line at INFO.
+                        tracing::debug!(rule = %rule.name, identity_kind = ident.kind.as_str(), identity = %caller(ident).tag(self.keys(), ""), retry_after_ms = o.retry_after_us / 1000, "denied");
                     }
                     if matches!(src, Source::Local) {
                         m.local.inc();
