@@ -133,7 +133,8 @@ async fn answer(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Res
                 "text/plain",
             ),
         },
-        (Method::GET, "/metrics") => {
+        // HEAD too: a probe of the endpoint gets the headers (hyper sends no body for HEAD).
+        (Method::GET | Method::HEAD, "/metrics") => {
             gw.refresh_gauges();
             respond::text(
                 StatusCode::OK,

@@ -236,8 +236,19 @@ pub struct Metrics {
     pub process_open_fds: Gauge,
     /// Process start, unix seconds.
     pub process_start_time: Gauge,
-    /// User + system CPU time, milliseconds, refreshed at each scrape (Linux).
-    pub process_cpu_ms: Gauge,
+    /// User + system CPU time, seconds, refreshed at each scrape (Linux):
+    /// `process_cpu_seconds_total`, by its standard name.
+    pub process_cpu: Counter<f64, std::sync::atomic::AtomicU64>,
+    /// The process metrics under their standard, unprefixed names (`process_*`, as every
+    /// Prometheus client library exports them), appended to the exposition.
+    process_registry: Registry,
+    /// Requests from their head to their response's head (whether tollgate or the upstream
+    /// answered), seconds: `tollgate_request_duration_seconds`. The access log's `duration_ms`
+    /// covers the body too.
+    pub request_duration: Histogram,
+    /// What tollgate adds to a forwarded request: its whole duration less the time waiting for
+    /// the upstream's response head, seconds: `tollgate_request_overhead_seconds`.
+    pub request_overhead: Histogram,
     /// Listener certificate reloads that took effect.
     pub tls_reload_ok: Counter,
     /// Listener certificate reloads refused (the old certificate kept serving).
@@ -471,17 +482,39 @@ impl Metrics {
             "memory_store_keys",
             "Keys tracked by the memory store (the primary store, or the failure: local fallback)",
         );
-        let process_resident_memory = gauge(&mut registry, "process_resident_memory_bytes", "Resident memory");
-        let process_open_fds = gauge(&mut registry, "process_open_fds", "Open file descriptors");
-        let process_start_time = gauge(
-            &mut registry,
-            "process_start_time_seconds",
-            "Process start, unix seconds",
+        let mut process_registry = Registry::default();
+        let process_resident_memory = gauge(
+            &mut process_registry,
+            "process_resident_memory_bytes",
+            "Resident memory size in bytes",
         );
-        let process_cpu_ms = gauge(
-            &mut registry,
-            "process_cpu_milliseconds",
-            "User plus system CPU time used by the process, in milliseconds",
+        let process_open_fds = gauge(
+            &mut process_registry,
+            "process_open_fds",
+            "Number of open file descriptors",
+        );
+        let process_start_time = gauge(
+            &mut process_registry,
+            "process_start_time_seconds",
+            "Start time of the process since unix epoch in seconds",
+        );
+        let process_cpu = Counter::<f64, std::sync::atomic::AtomicU64>::default();
+        process_registry.register(
+            "process_cpu_seconds",
+            "Total user and system CPU time spent in seconds",
+            process_cpu.clone(),
+        );
+        let request_duration = Histogram::new(exponential_buckets(0.0001, 2.0, 18));
+        registry.register(
+            "request_duration_seconds",
+            "Requests on the proxy listener, from the request head to the response head (whoever answered)",
+            request_duration.clone(),
+        );
+        let request_overhead = Histogram::new(exponential_buckets(0.00001, 2.0, 18));
+        registry.register(
+            "request_overhead_seconds",
+            "What tollgate adds to a forwarded request: its whole duration less the wait for the upstream's response head (limits, queueing, forwarding)",
+            request_overhead.clone(),
         );
         process_start_time.set(
             i64::try_from(
@@ -525,7 +558,10 @@ impl Metrics {
             process_resident_memory,
             process_open_fds,
             process_start_time,
-            process_cpu_ms,
+            process_cpu,
+            process_registry,
+            request_duration,
+            request_overhead,
             tls_reload_ok,
             tls_reload_error,
             upstream_retries,
@@ -680,7 +716,12 @@ impl Metrics {
                 f.get(11).and_then(|v| v.parse::<i64>().ok()),
                 f.get(12).and_then(|v| v.parse::<i64>().ok()),
             ) {
-                self.process_cpu_ms.set(u.saturating_add(s).saturating_mul(10));
+                // Clock ticks are 1/100 s on Linux; the counter only moves forward.
+                let secs = u.saturating_add(s) as f64 / 100.0;
+                let delta = secs - self.process_cpu.get();
+                if delta > 0.0 {
+                    self.process_cpu.inc_by(delta);
+                }
             }
         }
         if let Ok(dir) = std::fs::read_dir("/proc/self/fd") {
@@ -689,10 +730,12 @@ impl Metrics {
         }
     }
 
-    /// The text exposition.
+    /// The text exposition: tollgate's metrics, then the standard `process_*` ones, one `# EOF`.
     pub fn encode(&self) -> String {
         let mut s = String::new();
-        let _ = prometheus_client::encoding::text::encode(&mut s, &self.registry);
+        let _ = prometheus_client::encoding::text::encode_registry(&mut s, &self.registry);
+        let _ = prometheus_client::encoding::text::encode_registry(&mut s, &self.process_registry);
+        let _ = prometheus_client::encoding::text::encode_eof(&mut s);
         s
     }
 }

@@ -699,8 +699,12 @@ fn each_request_is_counted_once_by_how_it_ended_and_removed_rules_lose_their_ser
         "tollgate_open_connections ",
         "tollgate_memory_store_keys ",
         "tollgate_leaky_bucket_queued_requests 0",
-        "tollgate_process_resident_memory_bytes ",
-        "tollgate_process_cpu_milliseconds ",
+        "\nprocess_resident_memory_bytes ",
+        "\nprocess_cpu_seconds_total ",
+        "\nprocess_open_fds ",
+        "\nprocess_start_time_seconds ",
+        "tollgate_request_duration_seconds_count ",
+        "tollgate_request_overhead_seconds_count ",
         "tollgate_upstream_failures_total 0",
         "tollgate_requests_total{rule=\"doomed\"",
     ] {
@@ -718,6 +722,21 @@ fn each_request_is_counted_once_by_how_it_ended_and_removed_rules_lose_their_ser
         !m.contains("status=\"error\""),
         "the status label means a status class only"
     );
+    // Four requests timed to their response head; two went upstream, so two overheads.
+    assert_eq!(
+        metric(&m, "tollgate_request_duration_seconds_count").as_deref(),
+        Some("4"),
+        "{m}"
+    );
+    assert_eq!(
+        metric(&m, "tollgate_request_overhead_seconds_count").as_deref(),
+        Some("2"),
+        "{m}"
+    );
+    assert_eq!(m.matches("# EOF").count(), 1, "one exposition: {m}");
+    // HEAD /metrics: the headers, no body.
+    let (s, body) = admin_call("HEAD", &format!("{admin}/metrics"), None);
+    assert_eq!((s, body.as_str()), (200, ""));
 
     // Remove a rule: its series go.
     let kept = rules

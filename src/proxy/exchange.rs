@@ -30,6 +30,8 @@ pub(super) struct Outbound {
     /// Whether a failed attempt may be sent again ([`up::Retry`]): `None` no; `Some(None)`
     /// only when it was never written; `Some(Some(copy))` from this copy.
     replay: Option<Option<Replay>>,
+    /// When the request head reached the request path.
+    arrived: Option<Instant>,
 }
 
 impl State {
@@ -92,6 +94,7 @@ impl State {
             });
         Ok(Outbound {
             req,
+            arrived: facts.arrived,
             client_upgrade,
             replay,
         })
@@ -111,6 +114,7 @@ impl State {
             req,
             client_upgrade,
             replay,
+            arrived,
         } = out;
         let method = req.method().clone(); // for the error log; no allocation for standard methods
         let path = req.uri().clone(); // the same: a reference count
@@ -129,6 +133,11 @@ impl State {
         .await;
         let waited = started.elapsed();
         self.metrics().upstream_latency.observe(waited.as_secs_f64());
+        if let Some(arrived) = arrived {
+            // Everything but the upstream's own wait: limits, queueing, forwarding.
+            let overhead = arrived.elapsed().saturating_sub(waited);
+            self.metrics().request_overhead.observe(overhead.as_secs_f64());
+        }
         if let Some(n) = note {
             n.upstream_us = u64::try_from(waited.as_micros()).unwrap_or(u64::MAX);
             match &result {

@@ -40,6 +40,8 @@ pub(super) struct Facts {
     pub(super) connection_upgrade: bool,
     /// `TE` lists `trailers`.
     pub(super) te_trailers: bool,
+    /// When the request head reached the request path (for the latency tollgate adds).
+    pub(super) arrived: Option<std::time::Instant>,
 }
 
 impl Facts {

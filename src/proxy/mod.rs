@@ -131,14 +131,16 @@ impl State {
         // hyper sizes a request's header map to the fields it parsed; the request id and the
         // forwarding headers would then regrow it (rehashing it) up to four times.
         req.headers_mut().reserve(FORWARD_ROOM);
+        let arrived = Instant::now();
         let mut facts = Facts::of(req.headers());
+        facts.arrived = Some(arrived);
         let id = facts::ensure_request_id(req.headers_mut(), &facts);
         let trace = crate::http::trace::ensure(req.headers_mut(), false);
         let grpc = facts.grpc;
         let http1 = req.version() < Version::HTTP_2;
         let line = self.access_sampler().take().then(|| access::Line {
             id: id.clone(),
-            started: Instant::now(),
+            started: arrived,
             method: req.method().clone(),
             path: req.uri().path().to_owned(),
             client: peer,
@@ -163,6 +165,7 @@ impl State {
             .serve(req, &mut facts, peer, pending.line.as_mut().map(|l| &mut l.note))
             .await;
         let mut resp = self.response_of(result, grpc, pending.line.as_mut().map(|l| &mut l.note));
+        self.metrics().request_duration.observe(arrived.elapsed().as_secs_f64());
         resp.headers_mut().insert(X_REQUEST_ID.clone(), id);
         if self.draining() {
             // The drain window: the client's next request goes on a new connection, which the
