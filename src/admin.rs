@@ -179,6 +179,7 @@ async fn answer(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Res
                 ok = result.is_ok(),
                 version = result.as_ref().map_or("", |r| r.version.as_str()),
                 changed = result.as_ref().is_ok_and(|r| r.changed),
+                error = result.as_ref().err().map(|e| e.to_string()),
                 "admin: POST /reload"
             );
             match result {
@@ -187,6 +188,7 @@ async fn answer(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Res
                     "version": r.version,
                     "changed": r.changed,
                     "rules": r.rules,
+                    "rule_names": r.rule_names,
                     "keys": r.keys,
                     "config_file_changed": gw.metrics().config_file_changed.get() == 1,
                 })),

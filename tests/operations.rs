@@ -456,10 +456,41 @@ fn reloads_report_key_changes_success_and_a_stale_gateway_file() {
         "{m}"
     );
 
-    // A refused reload flips the success gauge.
+    // The rules that changed are named, in the answer and the log.
+    let edited = "rules:\n  - { name: per-user, match: { path: \"/**\" }, key: user, limit: 6, window: 1m }\n  - { name: per-ip, match: { path: \"/**\" }, key: ip, limit: 60, window: 1m }\n";
+    atomic_write(&dir.path().join("rules.yaml"), edited);
+    let (s, body) = admin_call("POST", &format!("{admin}/reload"), None);
+    assert_eq!(s, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["rule_names"]["added"], serde_json::json!(["per-ip"]), "{v}");
+    assert_eq!(v["rule_names"]["changed"], serde_json::json!(["per-user"]), "{v}");
+    let logged = eventually_some_blocking(Duration::from_secs(5), || {
+        gw.log()
+            .lines()
+            .any(|l| {
+                l.contains("rules and keys reloaded")
+                    && l.contains("\"added\":\"per-ip\"")
+                    && l.contains("\"changed_rules\":\"per-user\"")
+            })
+            .then_some(())
+    });
+    assert!(logged.is_some(), "{}", gw.log());
+
+    // A refused reload flips the success gauge, and its audit line says why.
     atomic_write(&dir.path().join("rules.yaml"), "rules: [ {");
     let (s, _) = admin_call("POST", &format!("{admin}/reload"), None);
     assert_eq!(s, 422);
+    let audited = eventually_some_blocking(Duration::from_secs(5), || {
+        gw.log()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find(|v| v["target"] == "tollgate::audit" && v["ok"] == false)
+    })
+    .unwrap_or_else(|| panic!("no audit line for the refused reload: {}", gw.log()));
+    assert!(
+        audited["error"].as_str().is_some_and(|e| e.contains("rules.yaml")),
+        "{audited}"
+    );
     let m = admin_call("GET", &format!("{admin}/metrics"), None).1;
     assert_eq!(metric(&m, "tollgate_last_reload_success").as_deref(), Some("0"), "{m}");
     atomic_write(&dir.path().join("rules.yaml"), USER_RULES);

@@ -24,6 +24,35 @@ pub struct ReloadReport {
     pub rules: Changes,
     /// API keys added, removed, changed (by key hash).
     pub keys: Changes,
+    /// The names of the rules added, removed and changed.
+    pub rule_names: Named,
+}
+
+/// The names of the entries added, removed and changed, in name order.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Named {
+    /// New entries.
+    pub added: Vec<String>,
+    /// Entries gone.
+    pub removed: Vec<String>,
+    /// Entries present before and after, but different.
+    pub changed: Vec<String>,
+}
+
+impl Named {
+    /// Compare two maps of name → comparable value.
+    fn between<V: PartialEq>(old: &BTreeMap<String, V>, new: &BTreeMap<String, V>) -> Self {
+        let mut n = Named::default();
+        for (k, v) in new {
+            match old.get(k) {
+                None => n.added.push(k.clone()),
+                Some(o) if o != v => n.changed.push(k.clone()),
+                Some(_) => {}
+            }
+        }
+        n.removed = old.keys().filter(|k| !new.contains_key(*k)).cloned().collect();
+        n
+    }
 }
 
 /// Counts of added, removed and changed entries.
@@ -95,7 +124,9 @@ impl State {
                 Some(k) => Some(k.prepare()?),
                 None => None,
             };
-            let rules = Changes::between(&rule_signatures(&old.rules), &rule_signatures(&snap.rules));
+            let (old_sigs, new_sigs) = (rule_signatures(&old.rules), rule_signatures(&snap.rules));
+            let rules = Changes::between(&old_sigs, &new_sigs);
+            let rule_names = Named::between(&old_sigs, &new_sigs);
             let (added, removed, changed) = snap.keys.diff(&old.keys);
             let keys = Changes {
                 added,
@@ -104,12 +135,12 @@ impl State {
             };
             let changed = rules.any() || keys.any() || old.rules.version != snap.rules.version;
             let old_rules: Vec<String> = old.rules.rules.iter().map(|r| r.name.to_string()).collect();
-            Ok((snap, jwt, rules, keys, changed, old_rules))
+            Ok((snap, jwt, (rules, rule_names), keys, changed, old_rules))
         })
         .await
         .unwrap_or_else(|e| Err(ConfigError::file(&rules_file, e.to_string())));
         match loaded {
-            Ok((snap, jwt, rules, keys, changed, old_rules)) => {
+            Ok((snap, jwt, (rules, rule_names), keys, changed, old_rules)) => {
                 if let (Some(keys), Some(v)) = (&self.config.identity.jwt, jwt) {
                     keys.install(v);
                 }
@@ -162,6 +193,9 @@ impl State {
                     keys_added = keys.added,
                     keys_removed = keys.removed,
                     keys_changed = keys.changed,
+                    added = %rule_names.added.join(","),
+                    removed = %rule_names.removed.join(","),
+                    changed_rules = %rule_names.changed.join(","),
                     "rules and keys reloaded"
                 );
                 Ok(ReloadReport {
@@ -169,6 +203,7 @@ impl State {
                     changed,
                     rules,
                     keys,
+                    rule_names,
                 })
             }
             Err(e) => {
