@@ -1491,6 +1491,14 @@ fn admin_listener_is_loopback_only_by_default() {
     };
     let cfg = GatewayConfig::compile(p, raw, &env).unwrap();
     assert!(cfg.admin_listen.ip().is_loopback());
+    // ...and says so, never silently (a note: logged at start and shown by `check`).
+    assert!(
+        cfg.notes
+            .iter()
+            .any(|n| n.contains("TOLLGATE_LISTEN=0.0.0.0:9999 replaces listen (0.0.0.0:8080")),
+        "{:?}",
+        cfg.notes
+    );
     // The shipped example configs keep it on loopback too.
     for f in ["config/gateway.yaml", "config/demo/gateway.yaml"] {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(f);

@@ -194,6 +194,18 @@ async fn https_upstream_is_verified_and_a_mismatching_certificate_is_a_502_with_
     .await;
     assert!(logged, "no clear log line: {}", gw.log());
 
+    // The same certificate is right under `server_name`: an upstream addressed by IP, or by a
+    // name its certificate does not carry, is verified against the configured name.
+    let gw = binary_to(
+        &format!(
+            "https://127.0.0.1:{}\n  tls: {{ ca_file: {ca}, server_name: other.example }}",
+            bad.port()
+        ),
+        "",
+    );
+    let r = c.get(format!("{}/v", gw.url)).send().await.unwrap();
+    assert_eq!(r.status(), 200, "server_name override: {}", gw.log());
+
     // Not trusted (webpki roots only): 502 too.
     let gw = binary_to(&format!("https://localhost:{}", good.port()), "");
     let r = c.get(format!("{}/v", gw.url)).send().await.unwrap();

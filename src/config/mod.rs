@@ -402,13 +402,21 @@ impl GatewayConfig {
             }
         };
         let mut listen = addr(f, &raw.listen, "0.0.0.0:8080")?;
+        let mut notes = Vec::new();
         if let Some(l) = &env.listen {
+            let from_file = listen;
             listen = l
                 .parse()
                 .map_err(|_| ConfigError::file(f, format!("TOLLGATE_LISTEN: invalid address {l:?}")))?;
+            if listen != from_file {
+                // Never silently: the file says one thing and the process does another.
+                notes.push(format!(
+                    "TOLLGATE_LISTEN={listen} replaces listen ({from_file} in {})",
+                    f.display()
+                ));
+            }
         }
         let admin_listen = addr(f, &raw.admin_listen, "127.0.0.1:9090")?;
-        let mut notes = Vec::new();
         let admin = admin::compile(f, &raw.admin, admin_listen, raw.admin_listen.as_ref(), &mut notes)?;
 
         let u = &raw.upstream.value;
@@ -480,6 +488,12 @@ impl GatewayConfig {
                     env.redis_urls_var
                 ));
             } else {
+                notes.push(format!(
+                    "{} replaces store.urls ({} url(s) in {})",
+                    env.redis_urls_var,
+                    s.urls.len(),
+                    f.display()
+                ));
                 urls = list
                     .split(',')
                     .map(|u| u.trim().to_string())

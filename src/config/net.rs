@@ -73,6 +73,10 @@ pub struct UpstreamTls {
     pub client_cert: Option<(PathBuf, PathBuf)>,
     /// Skip verification of the upstream's certificate (a warning at every start).
     pub insecure_skip_verify: bool,
+    /// `upstream.tls.server_name`: the name sent as SNI and verified in the certificate of every
+    /// https:// target (targets addressed by IP, or a name the certificate does not carry);
+    /// `None`: each target's own host. Validated as a TLS server name.
+    pub server_name: Option<String>,
 }
 
 /// One upstream instance.
@@ -365,6 +369,16 @@ pub fn upstream(
                     "upstream.tls: client_cert_file and client_key_file go together",
                 ))
             }
+        }
+        if let Some(n) = &tv.server_name {
+            rustls::pki_types::ServerName::try_from(n.value.as_str()).map_err(|_| {
+                ConfigError::at(
+                    f,
+                    &n.referenced,
+                    format!("upstream.tls.server_name: {:?} is not a valid TLS server name", n.value),
+                )
+            })?;
+            tls.server_name = Some(n.value.clone());
         }
         if let Some(i) = &tv.insecure_skip_verify {
             tls.insecure_skip_verify = i.value;

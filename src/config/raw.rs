@@ -77,6 +77,9 @@ pub struct RawUpstreamTls {
     pub client_key_file: Option<Spanned<String>>,
     /// Do not verify the upstream's certificate (warned at every start).
     pub insecure_skip_verify: Option<Spanned<bool>>,
+    /// The TLS server name (SNI, and the name the certificate must carry) for every https://
+    /// target, instead of each target URL's host.
+    pub server_name: Option<Spanned<String>>,
 }
 
 /// `upstream.health_check:`.

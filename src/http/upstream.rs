@@ -317,7 +317,7 @@ impl Upstream {
             .iter()
             .map(|t| {
                 let server_name = if t.tls {
-                    ServerName::try_from(t.host.clone()).ok()
+                    ServerName::try_from(cfg.tls.server_name.clone().unwrap_or_else(|| t.host.clone())).ok()
                 } else {
                     None
                 };
