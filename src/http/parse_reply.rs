@@ -3,25 +3,25 @@
 //! Every answer tollgate makes itself has a JSON body (`respond.rs`). But a request head that
 //! hyper's parser cannot read (a malformed request line or header field, a head past hyper's
 //! buffer of twice `server.max_header_bytes`, more than `proxy::MAX_HEADERS` fields) never
-//! reaches the service: hyper answers it on its own, with a bare head (`HTTP/1.1 400 Bad
+//! reaches the service: hyper answers it on its own with a bare head (`HTTP/1.1 400 Bad
 //! Request` or `HTTP/1.1 431 Request Header Fields Too Large`, `connection: close`,
-//! `content-length: 0`, `date`)
-//! and closes the connection, and hyper has no hook to choose that answer. So [`ParseReply`]
-//! sits between hyper and the connection's IO (plain HTTP/1.1 in front of `idle::IdleIo`, and
-//! TLS), recognises that head when hyper writes it, and writes in its place the JSON answer of
-//! the matching local answer ([`GatewayError::BadRequest`] or
+//! `content-length: 0`, `date`) and closes the connection, and it has no hook to choose that
+//! answer. So [`ParseReply`] sits between hyper and the connection's IO (plain HTTP/1.1 in
+//! front of `idle::IdleIo`, and TLS), recognises that head when hyper writes it, and writes in
+//! its place the JSON answer of the matching local answer ([`GatewayError::BadRequest`] or
 //! [`GatewayError::HeadersTooLarge`], rendered once per process by
 //! [`GatewayError::into_response`]), with `connection: close`, its `content-length` and hyper's
-//! `date`.
+//! `date`. (hyper's 414, for a URI over 64 KiB, has no local answer and passes as it is.)
 //!
-//! Only the first write of a hyper connection is looked at: hyper writes its own answer only
-//! before any response of that connection (or at a request boundary on a keep-alive connection,
-//! which this does not see; plain HTTP/1.1 connections get a new hyper connection after every
-//! idle pause, so the common case of a bad request on a reused connection is still covered). A
-//! first write is always a response head, and a head of exactly that shape cannot be the
-//! service's: every response `proxy::State::handle` returns carries `X-Request-Id`. So an
-//! upstream's own bodiless 400 is never replaced, and after the first write every call is a
-//! plain pass-through (a flag test, no allocation).
+//! Only the first write of a hyper connection is looked at. A first write is always a response
+//! head, and a head of exactly that shape cannot be the service's: every response
+//! `proxy::State::handle` returns carries `X-Request-Id`. So an upstream's own bodiless 400 is
+//! never replaced, and no later write (which could be a body chunk of any content) is read;
+//! after the first write every call is a plain pass-through (a match on the state, no
+//! allocation). hyper also answers a bad request that follows a response on a keep-alive
+//! connection; that answer is replaced only when it is the connection's first write again:
+//! plain HTTP/1.1 connections get a new hyper connection (and a new [`ParseReply`]) after every
+//! idle pause of `idle::PARK_AFTER`, TLS ones keep one hyper connection for their life.
 
 use std::io;
 use std::pin::Pin;
