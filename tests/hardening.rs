@@ -597,7 +597,8 @@ async fn oversized_headers_and_too_many_headers_get_431() {
     // kept because any other value costs an allocation and ~2,500 instructions per request).
     assert_eq!(status(a, "GET", "/x", &many).await, 431, "150 header fields");
     // Up to twice `max_header_bytes` tollgate answers itself, with the JSON body every local
-    // response has; only past that hyper's parser refuses the request (empty body).
+    // response has; only past that hyper's parser refuses the request (its answer made JSON
+    // too: `request_heads_hypers_parser_refuses_get_tollgates_json_400_and_431_from_the_binary`).
     let resp = send(a, &request("GET", "/x", &big), Duration::from_secs(2)).await;
     assert!(resp.contains("application/json"), "{resp}");
     assert!(resp.contains("\"error\":\"request_header_fields_too_large\""), "{resp}");
@@ -630,6 +631,90 @@ async fn garbage_request_lines_get_400() {
     // Still serving.
     assert_eq!(status(a, "GET", "/x", "").await, 200);
     gw.stop().await;
+}
+
+/// `resp` (raw bytes of one connection) is exactly one complete local JSON answer with `status`
+/// that closes the connection: `content-type: application/json`, `connection: close`, a
+/// `content-length` equal to the body's. Returns the body.
+fn local_json_answer(resp: &str, status: u16) -> serde_json::Value {
+    assert_eq!(status_of(resp), status, "{resp:?}");
+    assert_eq!(responses_in(resp), 1, "{resp:?}");
+    let (head, body) = resp
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("no end of head: {resp:?}"));
+    let head = head.to_ascii_lowercase();
+    let header = |name: &str| {
+        head.lines().find_map(|l| {
+            l.strip_prefix(name)
+                .and_then(|v| v.strip_prefix(": "))
+                .map(str::to_owned)
+        })
+    };
+    assert_eq!(header("content-type").as_deref(), Some("application/json"), "{resp:?}");
+    assert_eq!(header("connection").as_deref(), Some("close"), "{resp:?}");
+    assert_eq!(header("content-length"), Some(body.len().to_string()), "{resp:?}");
+    let v: serde_json::Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {resp:?}"));
+    assert!(v["message"].is_string(), "{resp:?}");
+    v
+}
+
+/// The key names of a JSON object, sorted.
+fn keys_of(v: &serde_json::Value) -> Vec<String> {
+    let mut k: Vec<String> = v.as_object().map(|o| o.keys().cloned().collect()).unwrap_or_default();
+    k.sort();
+    k
+}
+
+#[test]
+fn request_heads_hypers_parser_refuses_get_tollgates_json_400_and_431_from_the_binary() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let up = rt.block_on(echo());
+    let gw = binary(
+        &format!("http://{up}"),
+        "server:\n  max_header_bytes: 16384\n",
+        OPEN_RULES,
+    );
+    let addr: SocketAddr = gw.url.trim_start_matches("http://").parse().unwrap();
+    rt.block_on(async {
+        let wait = Duration::from_secs(5);
+        // tollgate's own 431 (within hyper's buffer of twice `max_header_bytes`) and 400.
+        let big = format!("X-Big: {}\r\n", "a".repeat(20 * 1024));
+        let own_431 = send(addr, &request("GET", "/x", &big), wait).await;
+        assert_eq!(status_of(&own_431), 431, "{own_431:?}");
+        let own_431: serde_json::Value = serde_json::from_str(own_431.split_once("\r\n\r\n").unwrap().1).unwrap();
+        let own_400 = send(addr, b"GET /x HTTP/1.1\r\nConnection: close\r\n\r\n", wait).await;
+        assert_eq!(status_of(&own_400), 400, "{own_400:?}");
+        let own_400: serde_json::Value = serde_json::from_str(own_400.split_once("\r\n\r\n").unwrap().1).unwrap();
+
+        // Past hyper's buffer (2 x 16 KiB; it reads in chunks of up to that size, so 96 KiB is
+        // past it however the reads fall): hyper's parser refuses the head; the answer is the
+        // same JSON 431, word for word.
+        let huge = format!("X-Huge: {}\r\n", "a".repeat(96 * 1024));
+        let r = send(addr, &request("GET", "/x", &huge), wait).await;
+        assert_eq!(local_json_answer(&r, 431), own_431, "{r:?}");
+        // More than 100 fields: refused by hyper's parser too.
+        let many: String = (0..150).map(|i| format!("X-H{i}: v\r\n")).collect();
+        let r = send(addr, &request("GET", "/x", &many), wait).await;
+        assert_eq!(local_json_answer(&r, 431), own_431, "{r:?}");
+
+        // Heads hyper cannot parse: a JSON 400 shaped like tollgate's own.
+        for garbage in [
+            &b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03 TLS client hello\r\n\r\n"[..],
+            b"GET\r\n\r\n",
+            b"G\x00T / HTTP/1.1\r\nHost: x\r\n\r\n",
+            b"GET /a b HTTP/1.1\r\nHost: x\r\n\r\n",
+            b"GET / HTTP/1.1\r\nHost: x\r\nBad Header: x\r\n\r\n",
+        ] {
+            let r = send(addr, garbage, wait).await;
+            let v = local_json_answer(&r, 400);
+            assert_eq!(v["error"], "bad_request", "{r:?}");
+            assert_eq!(keys_of(&v), keys_of(&own_400), "{r:?}");
+        }
+        // Still serving, and a good request's response is untouched.
+        let ok = send(addr, &request("GET", "/x", ""), wait).await;
+        assert_eq!(status_of(&ok), 200, "{ok:?}");
+        assert!(ok.to_ascii_lowercase().contains("x-request-id: "), "{ok:?}");
+    });
 }
 
 #[tokio::test]

@@ -1,13 +1,15 @@
 //! HTTP plumbing: the response body type, the one place errors become responses
 //! ([`respond`]), rate-limit headers ([`headers`]), forwarding helpers ([`forward`]) and the
 //! upstream targets and their pools ([`upstream`]), TLS ([`tls`]), request ids
-//! ([`request_id`]), W3C trace context ([`trace`]), idle HTTP/1.1 connections without buffers ([`idle`]) and the coarse
-//! deadlines of the request path ([`coarse_timer`]).
+//! ([`request_id`]), W3C trace context ([`trace`]), idle HTTP/1.1 connections without
+//! buffers ([`idle`]), JSON answers for the request heads hyper's parser refuses
+//! ([`parse_reply`]) and the coarse deadlines of the request path ([`coarse_timer`]).
 
 pub mod coarse_timer;
 pub mod forward;
 pub mod headers;
 pub mod idle;
+pub mod parse_reply;
 pub mod request_id;
 pub mod respond;
 pub mod tls;

@@ -107,8 +107,8 @@ fn validate<B>(req: &Request<B>, f: &Facts, max_body_bytes: u64) -> Result<(), G
 }
 
 /// Most header fields a request may carry: hyper's own parser's default limit (a request with
-/// more gets hyper's 431); within it, and within twice `max_header_bytes`, tollgate checks the
-/// limits itself and answers the 431 with a JSON body.
+/// more gets hyper's 431, made JSON by `http::parse_reply`); within it, and within twice
+/// `max_header_bytes`, tollgate checks the limits itself and answers the 431 with a JSON body.
 pub const MAX_HEADERS: usize = 100;
 
 /// The header section within `server.max_header_bytes` and [`MAX_HEADERS`] fields.

@@ -122,10 +122,11 @@ pub(super) async fn accept_loop(listener: TcpListener, w: Worker) {
     h1.timer(crate::http::coarse_timer::CoarseTimer)
         .header_read_timeout(sc.header_read_timeout)
         // Twice the configured size: within it tollgate checks the limit itself and answers a
-        // JSON 431 (`respond.rs`); past it hyper's parser answers an empty one. The field count
-        // is hyper's default (100, `proxy::MAX_HEADERS`): any other value makes hyper fill a
-        // heap array of that many entries before every parse, ≈ 2,500 instructions and an
-        // allocation per request; past 100 fields hyper answers the 431 itself.
+        // JSON 431 (`respond.rs`); past it hyper's parser answers a bare one, which
+        // `http::parse_reply` swaps for the same JSON 431. The field count is hyper's default
+        // (100, `proxy::MAX_HEADERS`): any other value makes hyper fill a heap array of that
+        // many entries before every parse, ≈ 2,500 instructions and an allocation per request;
+        // past 100 fields hyper answers the 431 itself (made JSON the same way).
         .max_buf_size(sc.max_header_bytes.saturating_mul(2).max(8192))
         .keep_alive(true);
     let mut h2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
@@ -332,6 +333,9 @@ async fn serve_tls(
         _ = stop.reached(Level::Graceful) => return Ok(()),
     };
     let is_h2 = s.get_ref().1.alpn_protocol() == Some(b"h2");
+    // hyper's own answers to request heads it cannot parse become JSON (`http::parse_reply`;
+    // an HTTP/2 connection never writes one, and passes through after its first write).
+    let s = crate::http::parse_reply::ParseReply::new(s);
     serve_conn(TokioIo::new(s), is_h2, gw, peer, h1, h2, stop).await
 }
 
@@ -407,9 +411,11 @@ async fn serve_h1_parking(
     idle_timeout: Duration,
 ) -> Result<(), hyper::Error> {
     use crate::http::idle::{ConnShared, IdleIo, Tracked};
+    use crate::http::parse_reply::ParseReply;
     let shared = Arc::new(ConnShared::default());
     loop {
-        let io = TokioIo::new(IdleIo::new(stream, shared.clone()));
+        // hyper's own answers to request heads it cannot parse become JSON (`http::parse_reply`).
+        let io = TokioIo::new(ParseReply::new(IdleIo::new(stream, shared.clone())));
         let (gw, conn_shared) = (gw.clone(), shared.clone());
         let svc = service_fn(move |req: hyper::Request<Incoming>| {
             conn_shared.on_request(crate::proxy::facts::framing(req.method(), req.headers()));
