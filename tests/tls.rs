@@ -557,3 +557,47 @@ async fn tls_redis_cluster_with_a_password() {
         .sum();
     assert!(total >= 1, "the counter lives in the TLS cluster");
 }
+
+/// The access line says which TLS version each request came over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_access_line_names_the_tls_version() {
+    let pki = Pki::new("gateway CA");
+    let (cert, key) = pki.issue("gw", &["localhost", "127.0.0.1"]);
+    let echo = echo().await;
+    let gw = binary(
+        &format!("http://{echo}"),
+        &format!("{}access_log: true\n", tls_block(&cert, &key)),
+        OPEN_RULES,
+    );
+    let base = gw.url.replace("http://", "https://");
+    let ca = pki.ca_path().display().to_string();
+    for (flags, path) in [
+        (["--tlsv1.2", "--tls-max", "1.2"], "/v12"),
+        (["--tlsv1.3", "--http1.1", "-v"], "/v13"),
+    ] {
+        let mut args: Vec<String> = flags.iter().map(|s| s.to_string()).collect();
+        args.extend([
+            "--cacert".into(),
+            ca.clone(),
+            "-o".into(),
+            "/dev/null".into(),
+            format!("{base}{path}"),
+        ]);
+        let (ok, out) = curl(args).await;
+        assert!(ok, "curl: {out}");
+    }
+    let tls_of = |path: &str| {
+        gw.log()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find(|v| v["target"] == "access" && v["path"] == path)
+            .map(|v| v["tls"].clone())
+    };
+    let both = eventually(Duration::from_secs(5), || async {
+        tls_of("/v12").is_some() && tls_of("/v13").is_some()
+    })
+    .await;
+    assert!(both, "{}", gw.log());
+    assert_eq!(tls_of("/v12"), Some(serde_json::json!("TLSv1.2")));
+    assert_eq!(tls_of("/v13"), Some(serde_json::json!("TLSv1.3")));
+}

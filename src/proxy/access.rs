@@ -1,6 +1,6 @@
 //! The access log: one structured line per request (or per sampled request), on the tracing
-//! target `access`. It names the request id and trace id, the client's address, the protocol,
-//! host, method and path without its query, the user agent, status, decision and rule, the
+//! target `access`. It names the request id and trace id, the client's address, the protocol
+//! and TLS version, host, method and path without its query, the user agent, status, decision and rule, the
 //! caller's identity kind and salted hash, the upstream target, the bytes received and sent and
 //! the durations — never a key, a token, a credential header or a query string.
 //!
@@ -83,6 +83,8 @@ pub struct Line {
     pub client: std::net::SocketAddr,
     /// `HTTP/1.0`, `HTTP/1.1` or `HTTP/2`.
     pub protocol: &'static str,
+    /// `TLSv1.2` / `TLSv1.3` on a TLS listener.
+    pub tls: Option<&'static str>,
     /// The request's authority, else its `Host` (what `host:` rules match).
     pub host: Option<http::HeaderValue>,
     /// Its `User-Agent`.
@@ -112,6 +114,7 @@ impl Line {
             trace_id = std::str::from_utf8(&self.trace_id).unwrap_or("-"),
             client = %self.client,
             protocol = self.protocol,
+            tls = self.tls.unwrap_or("-"),
             host = text(self.host.as_ref()),
             method = self.method.as_str(),
             path = self.path.as_str(),

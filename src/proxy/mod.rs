@@ -77,6 +77,23 @@ fn binding_of<'a>(
     }
 }
 
+/// Where a request came from: the connection's peer, and the TLS version when it came over
+/// TLS. Copied into every request of the connection (no allocation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Peer {
+    /// The client's address (the connection's peer).
+    pub addr: SocketAddr,
+    /// `TLSv1.2` / `TLSv1.3` on a TLS listener; `None` in cleartext.
+    pub tls: Option<&'static str>,
+}
+
+impl Peer {
+    /// A cleartext connection from `addr`.
+    pub fn plain(addr: SocketAddr) -> Self {
+        Peer { addr, tls: None }
+    }
+}
+
 /// Header fields tollgate may add to a request on its way upstream: `X-Request-Id`,
 /// `traceparent`, `TE`, `X-Forwarded-For`, `-Proto`, `-Host` and `Forwarded`, and `Host` again.
 const FORWARD_ROOM: usize = 8;
@@ -127,7 +144,8 @@ impl State {
     /// Serve one request; never fails (errors become responses in `crate::http::respond`).
     /// The request id (kept or generated) goes upstream and back; the access log, when on,
     /// gets one line.
-    pub async fn handle(self: Arc<Self>, mut req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
+    pub async fn handle(self: Arc<Self>, mut req: Request<Incoming>, from: Peer) -> Response<ProxyBody> {
+        let peer = from.addr;
         // hyper sizes a request's header map to the fields it parsed; the request id and the
         // forwarding headers would then regrow it (rehashing it) up to four times.
         req.headers_mut().reserve(FORWARD_ROOM);
@@ -144,6 +162,7 @@ impl State {
             method: req.method().clone(),
             path: req.uri().path().to_owned(),
             client: peer,
+            tls: from.tls,
             protocol: match req.version() {
                 Version::HTTP_10 => "HTTP/1.0",
                 Version::HTTP_2 => "HTTP/2",

@@ -299,7 +299,16 @@ async fn serve_stream(
                 _ = stop.reached(Level::Graceful) => return Ok(()),
             };
             if is_h2 {
-                Box::pin(serve_conn(TokioIo::new(stream), true, gw, peer, h1, h2, stop)).await
+                Box::pin(serve_conn(
+                    TokioIo::new(stream),
+                    true,
+                    gw,
+                    crate::proxy::Peer::plain(peer),
+                    h1,
+                    h2,
+                    stop,
+                ))
+                .await
             } else {
                 serve_h1_parking(stream, gw, peer, h1, stop, first_byte).await
             }
@@ -333,6 +342,15 @@ async fn serve_tls(
         _ = stop.reached(Level::Graceful) => return Ok(()),
     };
     let is_h2 = s.get_ref().1.alpn_protocol() == Some(b"h2");
+    let tls = match s.get_ref().1.protocol_version() {
+        Some(rustls::ProtocolVersion::TLSv1_3) => "TLSv1.3",
+        Some(rustls::ProtocolVersion::TLSv1_2) => "TLSv1.2",
+        _ => "TLS",
+    };
+    let peer = crate::proxy::Peer {
+        addr: peer,
+        tls: Some(tls),
+    };
     // hyper's own answers to request heads it cannot parse become JSON (`http::parse_reply`;
     // an HTTP/2 connection never writes one, and passes through after its first write).
     let s = crate::http::parse_reply::ParseReply::new(s);
@@ -345,7 +363,7 @@ async fn serve_conn<I>(
     io: I,
     is_h2: bool,
     gw: Arc<State>,
-    peer: SocketAddr,
+    peer: crate::proxy::Peer,
     h1: &hyper::server::conn::http1::Builder,
     h2: &hyper::server::conn::http2::Builder<TokioExecutor>,
     stop: &StopWatch,
@@ -375,7 +393,7 @@ where
                 let stopping = stop.poll_level(cx) >= Level::Draining;
                 if stopping || streams.poll_idle(&mut timer, idle, cx) {
                     if !stopping {
-                        tracing::debug!(%peer, idle_ms = idle.as_millis() as u64, "closing an idle HTTP/2 connection");
+                        tracing::debug!(peer = %peer.addr, idle_ms = idle.as_millis() as u64, "closing an idle HTTP/2 connection");
                     }
                     finishing = true;
                     conn.as_mut().graceful_shutdown();
@@ -420,7 +438,13 @@ async fn serve_h1_parking(
         let svc = service_fn(move |req: hyper::Request<Incoming>| {
             conn_shared.on_request(crate::proxy::facts::framing(req.method(), req.headers()));
             let (gw, shared) = (gw.clone(), conn_shared.clone());
-            async move { Ok::<_, std::convert::Infallible>(gw.handle(req, peer).await.map(|b| Tracked::new(b, shared))) }
+            async move {
+                Ok::<_, std::convert::Infallible>(
+                    gw.handle(req, crate::proxy::Peer::plain(peer))
+                        .await
+                        .map(|b| Tracked::new(b, shared)),
+                )
+            }
         });
         let conn = Box::pin(h1.serve_connection(io, svc).with_upgrades());
         let ended = until_stopped(conn, stop, |c| c.graceful_shutdown()).await;
