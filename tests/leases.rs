@@ -292,7 +292,10 @@ async fn the_script_grants_at_most_half_of_what_remains_and_spends_it() {
     // 250 ms life of the lease: no refill could be wasted, so none is spent for the lease.
     let bucket = Quota::bucket(Algorithm::TokenBucket, nz(100), nz(1_000_000));
     let mut t = LimitCheck::new(StoreKey("tollgate:{lease-tb}:r:0".into()), bucket, 1);
-    t.lease = Some(LeaseAsk { want: 30, life_us: 250_000 });
+    t.lease = Some(LeaseAsk {
+        want: 30,
+        life_us: 250_000,
+    });
     let o = store.check(std::slice::from_ref(&t)).await.into_result().unwrap();
     assert_eq!(o[0].leased, 30);
     let plain = LimitCheck::new(t.key.clone(), bucket, 0);
@@ -307,7 +310,10 @@ async fn the_script_grants_at_most_half_of_what_remains_and_spends_it() {
     // not 3 whole units rounded up.
     let fast = Quota::bucket(Algorithm::TokenBucket, nz(100), nz(100_000));
     let mut f = LimitCheck::new(StoreKey("tollgate:{lease-tb-fast}:r:0".into()), fast, 1);
-    f.lease = Some(LeaseAsk { want: 30, life_us: 250_000 });
+    f.lease = Some(LeaseAsk {
+        want: 30,
+        life_us: 250_000,
+    });
     let o = store.check(std::slice::from_ref(&f)).await.into_result().unwrap();
     assert_eq!(o[0].leased, 30);
     let plain = LimitCheck::new(f.key.clone(), fast, 0);
@@ -481,7 +487,10 @@ async fn round_robin(nodes: &[Limiter], key: &StoreKey, q: Quota, n: usize) -> (
     let (mut admitted, mut local) = (0, 0);
     for i in 0..n {
         let check = Planned(LimitCheck::new(key.clone(), q, 1));
-        let (o, source) = nodes[i % nodes.len()].check(std::slice::from_ref(&check)).await.outcomes[0];
+        let (o, source) = nodes[i % nodes.len()]
+            .check(std::slice::from_ref(&check))
+            .await
+            .outcomes[0];
         if o.allowed {
             admitted += 1;
             if source == tollgate::limiter::Source::Lease {
@@ -571,7 +580,11 @@ async fn a_reset_while_leases_are_held_starts_the_count_afresh() {
             "{:?}: {after} admitted after the reset, over the limit 3000",
             q.algorithm
         );
-        assert!(after >= 3000 - 3 * 600, "{:?}: only {after} after the reset", q.algorithm);
+        assert!(
+            after >= 3000 - 3 * 600,
+            "{:?}: only {after} after the reset",
+            q.algorithm
+        );
     }
 }
 
@@ -592,11 +605,24 @@ async fn concurrency_slots_held_survive_a_reset() {
         let v = limiter.check(std::slice::from_ref(&slot(holder))).await;
         assert!(v.outcomes[0].0.allowed, "slot {holder} of 2");
     }
-    assert!(!limiter.check(std::slice::from_ref(&slot(3))).await.outcomes[0].0.allowed);
+    assert!(
+        !limiter.check(std::slice::from_ref(&slot(3))).await.outcomes[0]
+            .0
+            .allowed
+    );
     limiter.reset(&[slot(0).0]).await.unwrap();
     let v = limiter.check(std::slice::from_ref(&slot(4))).await;
-    assert!(!v.outcomes[0].0.allowed, "a reset freed a slot held by a running request");
+    assert!(
+        !v.outcomes[0].0.allowed,
+        "a reset freed a slot held by a running request"
+    );
     // The slots are still released by their holders.
-    Store::refund(&limiter.store, &[(slot(1).0, v.outcomes[0].0.at_us)]).await.unwrap();
-    assert!(limiter.check(std::slice::from_ref(&slot(5))).await.outcomes[0].0.allowed);
+    Store::refund(&limiter.store, &[(slot(1).0, v.outcomes[0].0.at_us)])
+        .await
+        .unwrap();
+    assert!(
+        limiter.check(std::slice::from_ref(&slot(5))).await.outcomes[0]
+            .0
+            .allowed
+    );
 }

@@ -1066,7 +1066,13 @@ async fn a_request_past_its_deadline_is_answered_late_and_spends_nothing() {
     let server = RedisServer::start();
     let now: u64 = 1_800_000_000_000_000;
     let mut cmd = redis::cmd("EVAL");
-    cmd.arg(SCRIPT_SOURCE).arg(2).arg("{late}k").arg("{late}k").arg("check").arg(now).arg(2);
+    cmd.arg(SCRIPT_SOURCE)
+        .arg(2)
+        .arg("{late}k")
+        .arg("{late}k")
+        .arg("check")
+        .arg(now)
+        .arg(2);
     for deadline in [now - 1, now + 1] {
         cmd.arg(1).arg(deadline).arg(3).arg(5).arg(60_000_000).arg(1).arg(0);
     }

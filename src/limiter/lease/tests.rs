@@ -48,7 +48,10 @@ fn leases() -> Leases {
 /// Grant `units` on `c` as the store would: the outcome of a check at store time `at`.
 fn grant(l: &Leases, c: &C, units: u64, at: u64, sent: u64) -> Vec<Return> {
     let mut asked = c.0.clone();
-    asked.lease = Some(LeaseAsk { want: units, life_us: 0 });
+    asked.lease = Some(LeaseAsk {
+        want: units,
+        life_us: 0,
+    });
     let o = Outcome {
         allowed: true,
         remaining: 500,
@@ -198,7 +201,13 @@ fn token_bucket_leases_carry_their_life_as_time() {
     let l = leases();
     // A 250 ms lease carries its life in µs, whatever the refill rate (no unit rounded up).
     let q = Quota::bucket(Algorithm::TokenBucket, nz(1000), nz(10_000));
-    assert_eq!(l.ask(&q, 1, 400).unwrap(), LeaseAsk { want: 100, life_us: 250_000 });
+    assert_eq!(
+        l.ask(&q, 1, 400).unwrap(),
+        LeaseAsk {
+            want: 100,
+            life_us: 250_000
+        }
+    );
     let slow = Quota::bucket(Algorithm::TokenBucket, nz(1000), nz(3_600_000_000));
     assert_eq!(l.ask(&slow, 1, 400).unwrap().life_us, 250_000);
     assert!(l.ask(&q, 1, 0).is_some_and(|a| a.want == 1));

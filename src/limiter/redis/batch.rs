@@ -95,7 +95,18 @@ impl Batches {
             RedisMode::Single => 0,
         };
         let (reply, answer) = oneshot::channel();
-        if self.tx.send((slot, Pending { checks, reply, deadline })).is_err() {
+        if self
+            .tx
+            .send((
+                slot,
+                Pending {
+                    checks,
+                    reply,
+                    deadline,
+                },
+            ))
+            .is_err()
+        {
             return Err(StoreError::Redis("the Redis batch task has stopped".to_owned()));
         }
         answer

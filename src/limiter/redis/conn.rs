@@ -472,7 +472,8 @@ impl Inner {
                 let arrived = self.mono_us();
                 if let Ok(v) = reply {
                     if let Ok((secs, micros)) = redis::from_redis_value::<(u64, u64)>(v) {
-                        s.offset.learn(secs.saturating_mul(1_000_000).saturating_add(micros), arrived);
+                        s.offset
+                            .learn(secs.saturating_mul(1_000_000).saturating_add(micros), arrived);
                     }
                 }
             }

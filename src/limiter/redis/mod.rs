@@ -354,7 +354,12 @@ impl RedisStore {
     ///
     /// The marker outlives the return of every lease taken before it (returned at most
     /// 1.5 × ttl after it was taken, within twice the store deadline).
-    pub async fn reset_settled(&self, counters: &[StoreKey], slots: &[StoreKey], hold: Duration) -> Result<(), StoreError> {
+    pub async fn reset_settled(
+        &self,
+        counters: &[StoreKey],
+        slots: &[StoreKey],
+        hold: Duration,
+    ) -> Result<(), StoreError> {
         let inner = &self.inner;
         if !counters.is_empty() {
             let life = hold.saturating_mul(2) + inner.timeout.saturating_mul(2) + Duration::from_secs(1);

@@ -103,7 +103,10 @@ impl Offset {
             Some((est, _)) if bound >= est => (bound, local_us),
             Some((est, at)) => {
                 let drift = i64::try_from(local_us.saturating_sub(at)).unwrap_or(i64::MAX) / DRIFT_PER_US;
-                (bound.max(est.saturating_sub(drift)), if drift > 0 { local_us } else { at })
+                (
+                    bound.max(est.saturating_sub(drift)),
+                    if drift > 0 { local_us } else { at },
+                )
             }
             None => (bound, local_us),
         });

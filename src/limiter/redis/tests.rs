@@ -200,7 +200,10 @@ fn parse_packed_reads_doubles_and_rejects_bad_shapes() {
     );
     // Out-of-range values (never sent) read as 0 rather than wrapping.
     let (_, outs) = parse_packed(packed(&[1.0, 1.0, -5.0, f64::NAN, 1e300, 0.0]), 1, checked).unwrap();
-    assert_eq!((outs[0].1.remaining, outs[0].1.reset_us, outs[0].1.retry_after_us), (0, 0, 0));
+    assert_eq!(
+        (outs[0].1.remaining, outs[0].1.reset_us, outs[0].1.retry_after_us),
+        (0, 0, 0)
+    );
     // A peek marks a missing key with allowed = 2.
     let (_, outs) = parse_packed(
         packed(&[7.0, 2.0, 0.0, 0.0, 0.0, 0.0, 1.0, 3.0, 9.0, 0.0, 0.0]),
