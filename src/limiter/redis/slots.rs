@@ -409,6 +409,26 @@ mod tests {
     }
 
     #[test]
+    fn the_clock_offset_is_the_tightest_lower_bound_and_follows_drift_slowly() {
+        let o = Offset::default();
+        assert!(!o.known());
+        assert_eq!(o.redis_at(1_000), None, "no deadline before anything was learned");
+        // A reply that ran at Redis 5_000_000 and arrived at local 1_000: offset ≥ 4_999_000.
+        o.learn(5_000_000, 1_000);
+        assert_eq!(o.redis_at(2_000), Some(5_001_000));
+        // A slower reply (arrived later for the same Redis instant) is a looser bound: ignored.
+        o.learn(5_001_000, 3_000);
+        assert_eq!(o.redis_at(2_000), Some(5_001_000));
+        // A tighter one wins at once.
+        o.learn(5_002_000, 2_500);
+        assert_eq!(o.redis_at(2_000), Some(5_001_500));
+        // Lower bounds pull the estimate down by at most 100 ppm of the time since it was set:
+        // after 10 s, at most 1 ms, however low the sample.
+        o.learn(0, 10_002_500);
+        assert_eq!(o.redis_at(2_000), Some(5_000_500));
+    }
+
+    #[test]
     fn a_refresh_keeps_breakers_by_address() {
         let reply = |a: &str, b: &str| {
             let node = |h: &str| {
