@@ -379,7 +379,12 @@ impl Limiter {
                     .leases
                     .as_ref()
                     .map_or(Duration::ZERO, |l| Duration::from_micros(l.config().ttl_us.get()));
-                r.reset_settled(&counters, &slots, hold).await
+                // In a task of its own: a reset begun (markers written) always ends with the
+                // counters deleted, even if the admin client leaves during the wait.
+                let (r, keys) = (Arc::clone(r), counters.clone());
+                let task = tokio::spawn(async move { r.reset_settled(&keys, &slots, hold).await });
+                task.await
+                    .unwrap_or_else(|e| Err(StoreError::Redis(format!("the reset task failed: {e}"))))
             }
             Backend::Memory(m) => m.reset(&counters).await,
         };
