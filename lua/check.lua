@@ -6,7 +6,9 @@
 -- Redis Cluster slot, whatever their algorithms; limits on other slots get their own call.
 --
 -- KEYS  the limit keys, all sharing one {hash tag} (one slot), each followed by its penalty key
---       when its limit has a penalty box (flag 2). May be empty (probe).
+--       when its limit has a penalty box (flag 2), then by its RESET MARKER key ("<key>:r") in
+--       refund mode, and in check mode when it asks for a lease (flag 8). May be empty (probe).
+--       In reset mode: the marker keys only.
 -- ARGV[1]  mode: "check" | "refund" | "peek"
 -- ARGV[2]  now in microseconds since the epoch, or "" to read Redis TIME (the normal case:
 --          every gateway then agrees on time; tests pass an explicit now)
@@ -20,11 +22,19 @@
 --     from Monday, 3 month) and the UTC offset in seconds (-64800 .. 64800): windows are then
 --     the clock's days, weeks or months (tg_index / tg_start in common.lua);
 --   - with flag 8 (token bucket, fixed and sliding window only; check mode), 2 more: a LEASE
---     for the calling gateway: `want` units (1 .. 10^12) and `extra` (0 .. 10^12). When the
---     request is admitted and spent, the script grants g = min(want, floor(r / 2) - extra)
---     units, r being what remains after the request, and spends g + extra more at once (extra
---     makes a token-bucket lease count as spent at its expiry; see src/limiter/lease.rs). The
---     reply's allowed code is then 5 and its delay slot carries g. No grant when g < 1.
+--     for the calling gateway: `want` units (1 .. 10^12) and `life` (0 .. 10 years in us, the
+--     lease's life; 0 for windows). When the request is admitted and spent, the script grants
+--     g = min(want, floor(r / 2)) units, r being what remains after the request, and spends
+--     them at once; a token bucket's lease counts as spent at its expiry: tat becomes
+--     max(tat, now + life) + g * interval, and g is also capped so that this fits the capacity
+--     now (tb_lease; see src/limiter/lease.rs). The reply's allowed code is then 5 and its delay
+--     slot carries g. No grant when g < 1.
+-- Reset marker ("<key>:r", a string: the Redis instant of the key's last reset, living a few
+--   lease lives; written by reset mode, see src/limiter/redis/mod.rs, reset_settled). While it
+--   exists a check grants no lease of the key, and a refund whose now (the instant its units
+--   were spent) is at or before it gives nothing back: those units belong to the count the
+--   reset deletes, and a lease return must not mint them into the new one. Concurrency
+--   releases are never dropped (slots survive a reset).
 -- Penalty box (flag 2): a string at the penalty key, "<until_us>:<len_us>", expiring at until.
 --   While until > now the limit denies without being evaluated (allowed code 3) and, when
 --   max > base, each such request doubles the penalty from now (len = min(2 len, max)). A
@@ -34,8 +44,12 @@
 -- check: a BATCH of requests, evaluated one after the other exactly as if each had been its
 --   own call (the gateway batches the requests that are waiting for the same slot, so a busy
 --   slot costs one round trip and one script run for many requests):
---   ARGV[3] = R, the number of requests; then per request: n (its limit count) followed by
---   5 ARGV per limit. KEYS holds every request's keys, request after request.
+--   ARGV[3] = R, the number of requests; then per request: n (its limit count), its DEADLINE
+--   (microseconds of Redis time, 0 for none), followed by 5 ARGV per limit. KEYS holds every
+--   request's keys, request after request.
+--   A request whose deadline is before now (its gateway has given up on it: the call waited
+--   in a frozen or overloaded server) is not evaluated and writes nothing, penalties included;
+--   each of its limits answers allowed code 6 ("late"), which the gateway treats as a timeout.
 --   Per request: every key is evaluated; the request is blocked when a non-shadow key denies.
 --   When not blocked, every admitted key is spent (a denied shadow key spends nothing) and
 --   gets its expiry; when blocked, nothing is written at all (rejected requests are never
@@ -50,7 +64,9 @@
 --   integers, which for the gateway's Redis client was the costliest part of a batched request.
 --   allowed is 1 or 0; 2 in a peek where the key does not exist; 3 when the key is in its penalty
 --   box (retry_after_us = the time left); 4 when this denial started or escalated a penalty
---   (retry_after_us at least the penalty); 5 when admitted with a lease (delay slot = units). One 5-tuple per LIMIT (a penalty key adds none).
+--   (retry_after_us at least the penalty); 5 when admitted with a lease (delay slot = units); 6
+--   when its request came after its deadline (check only; nothing spent). One 5-tuple per
+--   LIMIT (a penalty or marker key adds none).
 -- peek: as a cost-0 check with cost forced to 0, writing nothing (state of another shape is
 --   converted in the reply only).
 -- Every limit argument is checked before anything runs: whole numbers, limit 1..10^12,
@@ -61,6 +77,8 @@
 --   on every key (see each algorithm's *_refund; a concurrency slot is released). Reply:
 --   { now }, packed.
 -- renew: pushes each concurrency slot still held out to now + time to live. Reply: { now }.
+-- reset: ARGV = reset, "", life_ms; sets every key of KEYS (marker keys) to now (Redis TIME),
+--   expiring in life_ms. Reply: { now }.
 -- debit: ARGV[2] = now ("" for Redis TIME: the instant the real cost is known, not the check's);
 --   spends `cost` more on every key at now without checking (a bucket's tat moves on from
 --   max(tat, now); a window's count grows in now's window, the check's while it lasts), so a
@@ -93,10 +111,12 @@ end
 -- The parsed limits: limit i has ALGO[i], LIMIT[i], ... (parsed once, used by evaluation and
 -- spending); its key is KEYS[KEY[i]] and its penalty key KEYS[PKEY[i]] (nil without one).
 local ALGO, LIMIT, INTERVAL, COST, SHADOW, MEMBER, KEY, PKEY, PBASE, PMAX = {}, {}, {}, {}, {}, {}, {}, {}, {}, {}
+-- The reset marker key of limit i: KEYS[MKEY[i]] (nil when not sent, see KEYS above).
+local MKEY = {}
 -- Calendar alignment of limit i (unit 0 = none; see tg_cal in common.lua).
 local CALU, CALO = {}, {}
--- Lease wanted by limit i and its extra units (nil without flag 8).
-local LWANT, LEXTRA = {}, {}
+-- Lease wanted by limit i and its life in us (nil without flag 8).
+local LWANT, LLIFE = {}, {}
 local nlimits, nkeys = 0, 0
 
 -- Parse the limit whose arguments start after ARGV[b]; returns the index after its last
@@ -142,6 +162,10 @@ local function parse_limit(b)
     PKEY[i], PBASE[i], PMAX[i] = k, base, max
     b = b + 2
   end
+  if mode == 'refund' or (mode == 'check' and flags >= 8) then
+    k = k + 1
+    MKEY[i] = k
+  end
   CALU[i], CALO[i] = 0, 0
   if flags % 8 >= 4 then
     local unit, off = tg_num(ARGV[b + 1]), tg_num(ARGV[b + 2])
@@ -152,12 +176,12 @@ local function parse_limit(b)
     b = b + 2
   end
   if flags >= 8 then
-    local want, extra = tg_num(ARGV[b + 1]), tg_num(ARGV[b + 2])
+    local want, life = tg_num(ARGV[b + 1]), tg_num(ARGV[b + 2])
     if (code ~= 1 and code ~= 3 and code ~= 5) or not tg_whole(want, 1, TG_MAX_UNITS)
-      or not tg_whole(extra, 0, TG_MAX_UNITS) then
+      or not tg_whole(life, 0, TG_MAX_SPAN) then
       return nil
     end
-    LWANT[i], LEXTRA[i] = want, extra
+    LWANT[i], LLIFE[i] = want, life
     b = b + 2
   end
   nlimits, nkeys = i, k
@@ -229,15 +253,15 @@ if mode == 'check' then
   end
   -- Parse and validate the whole batch before anything is written; request r owns limits
   -- FIRST[r] + 1 .. FIRST[r] + COUNT[r].
-  local FIRST, COUNT = {}, {}
+  local FIRST, COUNT, DEADLINE = {}, {}, {}
   local b = 3
   for r = 1, requests do
-    local m = tg_num(ARGV[b + 1])
-    if m == nil or m < 0 or b + 1 + 5 * m > argc then
+    local m, dl = tg_num(ARGV[b + 1]), tg_num(ARGV[b + 2])
+    if m == nil or m < 0 or b + 2 + 5 * m > argc or not tg_whole(dl, 0, TG_MAX_NOW) then
       return redis.error_reply('ERR tollgate: bad arguments (request layout)')
     end
-    FIRST[r], COUNT[r] = nlimits, m
-    b = b + 1
+    FIRST[r], COUNT[r], DEADLINE[r] = nlimits, m, dl
+    b = b + 2
     for _ = 1, m do
       b = parse_limit(b)
       if b == nil then
@@ -246,7 +270,7 @@ if mode == 'check' then
     end
   end
   if b ~= argc or nkeys ~= #KEYS then
-    return redis.error_reply('ERR tollgate: bad arguments (want R, then n and the limits per request)')
+    return redis.error_reply('ERR tollgate: bad arguments (want R, then n, the deadline and the limits per request)')
   end
   -- Each request in turn, exactly as if it were a call of its own. ROFF[i]: where limit i's
   -- 5-tuple starts in the reply.
@@ -254,9 +278,14 @@ if mode == 'check' then
   local o = 1
   for r = 1, requests do
     local k0, m = FIRST[r], COUNT[r]
-    local blocked = false
+    -- Past its deadline: not evaluated (no penalty either), nothing written.
+    local late = DEADLINE[r] > 0 and now > DEADLINE[r]
+    local blocked = late
     for i = k0 + 1, k0 + m do
-      local code, remaining, reset, retry, delay = decide(i, COST[i], true)
+      local code, remaining, reset, retry, delay = 6, 0, 0, 0, 0
+      if not late then
+        code, remaining, reset, retry, delay = decide(i, COST[i], true)
+      end
       admitted[i] = code == 1
       if code ~= 1 and not SHADOW[i] then
         blocked = true
@@ -276,13 +305,20 @@ if mode == 'check' then
           tg_cal(CALU[i], CALO[i])
           local key = KEYS[KEY[i]]
           ALGO[i].spend(key, now, LIMIT[i], INTERVAL[i], COST[i], MEMBER[i])
-          if LWANT[i] then
-            -- The lease: at most half of what the request left, spent now so no other gateway
-            -- can spend it.
-            local _, r = ALGO[i].eval(key, now, LIMIT[i], INTERVAL[i], 0)
-            local g = math.min(LWANT[i], math.floor(r / 2) - LEXTRA[i])
+          if LWANT[i] and redis.call('EXISTS', KEYS[MKEY[i]]) == 0 then
+            -- The lease (none while a reset settles): at most half of what the request left,
+            -- spent now so no other gateway can spend it.
+            local g
+            if ALGO[i] == ALGOS[1] then
+              g = tb_lease(key, now, LIMIT[i], INTERVAL[i], LWANT[i], LLIFE[i])
+            else
+              local _, r = ALGO[i].eval(key, now, LIMIT[i], INTERVAL[i], 0)
+              g = math.min(LWANT[i], math.floor(r / 2))
+              if g >= 1 then
+                ALGO[i].spend(key, now, LIMIT[i], INTERVAL[i], g, MEMBER[i])
+              end
+            end
             if g >= 1 then
-              ALGO[i].spend(key, now, LIMIT[i], INTERVAL[i], g + LEXTRA[i], MEMBER[i])
               reply[ROFF[i] + 1] = 5
               reply[ROFF[i] + 5] = g
             end
@@ -292,6 +328,25 @@ if mode == 'check' then
     end
   end
   return pack(reply)
+end
+
+if mode == 'reset' then
+  local life = tonumber(ARGV[3])
+  if #ARGV ~= 3 or not tg_whole(life, 1, TG_MAX_SPAN) then
+    return redis.error_reply('ERR tollgate: bad arguments (want reset, now, life_ms)')
+  end
+  local at = string.format('%d', now)
+  for i = 1, #KEYS do
+    redis.call('SET', KEYS[i], at, 'PX', string.format('%d', life))
+  end
+  return pack(reply)
+end
+
+-- True when limit i was reset at or after `now` (its marker says so): a refund of units spent
+-- at `now` belongs to the count the reset deleted.
+local function reset_since(i)
+  local m = tonumber(redis.call('GET', KEYS[MKEY[i]]))
+  return m ~= nil and now <= m
 end
 
 -- peek, refund, renew: the limits one after the other from ARGV[3].
@@ -327,8 +382,10 @@ if mode == 'peek' then
   return pack(reply)
 elseif mode == 'refund' then
   for i = 1, nlimits do
-    tg_cal(CALU[i], CALO[i])
-    ALGO[i].refund(KEYS[KEY[i]], now, LIMIT[i], INTERVAL[i], COST[i], MEMBER[i])
+    if ALGO[i] == ALGOS[6] or not reset_since(i) then
+      tg_cal(CALU[i], CALO[i])
+      ALGO[i].refund(KEYS[KEY[i]], now, LIMIT[i], INTERVAL[i], COST[i], MEMBER[i])
+    end
   end
   return pack(reply)
 elseif mode == 'debit' then

@@ -116,3 +116,23 @@ local function tb_debit(key, now, limit, t, cost)
   end
   bucket_put(key, new, t)
 end
+
+-- A lease for the calling gateway (check.lua, flag 8), taken right after the request spent:
+-- at most `want` units and half of what the request left, accounted as spent at the lease's
+-- expiry, `life` us from now (a unit used then would have found the bucket refilled meanwhile):
+-- tat = max(tat, now + life) + g * t, which must fit the capacity now. Refill is spent as
+-- time, never rounded up to a whole unit. Returns g (no grant, nothing written, when g < 1).
+local function tb_lease(key, now, limit, t, want, life)
+  local tat = bucket_get(key, now, limit, t)
+  if not tat or tat < now then
+    tat = now
+  end
+  local cap = limit * t
+  local r = math.floor((cap - (tat - now)) / t)
+  local base = math.max(tat, now + life)
+  local g = math.min(want, math.floor(r / 2), math.floor((cap - (base - now)) / t))
+  if g >= 1 then
+    bucket_put(key, base + g * t, t)
+  end
+  return g
+end

@@ -33,7 +33,7 @@ use tokio::sync::watch;
 
 use crate::http::respond::{self, GatewayError};
 use crate::http::ProxyBody;
-use crate::limiter::{LimitCheck, Store, StoreKey};
+use crate::limiter::{LimitCheck, Store};
 use crate::proxy::plan::RequestParts;
 use crate::state::State;
 
@@ -308,7 +308,7 @@ async fn answer(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Res
                 return GatewayError::UnknownIdentity.into_response();
             }
             if m == Method::DELETE {
-                let keys: Vec<StoreKey> = kept.iter().map(|(c, _)| c.check.key.clone()).collect();
+                let keys: Vec<LimitCheck> = kept.iter().map(|(c, _)| c.check.clone()).collect();
                 return match gw.limiter().reset(&keys).await {
                     Ok(()) => {
                         let mut lifted = 0;

@@ -454,3 +454,56 @@ async fn a_dead_cluster_master_without_a_replica_keeps_its_breaker_open() {
     assert_eq!(status["store"]["breakers_open"], 1, "{status}");
     gw.stop().await;
 }
+
+/// A check that timed out never spends later. Redis is frozen (SIGSTOP) while a `failure:
+/// closed` sliding-log rule (3 a minute) answers five requests 503 by timeout; their script
+/// calls wait in the server's socket and run when it resumes (SIGCONT). Each carries its
+/// deadline, long past by then, so none of them spends: the key still admits exactly 3.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_check_that_timed_out_spends_nothing_when_redis_resumes() {
+    let redis = RedisServer::start();
+    let up = echo().await;
+    let rules = r#"
+rules:
+  - { name: log, match: { path: "/log/**" }, key: header:X-Who, algorithm: sliding_log, limit: 3, window: 1m, failure: closed }
+"#;
+    let store = format!(
+        "store:\n  kind: redis\n  urls: [\"{}\"]\n  timeout: 100ms\n  probe_interval: 100ms\n",
+        redis.url()
+    );
+    let gw = gateway(&format!("http://{up}"), &store, rules, None).await;
+    let c = client();
+    let get = |who: &'static str| {
+        let c = c.clone();
+        let url = format!("{}/log/x", gw.url);
+        async move {
+            c.get(url)
+                .header("x-who", who)
+                .send()
+                .await
+                .map(|r| r.status().as_u16())
+                .unwrap_or(0)
+        }
+    };
+    assert_eq!(get("warm-up").await, 200, "the script path works");
+    redis.stop();
+    let mut codes = Vec::new();
+    for _ in 0..5 {
+        codes.push(get("frozen").await);
+    }
+    assert_eq!(codes, [503; 5], "failure: closed while Redis is frozen");
+    redis.cont();
+    // Back: the calls queued while frozen ran first (the server reads its sockets in order).
+    let back = eventually(Duration::from_secs(5), || async { get("probe").await == 200 }).await;
+    assert!(back, "limits are not enforced again after SIGCONT");
+    let mut after = Vec::new();
+    for _ in 0..5 {
+        after.push(get("frozen").await);
+    }
+    assert_eq!(
+        after,
+        [200, 200, 200, 429, 429],
+        "the timed-out checks spent once Redis resumed"
+    );
+    gw.stop().await;
+}

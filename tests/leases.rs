@@ -262,7 +262,7 @@ async fn the_script_grants_at_most_half_of_what_remains_and_spends_it() {
         .unwrap();
     let window = Quota::window(Algorithm::FixedWindow, nz(100), nz(86_400_000_000));
     let mut c = LimitCheck::new(StoreKey("tollgate:{lease-fw}:r:0".into()), window, 1);
-    c.lease = Some(LeaseAsk { want: 1000, extra: 0 });
+    c.lease = Some(LeaseAsk { want: 1000, life_us: 0 });
     let o = store.check(std::slice::from_ref(&c)).await.into_result().unwrap();
     assert!(o[0].allowed);
     assert_eq!(o[0].remaining, 99, "remaining is reported before the lease");
@@ -288,10 +288,14 @@ async fn the_script_grants_at_most_half_of_what_remains_and_spends_it() {
     assert!(o[0].allowed);
     assert_eq!(o[0].leased, 0);
 
-    // Token bucket: 100 tokens, one a second; a 250 ms lease also spends 1 unit of refill.
+    // Token bucket: 100 tokens, one a second. The request leaves tat 1 s ahead, beyond the
+    // 250 ms life of the lease: no refill could be wasted, so none is spent for the lease.
     let bucket = Quota::bucket(Algorithm::TokenBucket, nz(100), nz(1_000_000));
     let mut t = LimitCheck::new(StoreKey("tollgate:{lease-tb}:r:0".into()), bucket, 1);
-    t.lease = Some(LeaseAsk { want: 30, extra: 1 });
+    t.lease = Some(LeaseAsk {
+        want: 30,
+        life_us: 250_000,
+    });
     let o = store.check(std::slice::from_ref(&t)).await.into_result().unwrap();
     assert_eq!(o[0].leased, 30);
     let plain = LimitCheck::new(t.key.clone(), bucket, 0);
@@ -299,12 +303,30 @@ async fn the_script_grants_at_most_half_of_what_remains_and_spends_it() {
         store.peek(std::slice::from_ref(&plain)).await.unwrap()[0]
             .unwrap()
             .remaining,
-        100 - 1 - 30 - 1
+        100 - 1 - 30
+    );
+    // 10 tokens a second: the request's 100 ms is inside the lease's 250 ms life, so the lease
+    // counts as spent 250 ms from now: 2.5 units of refill spent as time (67.5 left, floored),
+    // not 3 whole units rounded up.
+    let fast = Quota::bucket(Algorithm::TokenBucket, nz(100), nz(100_000));
+    let mut f = LimitCheck::new(StoreKey("tollgate:{lease-tb-fast}:r:0".into()), fast, 1);
+    f.lease = Some(LeaseAsk {
+        want: 30,
+        life_us: 250_000,
+    });
+    let o = store.check(std::slice::from_ref(&f)).await.into_result().unwrap();
+    assert_eq!(o[0].leased, 30);
+    let plain = LimitCheck::new(f.key.clone(), fast, 0);
+    assert_eq!(
+        store.peek(std::slice::from_ref(&plain)).await.unwrap()[0]
+            .unwrap()
+            .remaining,
+        67
     );
     // Sliding log and leaky bucket refuse a lease argument outright.
     let log = Quota::window(Algorithm::SlidingLog, nz(100), nz(60_000_000));
     let mut l = LimitCheck::new(StoreKey("tollgate:{lease-sl}:r:0".into()), log, 1);
-    l.lease = Some(LeaseAsk { want: 10, extra: 0 });
+    l.lease = Some(LeaseAsk { want: 10, life_us: 0 });
     assert!(store.check(std::slice::from_ref(&l)).await.into_result().is_err());
 }
 
@@ -457,4 +479,150 @@ async fn unused_lease_units_go_back_on_reload_and_on_shutdown() {
     let [gw] = gws;
     gw.stop().await;
     assert_eq!(stored_count(&server), 700, "the shutdown gave the unused units back");
+}
+
+/// Requests of `cost` 1 for `key` under `q`, round-robin over `nodes`, `n` of them: how many
+/// were admitted, and how many of those from a lease.
+async fn round_robin(nodes: &[Limiter], key: &StoreKey, q: Quota, n: usize) -> (u64, u64) {
+    let (mut admitted, mut local) = (0, 0);
+    for i in 0..n {
+        let check = Planned(LimitCheck::new(key.clone(), q, 1));
+        let (o, source) = nodes[i % nodes.len()]
+            .check(std::slice::from_ref(&check))
+            .await
+            .outcomes[0];
+        if o.allowed {
+            admitted += 1;
+            if source == tollgate::limiter::Source::Lease {
+                local += 1;
+            }
+        }
+    }
+    (admitted, local)
+}
+
+/// Requests until the fleet admits nothing more: rounds of `round` requests, every node's
+/// leases given back before each, until a round admits none. How many were admitted.
+async fn drain(nodes: &[Limiter], key: &StoreKey, q: Quota, round: usize) -> u64 {
+    let mut admitted = 0;
+    for _ in 0..100 {
+        for n in nodes {
+            n.return_leases(true).await;
+        }
+        let (got, _) = round_robin(nodes, key, q, round).await;
+        admitted += got;
+        if got == 0 {
+            return admitted;
+        }
+    }
+    panic!("the fleet kept admitting after 100 rounds ({admitted} admitted)");
+}
+
+/// A token bucket with slow refill (300 tokens, one an hour) leased by three limiters: every
+/// token is admitted once leases are given back. Refill is spent as time, not as a whole unit
+/// per lease (an hour of refill each, which lost one token per lease for good).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_refill_token_bucket_leases_lose_no_tokens() {
+    let server = RedisServer::start();
+    let nodes = [
+        node(&server.url(), true).await,
+        node(&server.url(), true).await,
+        node(&server.url(), true).await,
+    ];
+    let q = Quota::bucket(Algorithm::TokenBucket, nz(300), nz(3_600_000_000));
+    let key = StoreKey::from("tollgate:{slow-refill}:r:0".to_owned());
+    let started = Instant::now();
+    let (mut admitted, local) = round_robin(&nodes, &key, q, 960).await;
+    admitted += drain(&nodes, &key, q, 30).await;
+    let refill = started.elapsed().as_secs() / 3600;
+    println!("slow refill: {admitted} admitted, {local} from leases (capacity 300 + {refill} refilled)");
+    assert!(local >= 50, "leases decided only {local} requests");
+    assert_eq!(admitted, 300 + refill, "the leases lost tokens");
+}
+
+/// `DELETE /keys` (Limiter::reset) while three limiters hold leases of the key: the admissions
+/// after the reset never exceed the limit. The leases taken before it end with it (the
+/// resetting node's at once, the others' before the counter goes), and their late returns
+/// are dropped instead of giving old-count units to the new count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_while_leases_are_held_starts_the_count_afresh() {
+    let server = RedisServer::start();
+    let nodes = [
+        node(&server.url(), true).await,
+        node(&server.url(), true).await,
+        node(&server.url(), true).await,
+    ];
+    for (qi, q) in [
+        Quota::window(Algorithm::FixedWindow, nz(3000), nz(86_400_000_000)),
+        Quota::window(Algorithm::SlidingWindow, nz(3000), nz(86_400_000_000)),
+        Quota::bucket(Algorithm::TokenBucket, nz(3000), nz(3_600_000_000)),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let key = StoreKey::from(format!("tollgate:{{reset-{qi}}}:r:0"));
+        // Hot on every node: each holds a live lease when the reset comes.
+        let (before, local) = round_robin(&nodes, &key, q, 600).await;
+        assert_eq!(before, 600);
+        assert!(local > 100, "{:?}: leases decided only {local}", q.algorithm);
+        let live: usize = nodes.iter().map(|n| n.leases.as_ref().map_or(0, |l| l.live())).sum();
+        assert!(live >= 2, "{:?}: only {live} nodes hold a lease", q.algorithm);
+        nodes[0].reset(&[LimitCheck::new(key.clone(), q, 1)]).await.unwrap();
+        let started = Instant::now();
+        // Straight on, as clients would: the leases of before the reset are neither given back
+        // first nor waited for.
+        let (mut after, _) = round_robin(&nodes, &key, q, 3600).await;
+        after += drain(&nodes, &key, q, 300).await;
+        let refill = started.elapsed().as_secs() / 3600 + 1;
+        println!("{:?}: {after} admitted after the reset", q.algorithm);
+        assert!(
+            after <= 3000 + if qi == 2 { refill } else { 0 },
+            "{:?}: {after} admitted after the reset, over the limit 3000",
+            q.algorithm
+        );
+        assert!(
+            after >= 3000 - 3 * 600,
+            "{:?}: only {after} after the reset",
+            q.algorithm
+        );
+    }
+}
+
+/// A reset does not free concurrency slots: two requests holding both slots still hold them,
+/// so a third is denied until one of them ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrency_slots_held_survive_a_reset() {
+    let server = RedisServer::start();
+    let limiter = node(&server.url(), false).await;
+    let slots = Quota::window(Algorithm::Concurrency, nz(2), nz(30_000_000));
+    let key = StoreKey::from("tollgate:{reset-slots}:c:0".to_owned());
+    let slot = |holder: u64| {
+        let mut c = LimitCheck::new(key.clone(), slots, 1);
+        c.holder = holder;
+        Planned(c)
+    };
+    for holder in [1, 2] {
+        let v = limiter.check(std::slice::from_ref(&slot(holder))).await;
+        assert!(v.outcomes[0].0.allowed, "slot {holder} of 2");
+    }
+    assert!(
+        !limiter.check(std::slice::from_ref(&slot(3))).await.outcomes[0]
+            .0
+            .allowed
+    );
+    limiter.reset(&[slot(0).0]).await.unwrap();
+    let v = limiter.check(std::slice::from_ref(&slot(4))).await;
+    assert!(
+        !v.outcomes[0].0.allowed,
+        "a reset freed a slot held by a running request"
+    );
+    // The slots are still released by their holders.
+    Store::refund(&limiter.store, &[(slot(1).0, v.outcomes[0].0.at_us)])
+        .await
+        .unwrap();
+    assert!(
+        limiter.check(std::slice::from_ref(&slot(5))).await.outcomes[0]
+            .0
+            .allowed
+    );
 }

@@ -609,7 +609,10 @@ async fn peek_reset_and_trait_refund() {
     store.check(&spread).await.into_result().unwrap();
     let keys: Vec<StoreKey> = spread.iter().map(|c| c.key.clone()).collect();
     store.reset(&keys).await.unwrap();
-    assert_eq!(server.cli(&["DBSIZE"]), "0");
+    // Only the reset markers (`<key>:r`, expiring) remain.
+    let left = server.cli(&["KEYS", "*"]);
+    assert!(left.lines().all(|k| k.ends_with(":r")), "{left}");
+    assert_eq!(left.lines().count(), 5 + 4, "{left}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -692,12 +695,15 @@ async fn bad_arguments_are_a_script_error_not_a_panic() {
     // The combined script refuses a wrong argument count with an error reply.
     let out = eval("1 k check ''");
     assert!(out.contains("tollgate: bad arguments"), "{out}");
-    let out = eval("1 k check '' 1 1 9 1 1 1 0");
+    let out = eval("1 k check '' 1 1 0 9 1 1 1 0");
     assert!(out.contains("bad arguments for limit 1"), "{out}");
     // A batch whose layout does not add up is refused before anything is written.
-    let out = eval("1 k check '' 2 1 3 5 1000000 1 0");
+    let out = eval("1 k check '' 2 1 0 3 5 1000000 1 0");
     assert!(out.contains("request layout"), "{out}");
-    let out = eval("2 k k check '' 1 1 3 5 1000000 1 0");
+    // A request's deadline must be a whole instant (0: none).
+    let out = eval("1 k check '' 1 1 -1 3 5 1000000 1 0");
+    assert!(out.contains("request layout"), "{out}");
+    let out = eval("2 k k check '' 1 1 0 3 5 1000000 1 0");
     assert!(out.contains("bad arguments"), "{out}");
     assert_eq!(server.cli(&["EXISTS", "k"]), "0");
     let out = eval("0 nope ''");
@@ -738,13 +744,13 @@ async fn bad_arguments_are_a_script_error_not_a_panic() {
         ("penalty max under base", "3 5 1000000 1 2 5000000 1000000"),
         ("penalty of 0", "3 5 1000000 1 2 0 0"),
     ] {
-        let out = eval(&format!("1 k check {now} 1 1 {limit_args}"));
+        let out = eval(&format!("1 k check {now} 1 1 0 {limit_args}"));
         assert!(out.contains("bad arguments for limit 1"), "{what}: {out}");
-        let out = eval(&format!("1 k refund {now} {limit_args}"));
+        let out = eval(&format!("2 k k:r refund {now} {limit_args}"));
         assert!(out.contains("bad arguments for limit 1"), "{what} (refund): {out}");
     }
     for bad_now in ["-5", "1.5", "inf", "99999999999999999"] {
-        let out = eval(&format!("1 k check {bad_now} 1 1 3 5 1000000 1 0"));
+        let out = eval(&format!("1 k check {bad_now} 1 1 0 3 5 1000000 1 0"));
         assert!(out.contains("bad arguments (now)"), "now {bad_now}: {out}");
     }
     assert_eq!(server.cli(&["EXISTS", "k"]), "0", "a refused call wrote");
@@ -761,7 +767,7 @@ fn eval_batch(server: &RedisServer, now: u64, requests: &[&[RawLimit<'_>]]) -> V
     let keys: Vec<&str> = requests.iter().flat_map(|r| r.iter().map(|l| l.0)).collect();
     cmd.arg(keys.len()).arg(&keys).arg("check").arg(now).arg(requests.len());
     for r in requests {
-        cmd.arg(r.len());
+        cmd.arg(r.len()).arg(0); // no deadline
         for &(_, algo, limit, interval, cost, shadow) in r.iter() {
             cmd.arg(algo).arg(limit).arg(interval).arg(cost).arg(u8::from(shadow));
         }
@@ -1051,4 +1057,33 @@ async fn a_refund_comes_off_the_window_it_was_spent_in() {
             assert!(next.allowed);
         }
     }
+}
+
+/// A request of a batch whose deadline passed before the script ran (its gateway gave up on
+/// it) is answered "late" (allowed code 6) and spends nothing; the next one, in time, spends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_past_its_deadline_is_answered_late_and_spends_nothing() {
+    let server = RedisServer::start();
+    let now: u64 = 1_800_000_000_000_000;
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(SCRIPT_SOURCE)
+        .arg(2)
+        .arg("{late}k")
+        .arg("{late}k")
+        .arg("check")
+        .arg(now)
+        .arg(2);
+    for deadline in [now - 1, now + 1] {
+        cmd.arg(1).arg(deadline).arg(3).arg(5).arg(60_000_000).arg(1).arg(0);
+    }
+    let mut con = redis::Client::open(server.url())
+        .and_then(|c| c.get_connection())
+        .expect("connect to redis-server");
+    let packed: Vec<u8> = cmd.query(&mut con).expect("EVAL check");
+    let r: Vec<i64> = packed
+        .chunks_exact(8)
+        .map(|c| f64::from_le_bytes(c.try_into().unwrap()) as i64)
+        .collect();
+    assert_eq!((r[1], r[6]), (6, 1), "late, then admitted: {r:?}");
+    assert_eq!(server.cli(&["HGET", "{late}k", "c"]), "1", "the late request spent");
 }

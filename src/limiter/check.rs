@@ -93,6 +93,16 @@ impl LimitCheck {
         k.push_str(":p");
         k
     }
+
+    /// Where the instant of this limit's last reset lives while the reset settles: the limit's
+    /// key with `:r` appended (same hash tag, so the same Redis Cluster slot). See
+    /// `RedisStore::reset_settled`.
+    pub fn reset_key(key: &StoreKey) -> String {
+        let mut k = String::with_capacity(key.0.len() + 2);
+        k.push_str(&key.0);
+        k.push_str(":r");
+        k
+    }
 }
 
 /// A rule's penalty box: after the rule denies a key, the key is denied everywhere for `base`;

@@ -14,13 +14,24 @@
 //!   in are exactly what a per-request call would have counted.
 //! - **Token bucket**: a unit spent early and used later would let the bucket refill meanwhile
 //!   (Redis sees the units gone; the bucket's clamp at capacity no longer wastes that refill), so
-//!   the script also spends `extra = ttl / interval` units: the lease is accounted as if spent at
-//!   its expiry, the latest instant it can be used, and granted only when it fits at the instant
-//!   it is taken. A return gives back only the unused units, never `extra`.
+//!   the script accounts the lease as spent at its expiry, the latest instant it can be used:
+//!   the bucket's `tat` becomes `max(tat, now + life) + units × interval`, `life` being the
+//!   lease's life in µs ([`LeaseAsk::life_us`]). That is refill spent as *time*, exactly what the
+//!   clamp could have wasted and nothing when the bucket was not full: never a whole unit
+//!   rounded up per lease, which with slow refill (1/h) cost a unit of capacity per lease. The
+//!   lease is granted only when it fits at the instant it is taken. A return gives back only the
+//!   unused units, never the life.
 //!
 //! Sliding log, leaky bucket and concurrency never take leases: their exactness rests on
 //! per-request timestamps, spacing or holders. Nor do shadow limits, limits with a penalty box
 //! (a penalty must reach every node at once) and rules that settle after the response.
+//!
+//! # Time
+//! Every instant the tables take (`now_us`, `sent_us`) is this node's **monotonic** clock
+//! ([`crate::clock::Clock::mono_us`]): a lease's life and a key's heat are local durations, and
+//! the wall clock may step (back, which would stretch a lease past its window, or forward).
+//! Only `at_us`, the store's instant a lease was spent at, is wall time, and it comes from the
+//! store.
 //!
 //! # Concurrency
 //! Both tables are behind `parking_lot` mutexes held only to read or update a few integers,
@@ -63,14 +74,14 @@ impl Default for LeaseConfig {
 }
 
 /// What a check asks the script to lease along with the request: up to `want` more units,
-/// capped by the script at half of what remains after the request, plus `extra` units spent and
-/// never returned (token bucket only, see the module docs).
+/// capped by the script at half of what remains after the request and at what fits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct LeaseAsk {
     /// Units wanted for this node's lease (≥ 1).
     pub want: u64,
-    /// Units spent on top of a granted lease and never returned.
-    pub extra: u64,
+    /// Token bucket: the lease's longest life in µs; the script counts its units as spent at
+    /// its end (see the module docs). 0 for windows, whose leases end with their window.
+    pub life_us: u64,
 }
 
 /// True when limits of this algorithm may be leased.
@@ -106,9 +117,9 @@ struct Lease {
     left: u64,
     /// Units granted.
     granted: u64,
-    /// This node's clock when the lease ends (from when the taking call was sent).
+    /// This node's monotonic clock when the lease ends (from when the taking call was sent).
     expires_us: u64,
-    /// This node's clock when the taking call was sent.
+    /// This node's monotonic clock when the taking call was sent.
     since_us: u64,
     /// `remaining` the store reported when the lease was taken (an estimate afterwards).
     remaining: u64,
@@ -117,7 +128,8 @@ struct Lease {
 }
 
 impl Lease {
-    /// True while the lease may decide requests: from when its call was sent until it expires.
+    /// True while the lease may decide requests: from when its call was sent until it expires
+    /// (`now_us` on the monotonic clock, so a wall clock step changes nothing).
     fn live_at(&self, now_us: u64) -> bool {
         self.since_us <= now_us && now_us < self.expires_us
     }
@@ -298,7 +310,6 @@ impl Leases {
                 return None;
             }
             match live.get(&c.key) {
-                // A clock that stepped back before the lease began ends it: its window may be over.
                 Some(l) if l.quota == c.quota && l.live_at(now_us) && l.left >= c.cost => {}
                 _ => return None,
             }
@@ -420,15 +431,16 @@ impl Leases {
         if want == 0 || want < cost {
             return None;
         }
-        let extra = match q.algorithm {
-            Algorithm::TokenBucket => ttl.div_ceil(q.interval_us.get()),
+        let life_us = match q.algorithm {
+            Algorithm::TokenBucket => ttl,
             _ => 0,
         };
-        Some(LeaseAsk { want, extra })
+        Some(LeaseAsk { want, life_us })
     }
 
     /// Record the leases the store granted with a request: `checks[i]` asked and `outcomes[i]`
-    /// says how many units it got. `sent_us` is this node's clock when the call was sent.
+    /// says how many units it got. `sent_us` is this node's monotonic clock when the call was
+    /// sent.
     /// Returns the units of leases these replace (two calls for one key raced), to give back.
     pub fn granted(&self, checks: &[LimitCheck], outcomes: &[Outcome], sent_us: u64) -> Vec<Return> {
         let mut back = Vec::new();
@@ -484,6 +496,17 @@ impl Leases {
             false
         });
         back
+    }
+
+    /// End this node's leases of `keys` without giving their units back (a reset: the count
+    /// they were spent from is being deleted).
+    pub fn forget(&self, keys: &[StoreKey]) {
+        let mut live = self.live.lock();
+        for k in keys {
+            if let Some(l) = live.remove(k) {
+                self.ended(&l);
+            }
+        }
     }
 
     /// How many leases are live.

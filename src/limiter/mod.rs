@@ -144,7 +144,9 @@ impl Limiter {
             }
         }
         if let Some(leases) = &self.leases {
-            if let Some(outcomes) = leases.decide(checks, now) {
+            // Lease lives run on the monotonic clock (ARCHITECTURE.md, "Leases never let the
+            // fleet exceed a limit"): a wall clock stepped back must not stretch one.
+            if let Some(outcomes) = leases.decide(checks, self.clock.mono_us()) {
                 return Ok(lease_verdict(outcomes));
             }
         }
@@ -166,16 +168,16 @@ impl Limiter {
         let mut asked: Option<Vec<LimitCheck>> = None;
         let mut asking = None;
         if let Some(leases) = &self.leases {
-            let mut prep = leases.prepare(checks, now, true);
+            let mut prep = leases.prepare(checks, self.clock.mono_us(), true);
             if let Some((key, n)) = prep.wait.take() {
                 // Another request is asking for this key's lease: its grant will most likely
                 // decide this one too.
                 leases.wait(&key, &n, self.timeout).await;
-                let now = self.clock.now_us();
-                if let Some(outcomes) = leases.decide(checks, now) {
+                let mono = self.clock.mono_us();
+                if let Some(outcomes) = leases.decide(checks, mono) {
                     return lease_verdict(outcomes);
                 }
-                prep = leases.prepare(checks, now, false);
+                prep = leases.prepare(checks, mono, false);
             }
             if !prep.back.is_empty() {
                 // Before the check, so the store never denies it for this node's own unused units.
@@ -195,12 +197,14 @@ impl Limiter {
             }
             asking = Some(prep.asking);
         }
+        // A lease lives from before its call was sent, on the monotonic clock.
+        let sent_mono = self.clock.mono_us();
         let checked = match &asked {
             Some(a) => self.store_check(a).await,
             None => self.store_check(checks).await,
         };
         if let (Some(leases), Some(a)) = (&self.leases, &asked) {
-            let replaced = leases.granted(a, &checked.outcomes, now);
+            let replaced = leases.granted(a, &checked.outcomes, sent_mono);
             // The asks are answered: wake the requests waiting for them.
             drop(asking);
             if !replaced.is_empty() {
@@ -281,7 +285,7 @@ impl Limiter {
     /// their unused units back. Called every half lease time to live by the server.
     pub async fn return_leases(&self, all: bool) {
         if let Some(leases) = &self.leases {
-            let back = leases.take_back(self.clock.now_us(), all);
+            let back = leases.take_back(self.clock.mono_us(), all);
             if !back.is_empty() {
                 self.give_back(&back).await;
             }
@@ -360,15 +364,44 @@ impl Limiter {
         }
     }
 
-    /// Forget every counter and deny-cache entry at `keys`.
-    pub async fn reset(&self, keys: &[StoreKey]) -> Result<(), StoreError> {
+    /// Reset the limits of `checks` (`DELETE /keys/…`): their counters start again from zero
+    /// and their penalties are lifted, on every node. Concurrency slots are current usage and
+    /// survive (released by their holders, or expired by their time to live).
+    ///
+    /// No unit of the old count reaches the new one (ARCHITECTURE.md, "Leases never let the
+    /// fleet exceed a limit"): this node's leases of the keys end at once; on Redis the reset
+    /// waits one lease time to live before the counters go, so every node's lease of them has
+    /// expired, and the store drops their late returns (see
+    /// [`redis::RedisStore::reset_settled`]).
+    pub async fn reset(&self, checks: &[LimitCheck]) -> Result<(), StoreError> {
+        let counters: Vec<StoreKey> = checks.iter().filter(|c| !c.is_slot()).map(|c| c.key.clone()).collect();
+        if let Some(leases) = &self.leases {
+            leases.forget(&counters);
+        }
+        let done = match &self.store {
+            Backend::Redis(r) => {
+                let slots: Vec<StoreKey> = checks.iter().filter(|c| c.is_slot()).map(|c| c.key.clone()).collect();
+                let hold = self
+                    .leases
+                    .as_ref()
+                    .map_or(Duration::ZERO, |l| Duration::from_micros(l.config().ttl_us.get()));
+                // In a task of its own: a reset begun (markers written) always ends with the
+                // counters deleted, even if the admin client leaves during the wait.
+                let (r, keys) = (Arc::clone(r), counters.clone());
+                let task = tokio::spawn(async move { r.reset_settled(&keys, &slots, hold).await });
+                task.await
+                    .unwrap_or_else(|e| Err(StoreError::Redis(format!("the reset task failed: {e}"))))
+            }
+            Backend::Memory(m) => m.reset(&counters).await,
+        };
+        self.local.reset(&counters).await?;
+        // After the wait: a denial cached meanwhile came from the old count.
         if let Some(deny) = &self.deny {
-            for k in keys {
-                deny.remove(k);
+            for c in checks {
+                deny.remove(&c.key);
             }
         }
-        self.local.reset(keys).await?;
-        self.store.reset(keys).await
+        done
     }
 
     /// Probe the shards whose breaker is open and close those that answer; how many stay open.

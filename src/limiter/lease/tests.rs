@@ -2,6 +2,7 @@
 //! returns, the fleet never over-admitting) is tested against real Redis in tests/leases.rs.
 
 use super::*;
+use crate::clock::Clock;
 use crate::limiter::FailurePolicy;
 
 /// A planned check as the limiter sees it.
@@ -47,7 +48,10 @@ fn leases() -> Leases {
 /// Grant `units` on `c` as the store would: the outcome of a check at store time `at`.
 fn grant(l: &Leases, c: &C, units: u64, at: u64, sent: u64) -> Vec<Return> {
     let mut asked = c.0.clone();
-    asked.lease = Some(LeaseAsk { want: units, extra: 0 });
+    asked.lease = Some(LeaseAsk {
+        want: units,
+        life_us: 0,
+    });
     let o = Outcome {
         allowed: true,
         remaining: 500,
@@ -168,7 +172,7 @@ fn only_keys_seen_at_min_rate_ask_and_asks_are_capped() {
     }
     let ask = seen(&l, &c, 1_000_000 + 10).unwrap();
     // 10/s × 250 ms = 2.5, at least 1 per request's cost; at most 10 % of 1000.
-    assert_eq!(ask, LeaseAsk { want: 2, extra: 0 });
+    assert_eq!(ask, LeaseAsk { want: 2, life_us: 0 });
     for i in 0..1000 {
         seen(&l, &c, 1_000_000 + 11 + i);
     }
@@ -193,11 +197,19 @@ fn a_request_with_a_limit_that_may_not_lease_asks_for_none() {
 }
 
 #[test]
-fn token_bucket_leases_carry_the_refill_of_their_life_as_extra() {
+fn token_bucket_leases_carry_their_life_as_time() {
     let l = leases();
-    // 100 tokens, one every 10 ms: a 250 ms lease also spends the 25 tokens refilled meanwhile.
+    // A 250 ms lease carries its life in µs, whatever the refill rate (no unit rounded up).
     let q = Quota::bucket(Algorithm::TokenBucket, nz(1000), nz(10_000));
-    assert_eq!(l.ask(&q, 1, 400).unwrap(), LeaseAsk { want: 100, extra: 25 });
+    assert_eq!(
+        l.ask(&q, 1, 400).unwrap(),
+        LeaseAsk {
+            want: 100,
+            life_us: 250_000
+        }
+    );
+    let slow = Quota::bucket(Algorithm::TokenBucket, nz(1000), nz(3_600_000_000));
+    assert_eq!(l.ask(&slow, 1, 400).unwrap().life_us, 250_000);
     assert!(l.ask(&q, 1, 0).is_some_and(|a| a.want == 1));
     // A limit too small for a 10 % share gets no lease.
     assert!(l.ask(&window(5), 1, 1000).is_none());
@@ -280,4 +292,66 @@ fn a_request_going_to_the_store_takes_its_keys_leases_back_first() {
     assert_eq!(back.len(), 1);
     assert_eq!((back[0].0.key.as_str(), back[0].0.cost), ("a", 10));
     assert_eq!(l.live(), 0);
+}
+
+/// A limiter on the memory store with leases, over `clock` (the memory store never grants a
+/// lease itself: the tests grant them by hand, as the Redis store would).
+fn limiter_with_leases(clock: &crate::clock::FakeClock) -> crate::limiter::Limiter {
+    let shared: crate::clock::SharedClock = Arc::new(clock.clone());
+    crate::limiter::Limiter {
+        store: crate::limiter::Backend::Memory(Arc::new(crate::limiter::memory::MemoryStore::new(
+            shared.clone(),
+            1000,
+        ))),
+        local: Arc::new(crate::limiter::memory::MemoryStore::new(shared.clone(), 1000)),
+        deny: None,
+        timeout: std::time::Duration::from_millis(100),
+        clock: shared,
+        held: Default::default(),
+        next_holder: std::sync::atomic::AtomicU64::new(1),
+        leases: Some(leases()),
+    }
+}
+
+#[test]
+fn a_wall_clock_stepped_back_does_not_stretch_a_lease() {
+    let clock = crate::clock::FakeClock::new(1_700_000_000_000_000);
+    let limiter = limiter_with_leases(&clock);
+    let Some(l) = &limiter.leases else {
+        unreachable!("built with leases") // allow-panic: test
+    };
+    let c = check("k", window(1000), 1);
+    // Granted with the instant the limiter's lease clock read when the call was sent.
+    grant(l, &c, 100, 60_000_001, clock.mono_us());
+    let decide = |what: &str| {
+        let v = limiter.begin(std::slice::from_ref(&c), clock.now_us()).unwrap(); // allow-panic: test
+        assert!(v.outcomes[0].0.allowed, "{what}");
+        v.outcomes[0].1
+    };
+    assert_eq!(decide("fresh lease"), crate::limiter::Source::Lease);
+    // 200 ms on, the wall clock steps back 100 ms; 100 ms more and the lease has lived 300 ms,
+    // past its 250 ms ttl, although the wall clock shows only 200 ms since the grant.
+    clock.advance_ms(200);
+    assert_eq!(decide("200 ms old"), crate::limiter::Source::Lease);
+    clock.set_us(clock.now_us() - 100_000);
+    clock.advance_ms(100);
+    assert_ne!(
+        decide("300 ms old by the monotonic clock"),
+        crate::limiter::Source::Lease,
+        "a lease outlived its ttl because the wall clock stepped back"
+    );
+    let back = l.take_back(clock.mono_us(), false);
+    assert_eq!(back.len(), 1, "the sweep ends it as expired");
+    assert_eq!(back[0].0.cost, 98);
+}
+
+#[test]
+fn a_fake_clock_steps_its_wall_time_back_without_moving_the_monotonic_one() {
+    let clock = crate::clock::FakeClock::new(5_000_000);
+    clock.advance_us(10);
+    assert_eq!((clock.now_us(), clock.mono_us()), (5_000_010, 10));
+    clock.set_us(1_000_000);
+    assert_eq!((clock.now_us(), clock.mono_us()), (1_000_000, 10));
+    clock.set_us(1_000_005);
+    assert_eq!((clock.now_us(), clock.mono_us()), (1_000_005, 15));
 }

@@ -21,6 +21,16 @@
 //! which gives up at its own deadline (the caller's `store.timeout`). A request whose caller has
 //! already given up (deadline passed, client gone) is dropped from the queue before its batch is
 //! sent, so it never spends quota. Standalone Redis has no slots: everything shares one queue.
+//!
+//! # Deadlines
+//! A request that timed out must never spend later, yet a call already written to a frozen
+//! server runs when the server resumes. So every request carries its deadline (its caller's
+//! `store.timeout`, on this process's monotonic clock), converted to the shard's Redis time with
+//! the shard's clock offset (`slots::Offset`, learned from replies and at connect) when its batch
+//! is sent; the script spends nothing for a request whose deadline has passed by its `TIME`,
+//! and answers it "late", which the caller gets as [`StoreError::Timeout`] (the rule's failure
+//! policy). The offset is a lower bound, so the Redis deadline is never later than the local
+//! one. Refunds, debits and renewals carry none: they must land whenever they run.
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -50,6 +60,8 @@ pub(super) struct Pending {
     checks: Vec<LimitCheck>,
     /// Where the answer goes; closed once the caller gave up.
     reply: oneshot::Sender<Answer>,
+    /// When the caller gives up, on the store's monotonic clock (`Inner::mono_us`).
+    deadline: u64,
 }
 
 /// The request side of the batch task: submit one request's checks for one slot.
@@ -70,19 +82,31 @@ impl Batches {
         Batches { mode, tx }
     }
 
-    /// Queue `checks` (one request's limits, all on one slot) and wait for the answer.
+    /// Queue `checks` (one request's limits, all on one slot), to be decided by `deadline` (on
+    /// the store's monotonic clock, see the module docs), and wait for the answer.
     ///
     /// No timer of its own: the wait is bounded by the call in flight for the slot (its
     /// `store.timeout`) plus this request's own call, and the limiter's deadline around every
     /// check bounds it to `store.timeout` on the request path. A call that fails or times out
     /// is counted (towards a connection rebuild) by the batch task, once per call.
-    pub(super) async fn check(&self, slot: u16, checks: Vec<LimitCheck>) -> Answer {
+    pub(super) async fn check(&self, slot: u16, checks: Vec<LimitCheck>, deadline: u64) -> Answer {
         let slot = match self.mode {
             RedisMode::Cluster => slot,
             RedisMode::Single => 0,
         };
         let (reply, answer) = oneshot::channel();
-        if self.tx.send((slot, Pending { checks, reply })).is_err() {
+        if self
+            .tx
+            .send((
+                slot,
+                Pending {
+                    checks,
+                    reply,
+                    deadline,
+                },
+            ))
+            .is_err()
+        {
             return Err(StoreError::Redis("the Redis batch task has stopped".to_owned()));
         }
         answer
@@ -127,7 +151,7 @@ impl Queues {
         self.busy.insert(slot);
         let inner = Arc::clone(&self.inner);
         self.in_flight.push(Box::pin(async move {
-            send(&inner, batch).await;
+            send(&inner, slot, batch).await;
             slot
         }));
     }
@@ -169,16 +193,30 @@ async fn run(inner: Arc<Inner>, mut rx: mpsc::UnboundedReceiver<(Slot, Pending)>
     }
 }
 
-/// One script call for `batch`; every request gets its own slice of the reply, or the error.
-async fn send(inner: &Arc<Inner>, batch: Vec<Pending>) {
+/// One script call for `batch` (on `slot`), each request with its deadline in the shard's
+/// Redis time; every request gets its own slice of the reply, a timeout when it came too late,
+/// or the error. The reply teaches the shard's clock offset.
+async fn send(inner: &Arc<Inner>, slot: Slot, batch: Vec<Pending>) {
     inner.batch_calls.fetch_add(1, Ordering::Relaxed);
     inner.batch_requests.fetch_add(batch.len() as u64, Ordering::Relaxed);
-    match inner.check_batch(None, batch.iter().map(|p| p.checks.as_slice())).await {
+    let shard = Arc::clone(inner.topo.load().shard_for(slot));
+    let deadlines: Vec<u64> = batch
+        .iter()
+        .map(|p| shard.offset.redis_at(p.deadline).unwrap_or(0))
+        .collect();
+    let requests = batch.iter().zip(&deadlines).map(|(p, &d)| (p.checks.as_slice(), d));
+    match inner.check_batch(None, requests).await {
         Ok((now, outcomes)) => {
+            shard.offset.learn(now, inner.mono_us());
             let mut outcomes = outcomes.into_iter();
             for p in batch {
-                let mine: Vec<Outcome> = outcomes.by_ref().take(p.checks.len()).collect();
-                let _ = p.reply.send(Ok((now, mine)));
+                let mine: Vec<(bool, Outcome)> = outcomes.by_ref().take(p.checks.len()).collect();
+                let answer = if mine.iter().any(|(late, _)| *late) {
+                    Err(StoreError::Timeout)
+                } else {
+                    Ok((now, mine.into_iter().map(|(_, o)| o).collect()))
+                };
+                let _ = p.reply.send(answer);
             }
         }
         Err(e) => {

@@ -424,18 +424,61 @@ impl Inner {
         });
     }
 
-    /// Re-read which master owns which slot (cluster only; a failed read keeps the old map).
+    /// Re-read which master owns which slot (cluster only; a failed read keeps the old map),
+    /// then learn the clock offset of every shard that has none yet.
     pub(super) async fn refresh_topology(&self) {
-        if self.mode != RedisMode::Cluster {
-            return;
-        }
-        let Ok(mut conn) = self.conn() else { return };
-        let cmd = redis::cmd("CLUSTER").arg("SLOTS").to_owned();
-        if let Ok(Ok(reply)) = tokio::time::timeout(connect_timeout(self.timeout), conn.query(&cmd)).await {
-            if let Some(t) = self.topo.load().refreshed(&reply, self.threshold) {
-                self.topo.store(Arc::new(t));
+        if self.mode == RedisMode::Cluster {
+            let Ok(mut conn) = self.conn() else { return };
+            let cmd = redis::cmd("CLUSTER").arg("SLOTS").to_owned();
+            if let Ok(Ok(reply)) = tokio::time::timeout(connect_timeout(self.timeout), conn.query(&cmd)).await {
+                if let Some(t) = self.topo.load().refreshed(&reply, self.threshold) {
+                    self.topo.store(Arc::new(t));
+                }
             }
         }
+        self.learn_offsets().await;
+    }
+
+    /// This process's monotonic clock, µs since the store was built: the local side of every
+    /// shard's clock offset and of check deadlines.
+    pub(super) fn mono_us(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
+    }
+
+    /// One `TIME` to each shard whose clock offset is not known yet (at connect, after a
+    /// rebuild or a failover), within the store deadline, so the first check sent to it
+    /// already carries a deadline. Later replies keep the estimate tight.
+    async fn learn_offsets(&self) {
+        let Ok(conn) = self.conn() else { return };
+        let shards: Vec<Arc<slots::Shard>> = self
+            .topo
+            .load()
+            .shards
+            .iter()
+            .filter(|s| !s.offset.known())
+            .cloned()
+            .collect();
+        let calls = shards.iter().map(|s| {
+            let mut conn = conn.clone();
+            async move {
+                let cmd = redis::cmd("TIME");
+                let reply = match (&mut conn, s.probe_slot) {
+                    (Conn::Cluster(c), Some(slot)) => {
+                        let node = SingleNodeRoutingInfo::SpecificNode(Route::new(slot, SlotAddr::Master));
+                        c.route_command(cmd, RoutingInfo::SingleNode(node)).await
+                    }
+                    _ => conn.query(&cmd).await,
+                };
+                let arrived = self.mono_us();
+                if let Ok(v) = reply {
+                    if let Ok((secs, micros)) = redis::from_redis_value::<(u64, u64)>(v) {
+                        s.offset
+                            .learn(secs.saturating_mul(1_000_000).saturating_add(micros), arrived);
+                    }
+                }
+            }
+        });
+        let _ = tokio::time::timeout(self.timeout, futures_util::future::join_all(calls)).await;
     }
 
     /// Count one call to `shard` towards its breaker; log when it opens, and rebuild the
@@ -524,7 +567,7 @@ impl Inner {
 
     /// One script call bounded by the deadline; the raw reply. (Failures are counted by the
     /// caller, against the breaker of the shard it called.)
-    async fn script(&self, write: bool, build: impl Fn(Invoke<'_>) -> Cmd) -> Result<Value, StoreError> {
+    pub(super) async fn script(&self, write: bool, build: impl Fn(Invoke<'_>) -> Cmd) -> Result<Value, StoreError> {
         let replicated = write && self.replicated.load(Ordering::Relaxed);
         let call = async {
             let routing = if replicated {
@@ -592,17 +635,18 @@ impl Inner {
         )
     }
 
-    /// A `check` call on a batch of requests (all on one slot): Redis' `now` and one outcome
-    /// per limit, request after request.
+    /// A `check` call on a batch of requests (all on one slot), each with its deadline in
+    /// Redis time (0: none): Redis' `now` and, per limit, request after request, whether its
+    /// request was too late (nothing spent) and its outcome.
     pub(super) async fn check_batch<'c, R>(
         &self,
         now: Option<u64>,
         requests: R,
-    ) -> Result<(u64, Vec<Outcome>), StoreError>
+    ) -> Result<(u64, Vec<(bool, Outcome)>), StoreError>
     where
-        R: Iterator<Item = &'c [LimitCheck]> + Clone,
+        R: Iterator<Item = (&'c [LimitCheck], u64)> + Clone,
     {
-        let n = requests.clone().map(<[LimitCheck]>::len).sum();
+        let n = requests.clone().map(|(r, _)| r.len()).sum();
         let value = self.script(true, |how| check_cmd(how, now, requests.clone())).await?;
         parse_packed(value, n, checked)
     }

@@ -336,6 +336,75 @@ impl RedisStore {
         Ok(())
     }
 
+    /// Reset the counters at `counters` and lift the penalties of every limit at `counters` and
+    /// `slots` (concurrency keys, whose slots survive: they are requests running now, released
+    /// by their holders or expiring by their time to live), such that no lease or refund from
+    /// before the reset reaches the new count (ARCHITECTURE.md, "Leases never let the fleet
+    /// exceed a limit"):
+    ///
+    /// 1. Each counter's reset marker ([`LimitCheck::reset_key`], same slot) is set to Redis'
+    ///    now, for `2 × hold + 2 × store.timeout + 1 s`. While it exists the script grants no
+    ///    lease of that key, and drops every refund or lease return whose spending instant is
+    ///    at or before the marker (it would give old-count units to the new count).
+    /// 2. Wait `hold`, the lease time to live: every lease taken before the marker has then
+    ///    expired on its node (a lease lives `ttl` from before its call was sent), so none
+    ///    admits from old-count units after the new count starts; meanwhile the old count
+    ///    still decides.
+    /// 3. Delete the counters and penalty keys: the new count starts at zero.
+    ///
+    /// The marker outlives the return of every lease taken before it (returned at most
+    /// 1.5 × ttl after it was taken, within twice the store deadline).
+    pub async fn reset_settled(
+        &self,
+        counters: &[StoreKey],
+        slots: &[StoreKey],
+        hold: Duration,
+    ) -> Result<(), StoreError> {
+        let inner = &self.inner;
+        if !counters.is_empty() {
+            let life = hold.saturating_mul(2) + inner.timeout.saturating_mul(2) + Duration::from_secs(1);
+            let life_ms = u64::try_from(life.as_millis()).unwrap_or(u64::MAX);
+            let groups = group_by_tag(counters.iter());
+            let marks = groups.iter().map(|g| {
+                let keys = g.iter().map(|&i| &counters[i]);
+                inner.script(true, move |how| protocol::reset_cmd(how, keys.clone(), life_ms))
+            });
+            for r in futures_util::future::join_all(marks).await {
+                r?;
+            }
+            if !hold.is_zero() {
+                tokio::time::sleep(hold).await;
+            }
+        }
+        // One DEL per slot (a multi-key DEL must stay within one slot in a cluster); a limit's
+        // penalty key shares its hash tag, so it goes in the same DEL.
+        let all: Vec<(&StoreKey, bool)> = counters
+            .iter()
+            .map(|k| (k, true))
+            .chain(slots.iter().map(|k| (k, false)))
+            .collect();
+        let groups = group_by_tag(all.iter().map(|(k, _)| *k));
+        let cmds: Vec<Cmd> = groups
+            .iter()
+            .map(|g| {
+                let mut cmd = redis::cmd("DEL");
+                for &i in g {
+                    let (key, counter) = all[i];
+                    if counter {
+                        cmd.arg(key.as_str());
+                    }
+                    cmd.arg(LimitCheck::penalty_key(key));
+                }
+                cmd
+            })
+            .collect();
+        let results = futures_util::future::join_all(cmds.iter().map(|c| inner.command(c))).await;
+        for r in results {
+            r?;
+        }
+        Ok(())
+    }
+
     /// Number of shards whose breaker is open now.
     pub fn open_breakers(&self) -> usize {
         self.inner.topo.load().open_shards().count()
@@ -412,28 +481,9 @@ impl Store for RedisStore {
         first
     }
 
+    /// [`RedisStore::reset_settled`] of `keys` as counters, without waiting for leases.
     async fn reset(&self, keys: &[StoreKey]) -> Result<(), StoreError> {
-        if keys.is_empty() {
-            return Ok(());
-        }
-        // One DEL per slot (a multi-key DEL must stay within one slot in a cluster); a limit's
-        // penalty key shares its hash tag, so it goes in the same DEL.
-        let groups = group_by_tag(keys.iter());
-        let cmds: Vec<Cmd> = groups
-            .iter()
-            .map(|g| {
-                let mut cmd = redis::cmd("DEL");
-                for &i in g {
-                    cmd.arg(keys[i].as_str()).arg(LimitCheck::penalty_key(&keys[i]));
-                }
-                cmd
-            })
-            .collect();
-        let results = futures_util::future::join_all(cmds.iter().map(|c| self.inner.command(c))).await;
-        for r in results {
-            r?;
-        }
-        Ok(())
+        self.reset_settled(keys, &[], Duration::ZERO).await
     }
 
     /// A cost-0 token-bucket check on [`PROBE_KEY`] through the real script path (routing,

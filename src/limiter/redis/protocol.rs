@@ -3,7 +3,7 @@
 
 use redis::{Cmd, Value};
 
-use crate::limiter::{LimitCheck, Outcome, StoreError};
+use crate::limiter::{LimitCheck, Outcome, StoreError, StoreKey};
 
 /// The combined limit script: the shared helpers, one fragment per algorithm, and the
 /// dispatcher `lua/check.lua` (see each file's header for KEYS, ARGV and the reply).
@@ -31,6 +31,8 @@ pub(super) enum Mode {
     Renew,
     /// Spend `cost` more on every key without checking (a reported cost above the estimate).
     Debit,
+    /// Write each key's reset marker (the instant of the reset), see `lua/check.lua`.
+    Reset,
 }
 
 impl Mode {
@@ -41,6 +43,7 @@ impl Mode {
             Mode::Peek => "peek",
             Mode::Renew => "renew",
             Mode::Debit => "debit",
+            Mode::Reset => "reset",
         }
     }
 }
@@ -94,7 +97,7 @@ pub(super) fn function_library(name: &str) -> String {
 
 /// Append the script arguments of one limit: code, limit, interval, cost, flags (1 shadow,
 /// 2 penalty box, 4 calendar window, 8 lease), then the holder for a concurrency slot, the
-/// penalty's base and max, the calendar unit and UTC offset, and the lease wanted and its extra.
+/// penalty's base and max, the calendar unit and UTC offset, and the lease wanted and its life.
 fn limit_args(cmd: &mut Cmd, c: &LimitCheck) {
     let flags = u8::from(c.shadow)
         | if c.penalty.is_some() { 2 } else { 0 }
@@ -115,7 +118,7 @@ fn limit_args(cmd: &mut Cmd, c: &LimitCheck) {
         cmd.arg(cal.unit.code()).arg(cal.offset_s);
     }
     if let Some(l) = c.lease {
-        cmd.arg(l.want).arg(l.extra);
+        cmd.arg(l.want).arg(l.life_us);
     }
 }
 
@@ -125,17 +128,32 @@ fn holder_member(holder: u64) -> String {
     format!("{holder:016x}")
 }
 
-/// Append the keys of one limit: its own, then its penalty key when it has one.
-fn limit_keys(cmd: &mut Cmd, c: &LimitCheck) {
+/// True when a limit sends its reset marker key in `mode`: every refund (a refund of units
+/// spent before a reset is dropped) and a check that asks for a lease (none is granted while
+/// a reset settles). See `lua/check.lua`.
+fn marked(mode: Mode, c: &LimitCheck) -> bool {
+    match mode {
+        Mode::Refund => true,
+        Mode::Check => c.lease.is_some(),
+        _ => false,
+    }
+}
+
+/// Append the keys of one limit in `mode`: its own, then its penalty key when it has one, then
+/// its reset marker key when [`marked`].
+fn limit_keys(cmd: &mut Cmd, c: &LimitCheck, mode: Mode) {
     cmd.arg(c.key.as_str());
     if c.penalty.is_some() {
         cmd.arg(LimitCheck::penalty_key(&c.key));
     }
+    if marked(mode, c) {
+        cmd.arg(LimitCheck::reset_key(&c.key));
+    }
 }
 
-/// Keys one limit sends.
-fn key_count(c: &LimitCheck) -> usize {
-    1 + usize::from(c.penalty.is_some())
+/// Keys one limit sends in `mode`.
+fn key_count(c: &LimitCheck, mode: Mode) -> usize {
+    1 + usize::from(c.penalty.is_some()) + usize::from(marked(mode, c))
 }
 
 /// The script's `now` argument: explicit, or "" for Redis `TIME`.
@@ -147,24 +165,31 @@ fn now_arg(cmd: &mut Cmd, now: Option<u64>) {
 }
 
 /// Build the `check` call for a batch of `requests` (each one request's limits, all on one
-/// slot), in the script's batch layout: keys of every request, then `check`, `now`, the
-/// request count, and per request its limit count and 5 arguments per limit.
+/// slot, and its deadline in Redis time, 0 for none), in the script's batch layout: keys of
+/// every request, then `check`, `now`, the request count, and per request its limit count, its
+/// deadline and 5 arguments per limit.
 pub(super) fn check_cmd<'c, R>(how: Invoke<'_>, now: Option<u64>, requests: R) -> Cmd
 where
-    R: Iterator<Item = &'c [LimitCheck]> + Clone,
+    R: Iterator<Item = (&'c [LimitCheck], u64)> + Clone,
 {
     let mut cmd = script_head(how);
-    cmd.arg(requests.clone().flatten().map(key_count).sum::<usize>());
-    for r in requests.clone() {
+    cmd.arg(
+        requests
+            .clone()
+            .flat_map(|(r, _)| r.iter())
+            .map(|c| key_count(c, Mode::Check))
+            .sum::<usize>(),
+    );
+    for (r, _) in requests.clone() {
         for c in r {
-            limit_keys(&mut cmd, c);
+            limit_keys(&mut cmd, c, Mode::Check);
         }
     }
     cmd.arg(Mode::Check.as_str());
     now_arg(&mut cmd, now);
     cmd.arg(requests.clone().count());
-    for r in requests {
-        cmd.arg(r.len());
+    for (r, deadline) in requests {
+        cmd.arg(r.len()).arg(deadline);
         for c in r {
             limit_args(&mut cmd, c);
         }
@@ -180,15 +205,27 @@ pub(super) fn script_cmd<'c>(
     checks: impl Iterator<Item = &'c LimitCheck> + Clone,
 ) -> Cmd {
     let mut cmd = script_head(how);
-    cmd.arg(checks.clone().map(key_count).sum::<usize>());
+    cmd.arg(checks.clone().map(|c| key_count(c, mode)).sum::<usize>());
     for c in checks.clone() {
-        limit_keys(&mut cmd, c);
+        limit_keys(&mut cmd, c, mode);
     }
     cmd.arg(mode.as_str());
     now_arg(&mut cmd, now);
     for c in checks {
         limit_args(&mut cmd, c);
     }
+    cmd
+}
+
+/// The `reset` call for `keys` (all on one slot): writes each key's reset marker
+/// ([`LimitCheck::reset_key`]) holding Redis' now, living `life_ms`.
+pub(super) fn reset_cmd<'k>(how: Invoke<'_>, keys: impl Iterator<Item = &'k StoreKey> + Clone, life_ms: u64) -> Cmd {
+    let mut cmd = script_head(how);
+    cmd.arg(keys.clone().count());
+    for k in keys {
+        cmd.arg(LimitCheck::reset_key(k));
+    }
+    cmd.arg(Mode::Reset.as_str()).arg("").arg(life_ms);
     cmd
 }
 
@@ -202,9 +239,10 @@ pub(super) fn peeked(allowed: u64, o: Outcome) -> Option<Outcome> {
     (allowed != 2).then_some(o)
 }
 
-/// A check reply entry.
-pub(super) fn checked(_allowed: u64, o: Outcome) -> Outcome {
-    o
+/// A check reply entry: whether its request came too late (allowed code 6: the script ran
+/// after the request's deadline and spent nothing), and its outcome.
+pub(super) fn checked(allowed: u64, o: Outcome) -> (bool, Outcome) {
+    (allowed == 6, o)
 }
 
 /// Parse a reply, the one format of every mode: `[now, (allowed, remaining, reset, retry,

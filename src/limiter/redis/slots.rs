@@ -60,7 +60,7 @@ fn crc16(data: &[u8]) -> u16 {
     crc
 }
 
-/// One master: its address and its breaker.
+/// One master: its address, its breaker and its clock's offset from ours.
 #[derive(Debug)]
 pub(crate) struct Shard {
     /// `host:port` of the master (or of the standalone server), for logs and probes.
@@ -69,6 +69,61 @@ pub(crate) struct Shard {
     pub(crate) breaker: Breaker,
     /// A slot this shard owns, to route its probe (`None` for standalone).
     pub(crate) probe_slot: Option<u16>,
+    /// Its `TIME` minus this process's monotonic clock, for check deadlines.
+    pub(crate) offset: Offset,
+}
+
+/// Drift the offset estimate may follow downward, per µs elapsed since it was last set: 100
+/// ppm (clocks disciplined by NTP drift apart far slower; a step of the server's clock back
+/// only makes deadlines looser until the estimate has caught up).
+const DRIFT_PER_US: i64 = 10_000;
+
+/// How far a shard's Redis `TIME` reads ahead of this process's monotonic clock (µs since the
+/// store's epoch), learned from replies: every reply carries the instant its script ran, which
+/// came before the reply arrived, so `redis_at − arrival` is a **lower bound** of the offset.
+/// The estimate is the tightest (largest) bound seen, and may follow lower bounds down by at
+/// most [`DRIFT_PER_US`] of the time since it was set (slow drift, never a noisy sample).
+///
+/// A deadline `send + offset + timeout` in Redis time is therefore never later than the local
+/// deadline: a script that runs before it ran while its caller was still waiting. A
+/// `parking_lot` mutex held for a few integer operations.
+#[derive(Debug, Default)]
+pub(crate) struct Offset {
+    /// `(estimate, local instant it was set)`, `None` until the first reply.
+    state: parking_lot::Mutex<Option<(i64, u64)>>,
+}
+
+impl Offset {
+    /// Learn from a reply whose script ran at `redis_us` (Redis `TIME`) and that arrived at
+    /// `local_us` (this process's monotonic clock).
+    pub(crate) fn learn(&self, redis_us: u64, local_us: u64) {
+        let bound = i64::try_from(redis_us).unwrap_or(i64::MAX) - i64::try_from(local_us).unwrap_or(i64::MAX);
+        let mut s = self.state.lock();
+        *s = Some(match *s {
+            Some((est, _)) if bound >= est => (bound, local_us),
+            Some((est, at)) => {
+                let drift = i64::try_from(local_us.saturating_sub(at)).unwrap_or(i64::MAX) / DRIFT_PER_US;
+                (
+                    bound.max(est.saturating_sub(drift)),
+                    if drift > 0 { local_us } else { at },
+                )
+            }
+            None => (bound, local_us),
+        });
+    }
+
+    /// The Redis instant that corresponds to `local_us` on this process's monotonic clock (a
+    /// lower bound), or `None` before anything was learned.
+    pub(crate) fn redis_at(&self, local_us: u64) -> Option<u64> {
+        let (est, _) = (*self.state.lock())?;
+        let at = i64::try_from(local_us).unwrap_or(i64::MAX).saturating_add(est);
+        u64::try_from(at).ok().filter(|&t| t > 0)
+    }
+
+    /// True once an offset was learned.
+    pub(crate) fn known(&self) -> bool {
+        self.state.lock().is_some()
+    }
 }
 
 /// Which shard owns each slot.
@@ -88,6 +143,7 @@ impl Topology {
                 addr,
                 breaker: Breaker::new(threshold),
                 probe_slot: None,
+                offset: Offset::default(),
             })],
             owner: Vec::new(),
         }
@@ -120,6 +176,7 @@ impl Topology {
                             addr,
                             breaker: Breaker::new(threshold),
                             probe_slot: Some(start),
+                            offset: Offset::default(),
                         }),
                     });
                     shards.len() - 1
@@ -294,11 +351,20 @@ impl RedisStore {
     }
 
     /// Check one request's limits on one slot: through the batch task in production
-    /// (`now == None`); as a call of its own when a test drives time.
+    /// (`now == None`), with a deadline `store.timeout` from now; as a call of its own, with
+    /// no deadline, when a test drives time.
     async fn check_slot(&self, now: Option<u64>, slot: u16, checks: Vec<LimitCheck>) -> batch::Answer {
         match now {
-            None => self.batches.check(slot, checks).await,
-            Some(_) => self.inner.check_batch(now, std::iter::once(checks.as_slice())).await,
+            None => {
+                let timeout = u64::try_from(self.inner.timeout.as_micros()).unwrap_or(u64::MAX);
+                let deadline = self.inner.mono_us().saturating_add(timeout);
+                self.batches.check(slot, checks, deadline).await
+            }
+            Some(_) => self
+                .inner
+                .check_batch(now, std::iter::once((checks.as_slice(), 0)))
+                .await
+                .map(|(now, outs)| (now, outs.into_iter().map(|(_, o)| o).collect())),
         }
     }
 
@@ -340,6 +406,26 @@ mod tests {
         assert_eq!(slot_of("tl:{foo}:rule:0"), 12182);
         assert_eq!(slot_of("{}x"), slot_of("{}x"));
         assert_eq!(slot_of("123456789"), 0x31C3);
+    }
+
+    #[test]
+    fn the_clock_offset_is_the_tightest_lower_bound_and_follows_drift_slowly() {
+        let o = Offset::default();
+        assert!(!o.known());
+        assert_eq!(o.redis_at(1_000), None, "no deadline before anything was learned");
+        // A reply that ran at Redis 5_000_000 and arrived at local 1_000: offset ≥ 4_999_000.
+        o.learn(5_000_000, 1_000);
+        assert_eq!(o.redis_at(2_000), Some(5_001_000));
+        // A slower reply (arrived later for the same Redis instant) is a looser bound: ignored.
+        o.learn(5_001_000, 3_000);
+        assert_eq!(o.redis_at(2_000), Some(5_001_000));
+        // A tighter one wins at once.
+        o.learn(5_002_000, 2_500);
+        assert_eq!(o.redis_at(2_000), Some(5_001_500));
+        // Lower bounds pull the estimate down by at most 100 ppm of the time since it was set:
+        // after 10 s, at most 1 ms, however low the sample.
+        o.learn(0, 10_002_500);
+        assert_eq!(o.redis_at(2_000), Some(5_000_500));
     }
 
     #[test]

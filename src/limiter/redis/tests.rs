@@ -77,7 +77,7 @@ fn evalsha_command_layout() {
     let cmd = check_cmd(
         Invoke::EvalSha("abc"),
         Some(1_700_000_000_000_000),
-        [&cs[..], &cs[1..]].into_iter(),
+        [(&cs[..], 0), (&cs[1..], 1_700_000_000_300_000)].into_iter(),
     );
     assert_eq!(
         args(&cmd),
@@ -92,6 +92,7 @@ fn evalsha_command_layout() {
             "1700000000000000",
             "2",
             "2",
+            "0",
             "3",
             "10",
             "1000000",
@@ -103,6 +104,7 @@ fn evalsha_command_layout() {
             "2",
             "1",
             "1",
+            "1700000000300000",
             "2",
             "10",
             "100000",
@@ -127,7 +129,7 @@ fn fcall_takes_the_same_keys_and_arguments_as_evalsha() {
         check("tl:{a}:r2:b", Algorithm::LeakyBucket, true),
     ];
     let by = |how| {
-        let cmd = check_cmd(how, None, [&cs[..], &cs[1..]].into_iter());
+        let cmd = check_cmd(how, None, [(&cs[..], 0), (&cs[1..], 0)].into_iter());
         args(&cmd)
     };
     let (fcall, evalsha) = (by(Invoke::Fcall("tollgate_abc")), by(Invoke::EvalSha("abc")));
@@ -171,6 +173,8 @@ fn parse_packed_reads_doubles_and_rejects_bad_shapes() {
     )
     .unwrap();
     assert_eq!(t, 1_796_025_623_586_863);
+    assert!(outs.iter().all(|(late, _)| !late));
+    let outs: Vec<Outcome> = outs.into_iter().map(|(_, o)| o).collect();
     assert_eq!(
         outs,
         [
@@ -196,7 +200,10 @@ fn parse_packed_reads_doubles_and_rejects_bad_shapes() {
     );
     // Out-of-range values (never sent) read as 0 rather than wrapping.
     let (_, outs) = parse_packed(packed(&[1.0, 1.0, -5.0, f64::NAN, 1e300, 0.0]), 1, checked).unwrap();
-    assert_eq!((outs[0].remaining, outs[0].reset_us, outs[0].retry_after_us), (0, 0, 0));
+    assert_eq!(
+        (outs[0].1.remaining, outs[0].1.reset_us, outs[0].1.retry_after_us),
+        (0, 0, 0)
+    );
     // A peek marks a missing key with allowed = 2.
     let (_, outs) = parse_packed(
         packed(&[7.0, 2.0, 0.0, 0.0, 0.0, 0.0, 1.0, 3.0, 9.0, 0.0, 0.0]),
