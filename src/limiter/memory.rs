@@ -318,6 +318,18 @@ impl MemoryStore {
         }
     }
 
+    /// Lift the penalty box of each key, keeping its state (a reset of a concurrency key: its
+    /// slots are current usage, released by their holders, and survive).
+    pub fn lift_penalties(&self, keys: &[StoreKey]) {
+        for k in keys {
+            if let Some(e) = self.shards[self.shard_of(k.as_str())].lock().get_mut(k.as_str()) {
+                e.penalty = None;
+                let q = e.quota;
+                e.refresh_expiry(&q);
+            }
+        }
+    }
+
     /// Push the slots of `held` (concurrency checks of requests still running) out to a full
     /// time to live from now; how many were no longer held (they had expired).
     pub fn renew_slots(&self, held: &[LimitCheck]) -> usize {

@@ -375,12 +375,13 @@ impl Limiter {
     /// [`redis::RedisStore::reset_settled`]).
     pub async fn reset(&self, checks: &[LimitCheck]) -> Result<(), StoreError> {
         let counters: Vec<StoreKey> = checks.iter().filter(|c| !c.is_slot()).map(|c| c.key.clone()).collect();
+        let slot_keys: Vec<StoreKey> = checks.iter().filter(|c| c.is_slot()).map(|c| c.key.clone()).collect();
         if let Some(leases) = &self.leases {
             leases.forget(&counters);
         }
         let done = match &self.store {
             Backend::Redis(r) => {
-                let slots: Vec<StoreKey> = checks.iter().filter(|c| c.is_slot()).map(|c| c.key.clone()).collect();
+                let slots = slot_keys.clone();
                 let hold = self
                     .leases
                     .as_ref()
@@ -392,8 +393,12 @@ impl Limiter {
                 task.await
                     .unwrap_or_else(|e| Err(StoreError::Redis(format!("the reset task failed: {e}"))))
             }
-            Backend::Memory(m) => m.reset(&counters).await,
+            Backend::Memory(m) => {
+                m.lift_penalties(&slot_keys);
+                m.reset(&counters).await
+            }
         };
+        self.local.lift_penalties(&slot_keys);
         self.local.reset(&counters).await?;
         // After the wait: a denial cached meanwhile came from the old count.
         if let Some(deny) = &self.deny {

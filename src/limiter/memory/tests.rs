@@ -469,3 +469,47 @@ fn held_slots_are_never_evicted() {
         "both slots are still held"
     );
 }
+
+/// A reset of a concurrency key lifts its penalty box and keeps its held slots.
+#[test]
+fn lifting_a_concurrency_keys_penalty_keeps_its_slots() {
+    let store = MemoryStore::new(Arc::new(FakeClock::new(T0)), 1000);
+    let q = Quota::window(
+        Algorithm::Concurrency,
+        NonZeroU64::new(1).unwrap(),
+        NonZeroU64::new(60_000_000).unwrap(),
+    );
+    let mut slot = on("tl:{me}:conc:c", q, 1);
+    slot.penalty = Some(crate::limiter::Penalty {
+        base_us: NonZeroU64::new(30_000_000).unwrap(),
+        max_us: NonZeroU64::new(30_000_000).unwrap(),
+    });
+    slot.holder = 1;
+    assert!(store.check_at(std::slice::from_ref(&slot), T0)[0].allowed);
+    slot.holder = 2;
+    let o = store.check_at(std::slice::from_ref(&slot), T0)[0];
+    assert!(
+        !o.allowed && o.penalty_started,
+        "the second request is denied into the penalty box"
+    );
+    store.lift_penalties(std::slice::from_ref(&slot.key));
+    let plain = LimitCheck {
+        penalty: None,
+        ..slot.clone()
+    };
+    assert!(
+        !store.check_at(std::slice::from_ref(&plain), T0)[0].allowed,
+        "holder 1 still holds the slot"
+    );
+    store.refund_spent(&[(
+        LimitCheck {
+            holder: 1,
+            ..slot.clone()
+        },
+        T0,
+    )]);
+    assert!(
+        store.check_at(std::slice::from_ref(&slot), T0)[0].allowed,
+        "the penalty is lifted: the freed slot is taken"
+    );
+}
