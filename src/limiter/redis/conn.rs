@@ -171,6 +171,9 @@ pub(super) struct Inner {
     pub(super) targets: String,
     /// Repeated rebuild failures are logged at most once a minute.
     pub(super) rebuild_log: crate::log_throttle::LogThrottle,
+    /// Rebuilds that succeeded are logged at most once a minute too: with a Cluster node down,
+    /// the client reconnects every `REBUILD_INTERVAL` and each one "succeeds".
+    pub(super) rebuilt_log: crate::log_throttle::LogThrottle,
     /// Batched `check` calls sent so far (see [`batch`]).
     pub(super) batch_calls: AtomicU64,
     /// Requests those calls carried.
@@ -401,12 +404,15 @@ impl Inner {
                     inner.rebuilds.fetch_add(1, Ordering::Relaxed);
                     inner.refresh_topology().await;
                     let unlogged_failures = inner.rebuild_log.reset();
-                    tracing::warn!(
-                        mode = ?inner.mode,
-                        targets = %inner.targets,
-                        unlogged_failures,
-                        "redis connection rebuilt after repeated failures"
-                    );
+                    if let Some(suppressed) = inner.rebuilt_log.allow() {
+                        tracing::warn!(
+                            mode = ?inner.mode,
+                            targets = %inner.targets,
+                            unlogged_failures,
+                            suppressed,
+                            "redis connection rebuilt after repeated failures (repeats are logged at most once a minute, `suppressed` counts the others)"
+                        );
+                    }
                 }
                 Err(e) => {
                     if let Some(suppressed) = inner.rebuild_log.allow() {

@@ -178,6 +178,7 @@ impl RedisStore {
             threshold: threshold.max(1),
             targets: redacted_targets(urls),
             rebuild_log: crate::log_throttle::LogThrottle::new(Duration::from_secs(60)),
+            rebuilt_log: crate::log_throttle::LogThrottle::new(Duration::from_secs(60)),
             batch_calls: AtomicU64::new(0),
             batch_requests: AtomicU64::new(0),
             replicated: AtomicBool::new(false),
