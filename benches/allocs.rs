@@ -1,4 +1,4 @@
-//! Heap allocations per request on the gateway's own thread (issue #15).
+//! Heap allocations per request on the gateway's own thread.
 //!
 //! The gateway runs in this process on a current-thread runtime of its own thread, as the
 //! binary does with `TOKIO_WORKER_THREADS=1`, on the memory store. A counting allocator (over

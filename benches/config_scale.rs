@@ -1,4 +1,4 @@
-//! Configuration at SaaS scale (issue #23): rule selection with 20 rules against 20,000, and API
+//! Configuration at SaaS scale: rule selection with 20 rules against 20,000, and API
 //! key lookup in a registry of 100 keys against 1,000,000. Matching walks a path trie and a key
 //! lookup is one SHA-256 plus one hash-map probe, so both should cost about the same at any size.
 

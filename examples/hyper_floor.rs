@@ -1,4 +1,4 @@
-//! The floor under tollgate's request path (issue #15): the least a reverse proxy built on
+//! The floor under tollgate's request path: the least a reverse proxy built on
 //! hyper 1 does per request, with none of tollgate's work.
 //!
 //! `hyper_floor allow <listen> <upstream>`: hyper's HTTP/1.1 server connection, the request

@@ -1,4 +1,4 @@
-//! Issue #18, end to end: counting by response (`count_when`), cost from the response
+//! Counting by response (`count_when`), cost from the response
 //! (`cost_from`, header and trailer) and runtime overrides, on the real gateway, a real
 //! upstream, and the memory store, real Redis and a real 6-node cluster.
 

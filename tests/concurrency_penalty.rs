@@ -1,4 +1,4 @@
-//! Issue #17, end to end: fleet-wide concurrency limits and the penalty box, on the real
+//! Fleet-wide concurrency limits and the penalty box, on the real
 //! gateway (three of them sharing one store), real Redis (standalone and a 6-node cluster), a
 //! real upstream that counts what it serves at once, and the real binary for a crash.
 

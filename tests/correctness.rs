@@ -1,4 +1,4 @@
-//! Issue #24 regressions, end to end: each test failed before its fix. They run the real
+//! Regressions of limit correctness, end to end: each test failed before its fix. They run the real
 //! gateway against the real echo upstream and real Redis (standalone or a 6-node cluster).
 
 mod support;
@@ -416,7 +416,7 @@ async fn the_binding_limit_is_the_one_exhausted_longest() {
     gw.stop().await;
 }
 
-/// Issue #13: the proxy and `/explain` build their keys from one plan, so for the same request —
+/// The proxy and `/explain` build their keys from one plan, so for the same request —
 /// a Host with a port and a trailing dot, a query string, a header-keyed rule, a host-specific
 /// rule — the keys `/explain` names are exactly the keys the proxy wrote to Redis.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

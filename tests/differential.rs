@@ -90,13 +90,13 @@ struct Plan {
     /// Reloads: now and then a limit gets another algorithm, window or rate under the same key,
     /// and both stores must convert its state the same way.
     reshape: bool,
-    /// Issue #17: some limits have a penalty box, and admitted requests' concurrency slots are
+    /// Some limits have a penalty box, and admitted requests' concurrency slots are
     /// released now and then (on both stores) as their responses end.
     extras: bool,
-    /// Issue #18: now and then an admitted request's reported cost settles its reservation (a
+    /// Now and then an admitted request's reported cost settles its reservation (a
     /// refund below the estimate, a debit above it) on both stores.
     settle: bool,
-    /// Issue #18: windows follow the calendar (days, weeks, months at UTC offsets).
+    /// Windows follow the calendar (days, weeks, months at UTC offsets).
     calendar: bool,
 }
 
@@ -482,7 +482,7 @@ async fn cluster_matches_memory() {
         calendar: false,
     };
     run(&store, &plan, "cluster").await;
-    // Issues #17 and #18 on the cluster: slots and penalties, settled costs, calendar windows.
+    // On the cluster: slots and penalties, settled costs, calendar windows.
     const SLOTS: [Algorithm; 3] = [Algorithm::Concurrency, Algorithm::FixedWindow, Algorithm::TokenBucket];
     const WINDOWS: [Algorithm; 2] = [Algorithm::FixedWindow, Algorithm::SlidingWindow];
     for (algorithms, extras, settle, calendar, seed) in [
@@ -505,7 +505,7 @@ async fn cluster_matches_memory() {
     }
 }
 
-/// Issue #24, defect 2: reloads change a limit's algorithm, window or rate under the same key;
+/// Reloads change a limit's algorithm, window or rate under the same key;
 /// both stores carry the consumption over (converted the same way) and decide alike after it,
 /// settlements included (a debit converts a key of another shape first, as a check does).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -528,7 +528,7 @@ async fn reloads_that_reshape_limits_match_memory() {
     }
 }
 
-/// Issue #17: concurrency slots (taken, released as responses end, expiring) and penalty boxes
+/// Concurrency slots (taken, released as responses end, expiring) and penalty boxes
 /// (started, escalated, served) decide alike on both stores, on one slot and across slots.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrency_and_penalties_match_memory() {
@@ -561,7 +561,7 @@ async fn concurrency_and_penalties_match_memory() {
     }
 }
 
-/// Issue #18: reservations settled against a reported cost (refund below the estimate, debit
+/// Reservations settled against a reported cost (refund below the estimate, debit
 /// above it, possibly below zero) leave both stores deciding alike, on one slot and across.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn settled_costs_match_memory() {
@@ -589,7 +589,7 @@ async fn settled_costs_match_memory() {
     }
 }
 
-/// Issue #18: calendar windows (days, weeks from Monday, months of their real lengths, at UTC
+/// Calendar windows (days, weeks from Monday, months of their real lengths, at UTC
 /// offsets) decide alike on both stores, with `now` passed to the script.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calendar_windows_match_memory() {
@@ -614,7 +614,7 @@ async fn calendar_windows_match_memory() {
     );
 }
 
-/// Issue #18: month ends of 28, 29 (leap year), 30 and 31 days, in UTC and at an offset: a
+/// Month ends of 28, 29 (leap year), 30 and 31 days, in UTC and at an offset: a
 /// monthly limit resets exactly at the local first of the month, and the reset and retry times
 /// of a denial point at that instant, on the memory store (injected time) and on Redis (`now`
 /// passed to the script) alike.

@@ -116,7 +116,7 @@ async fn standalone_kill_then_restart() {
         codes.push(status(&c, &format!("{}/local/x", gw.url)).await);
     }
     assert_eq!(codes, vec![200, 200, 200, 429, 429]);
-    // The headers show the limit this node enforces alone, not the fleet's (issue #24, defect 12).
+    // The headers show the limit this node enforces alone, not the fleet's.
     let r = c.get(format!("{}/local/x", gw.url)).send().await.unwrap();
     assert_eq!(r.headers()["ratelimit-policy"], "\"local\";q=3;w=3600");
     assert_eq!(r.headers()["x-ratelimit-limit"], "3");

@@ -1,4 +1,4 @@
-//! Issue #21 (part): what a gRPC client gets from tollgate itself. A limited gRPC call is HTTP
+//! What a gRPC client gets from tollgate itself. A limited gRPC call is HTTP
 //! 200 with `grpc-status: 8` (RESOURCE_EXHAUSTED) and a `grpc-message` naming the rule and the
 //! wait, the rate-limit headers kept as metadata; a fail-closed outage is `grpc-status: 14`
 //! (UNAVAILABLE). Plain HTTP callers keep their 429 / 503. Real gateway, h2c client.

@@ -1,4 +1,4 @@
-//! Issue #14, leases for hot keys (DESIGN §10), against real Redis: the script's grants on a
+//! Leases for hot keys, against real Redis: the script's grants on a
 //! standalone server, and three gateways sharing one hot key on a real 6-node cluster — the
 //! fleet never admits more than the limit, admits at least the limit minus every node's largest
 //! lease, and makes at most 0.1 Redis calls per request at steady state (`INFO commandstats`).

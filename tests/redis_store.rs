@@ -720,7 +720,7 @@ async fn bad_arguments_are_a_script_error_not_a_panic() {
         .query(&mut con)
         .expect("keyless peek");
     assert_eq!(packed, 123f64.to_le_bytes());
-    // Issue #24, defect 13: arguments the gateway never sends are refused before anything is
+    // Arguments the gateway never sends are refused before anything is
     // written: a negative cost (which used to mint quota), fractions, non-finite and huge
     // numbers, a sliding log past its bound, a bucket past 10 years of refill, a bad `now`.
     let now = "1800000000000000";
@@ -1015,7 +1015,7 @@ async fn cluster_frozen_master_is_abandoned_after_failover() {
     cluster.cont_node(old);
 }
 
-/// Issue #24, defect 3, on Redis: a refund names the instant its check was decided
+/// On Redis: a refund names the instant its check was decided
 /// (`Outcome::at_us`), so units spent in window [0, 2 s) are not taken off window [2 s, 4 s)
 /// (Redis used to refund at its current `TIME`, in whatever window that was).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,4 +1,4 @@
-//! Issue #19: Redis failing quietly (a slow master, a black-holed shard, resets), through a
+//! Redis failing quietly (a slow master, a black-holed shard, resets), through a
 //! fault-injecting TCP proxy in front of one real Redis node; and misbehaving upstreams. Every
 //! test runs the real gateway against real Redis (standalone or a 6-node cluster).
 

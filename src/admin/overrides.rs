@@ -1,4 +1,4 @@
-//! `PUT / GET / DELETE /overrides/...`: runtime overrides (DESIGN §12), kept in the store so
+//! `PUT / GET / DELETE /overrides/...`: runtime overrides, kept in the store so
 //! every node sees them within a second, each with an expiry, beating the rules file.
 //!
 //! `PUT /overrides/{user|ip|org|header:Name}/{value}` with `{"rule": ..., "limits": [...],

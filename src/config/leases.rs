@@ -1,4 +1,4 @@
-//! `store.leases`: validation of the lease settings (DESIGN §10).
+//! `store.leases`: validation of the lease settings.
 
 use std::num::{NonZeroU32, NonZeroU64};
 use std::path::Path;

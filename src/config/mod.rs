@@ -128,7 +128,7 @@ pub enum StoreKind {
     RedisCluster,
 }
 
-/// `store.scripting`: how the limit script is run on Redis (DESIGN §6).
+/// `store.scripting`: how the limit script is run on Redis.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Scripting {
     /// Redis functions (`FCALL`, the library loaded once per node) where the server has

@@ -3,7 +3,7 @@
 //!
 //! A tokio timer costs each request a registration in the runtime's timer wheel, a lock of its
 //! driver on the way in and out and a fresh `Sleep` (hyper boxes one per request head): about
-//! 1,400 instructions for the two deadlines of a proxied request (issue #15). Here a deadline is
+//! 1,400 instructions for the two deadlines of a proxied request. Here a deadline is
 //! an entry in a wheel of [`TICK`]-long buckets, each a doubly linked list in a slab, behind a
 //! `parking_lot` mutex held for a few dozen instructions (never across an `.await`):
 //! registering and cancelling are each a lock, a link change and an unlock, and a poll before

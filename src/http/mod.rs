@@ -28,7 +28,7 @@ use hyper::body::{Body, Frame, Incoming, SizeHint};
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The body of every request tollgate sends upstream and of every response it sends. An enum,
-/// not a box: boxing cost an allocation per body, two per proxied request (issue #15).
+/// not a box: boxing cost an allocation per body, two per proxied request.
 pub enum ProxyBody {
     /// A complete in-memory body (tollgate's own responses); `None` once it has been sent.
     Full(Option<Bytes>),

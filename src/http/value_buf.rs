@@ -1,4 +1,4 @@
-//! Header values written into a per-thread chunk and shared from it (issue #15).
+//! Header values written into a per-thread chunk and shared from it.
 //!
 //! A `String` per value costs an allocation each, and a buffer on the stack moved into its own
 //! `Bytes` costs a copy and an allocation per step. [`ValueBuf`] writes every value of one step

@@ -297,7 +297,7 @@ fn a_cached_token_still_expires() {
     );
 }
 
-/// Issue #23: the YAML parser's budgets are sized from `limits.max_keys`, so a registry past
+/// The YAML parser's budgets are sized from `limits.max_keys`, so a registry past
 /// the old ceiling (~35,000 keys) loads, and one over the limit gets an error that names
 /// the setting instead of the parser's "budget breached: Nodes { .. }".
 #[test]

@@ -1,4 +1,4 @@
-//! Leases: hot keys decided on this node without a Redis call per request (DESIGN §10).
+//! Leases: hot keys decided on this node without a Redis call per request.
 //!
 //! A lease is quota that Redis has already **spent** on this node's behalf. The check that
 //! takes it spends the request's own cost plus the lease in one script call, so no other node

@@ -2,7 +2,7 @@
 //!
 //! Validation, the request id, the body limit, the gRPC check and the forwarding step each
 //! looked up their own fields: a dozen hash lookups per request, most of them for fields the
-//! request does not have (issue #15). [`Facts::of`] walks the fields once, matching each name by
+//! request does not have. [`Facts::of`] walks the fields once, matching each name by
 //! its text (a length compare for most), and the steps read the facts.
 
 use http::header::{self, HeaderMap, HeaderValue};

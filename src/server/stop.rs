@@ -3,7 +3,7 @@
 //!
 //! A connection's task polls its stop signal every time it is woken, several times per
 //! request. A `watch::Receiver::changed()` future there cost about a thousand instructions per
-//! request (its `Notified` registration, `select!` and the cooperative budget, issue #15), so
+//! request (its `Notified` registration, `select!` and the cooperative budget), so
 //! the signal is an atomic level plus one [`AtomicWaker`] per connection: polling it is an
 //! atomic load and a `will_wake` comparison. Each connection registers once, in a slab behind
 //! a mutex held for a few instructions at connect and close (never across an `.await`);

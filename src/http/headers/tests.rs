@@ -1,4 +1,4 @@
-//! Which limit binds, and what the headers say about it (issue #24, defects 9-11).
+//! Which limit binds, and what the headers say about it.
 
 use std::num::NonZeroU64;
 

@@ -8,7 +8,7 @@
 use super::{Outcome, Quota, State};
 
 /// What a concurrency denial asks the client to wait: slots free up when requests end, which
-/// no one can predict, so one second (DESIGN §12: `Retry-After: 1`).
+/// no one can predict, so one second (`Retry-After: 1`).
 pub const RETRY_US: u64 = 1_000_000;
 
 /// Drop the slots that expired at or before `now`.

@@ -130,7 +130,7 @@ fn admit(store: &MemoryStore, c: &LimitCheck, now: u64, n: usize) -> usize {
         .count()
 }
 
-/// Issue #24, defect 2: spending 8 of 10 and then reloading through four variants of the rule
+/// Spending 8 of 10 and then reloading through four variants of the rule
 /// (another algorithm, window or rate each time) used to hand out a fresh quota per variant.
 #[test]
 fn a_reload_through_variants_never_mints_quota() {
@@ -152,7 +152,7 @@ fn a_reload_through_variants_never_mints_quota() {
     assert_eq!(admitted, 10, "the chain admitted more than any one variant's limit");
 }
 
-/// Issue #24, defect 2, as a property: after a reload from any rule to any other, the new rule
+/// After a reload from any rule to any other, the new rule
 /// admits at most its limit minus what the old one had admitted (the consumption carries over),
 /// so the two together never admit more than the larger limit.
 #[test]
@@ -183,7 +183,7 @@ fn a_reload_never_admits_more_than_the_new_rule_would_have() {
         .unwrap();
 }
 
-/// Issue #24, defect 3: a refund names the instant its check was decided, so units spent in
+/// A refund names the instant its check was decided, so units spent in
 /// window [0, 2) are not taken off window [2, 4).
 #[test]
 fn a_refund_comes_off_the_window_it_was_spent_in() {
@@ -213,7 +213,7 @@ fn a_refund_comes_off_the_window_it_was_spent_in() {
     );
 }
 
-/// Issue #24, defect 3, as a property: random interleavings of checks and refunds of checks that
+/// Random interleavings of checks and refunds of checks that
 /// were admitted never leave more than the limit outstanding at one instant.
 #[test]
 fn checks_and_refunds_never_exceed_a_limit() {
@@ -244,7 +244,7 @@ fn checks_and_refunds_never_exceed_a_limit() {
         .unwrap();
 }
 
-/// Issue #24, defect 14: under key pressure the store forgets keys that would admit before a
+/// Under key pressure the store forgets keys that would admit before a
 /// key that is denying, and counts what it had to evict.
 #[test]
 fn eviction_keeps_denying_keys_and_counts_evictions() {
@@ -278,7 +278,7 @@ fn slots(limit: u64, ttl: u64) -> Quota {
     )
 }
 
-/// Issue #17: under random interleavings of take, release, renew and time passing, the slots
+/// Under random interleavings of take, release, renew and time passing, the slots
 /// held never exceed the limit, and the store agrees exactly with a model of the live holders
 /// (admitted, not released, renewed or taken less than a time to live ago).
 #[test]
@@ -347,7 +347,7 @@ fn slots_in_flight_never_exceed_the_limit() {
         .unwrap();
 }
 
-/// Issue #17: a denial puts the key in the penalty box (denied though its window resets), a
+/// A denial puts the key in the penalty box (denied though its window resets), a
 /// request during an escalating penalty doubles it up to `max`, the key passes right after the
 /// penalty, and a reset lifts it.
 #[test]
