@@ -13,6 +13,11 @@
 //! | `Upgrade: h2c`, a tunnel past every later limit | only `server.upgrades` (websocket) pass; others go as plain requests | `an_h2c_upgrade_is_forwarded_as_a_plain_request_and_counted` |
 //! | absolute-form target naming another host than `Host` | the target's authority is the host, for rules and upstream | `the_targets_authority_is_the_host_for_rules_and_upstream` |
 //! | `Host: user@evil.example`, HTTP/1.0 without Host, `Transfer-Encoding: gzip, chunked` | 400, a Host for the upstream, 501 | `malformed_hosts_and_codings_are_refused_before_the_upstream` |
+//! | `post` for `POST`, for upstreams that upper-case the method (Django, Flask) | 400: methods are case-sensitive | `method_credential_and_key_spellings_never_reach_the_upstream_uncounted` |
+//! | `X_API_KEY` for `X-API-Key`, `X_Tenant` for a key header (CGI-style upstreams read both as one) | 400 for a header tollgate reads spelled with `_` | the same |
+//! | a key header sent twice or as a list (`X-Tenant: decoy, acme`) | 400, as for credentials | the same |
+//! | Unicode that case-folds to the path of an `ignore_case` rule (KELVIN SIGN, LONG S) | folded as Unicode routers fold it | the same |
+//! | `CONNECT`; a target with a fragment (`http://h#/x`) | 400 before any limit is spent; the fragment is dropped (`/`, matched and forwarded) | the same |
 
 mod support;
 
@@ -293,4 +298,93 @@ async fn malformed_hosts_and_codings_are_refused_before_the_upstream() {
     assert_eq!(heads.len(), 1);
     let want = format!("\nhost: {}", up.addr);
     assert!(heads[0].to_ascii_lowercase().contains(&want), "{heads:?}");
+}
+
+/// The hostile client's spellings of the method, the credentials and a key header, and Unicode
+/// that case-folds to a limited path: each is either refused (400) before the upstream, or
+/// counted against the limit it spells.
+#[tokio::test]
+async fn method_credential_and_key_spellings_never_reach_the_upstream_uncounted() {
+    let up = Upstream::start().await;
+    let rules = r#"rules:
+  - { name: login, match: { path: /api/v1/login, methods: [POST] }, key: ip, algorithm: sliding_log, limit: 1, window: 24h }
+  - { name: tasks, match: { path: /api/v1/tasks, ignore_case: true }, key: ip, algorithm: sliding_log, limit: 1, window: 24h }
+  - { name: tenant, match: { path: "/t/**" }, key: "header:X-Tenant", algorithm: fixed_window, limit: 1, window: 24h }
+  - { name: free-user, match: { path: "/k/**", tier: free }, key: user, limit: 1, window: 24h }
+  - { name: open, match: { path: "/**" }, key: global, algorithm: fixed_window, limit: 1000000, window: 1h }
+"#;
+    let dir = tempfile::tempdir().unwrap();
+    let key = "k-free-aaaa";
+    let sha = tollgate::identity::keys::hash_key(key);
+    std::fs::write(
+        dir.path().join("keys.yaml"),
+        format!("keys:\n  - {{ id: cust_1, sha256: {sha}, tier: free }}\n"),
+    )
+    .unwrap();
+    let keys_file = dir.path().join("keys.yaml").display().to_string();
+    let gw = binary(&up.url(), &format!("keys_file: {keys_file}\n"), rules);
+    let a = addr_of(&gw.url);
+    // Spend each limit once.
+    assert_eq!(status(a, "POST", "/api/v1/login", "").await, 200);
+    assert_eq!(status(a, "GET", "/api/v1/tasks", "").await, 200);
+    assert_eq!(status(a, "GET", "/t/x", "X-Tenant: acme\r\n").await, 200);
+    let with_key = format!("X-API-Key: {key}\r\n");
+    assert_eq!(status(a, "GET", "/k/x", &with_key).await, 200);
+    let mut got = Vec::new();
+    for (method, target, extra) in [
+        ("post", "/api/v1/login", String::new()),
+        ("Post", "/api/v1/login", String::new()),
+        ("pOST", "/api/v1/login", String::new()),
+        ("GET", "/api/v1/ta%C5%BFks", String::new()),
+        ("GET", "/api/v1/tas%E2%84%AAs", String::new()),
+        ("GET", "/API/V1/TASKS", String::new()),
+        ("GET", "/t/x", "X-Tenant: decoy2\r\nX-Tenant: acme\r\n".into()),
+        ("GET", "/t/x", "X-Tenant: acme, decoy3\r\n".into()),
+        ("GET", "/t/x", "X-Tenant: decoy4, acme\r\n".into()),
+        ("GET", "/t/x", "X_Tenant: acme\r\n".into()),
+        ("GET", "/t/x", "X-Tenant: decoy5\r\nX_TENANT: acme\r\n".into()),
+        ("GET", "/t/x", "X-Tenant:\r\nX-Tenant: acme\r\n".into()),
+        ("GET", "/k/x", format!("X_API_KEY: {key}\r\n")),
+        ("GET", "/k/x", format!("X_Api_Key: {key}\r\n")),
+        ("GET", "/k/x", format!("X-API-Key:\r\nX_API_KEY: {key}\r\n")),
+        ("CONNECT", "/api/v1/login", String::new()),
+    ] {
+        let code = status(a, method, target, &extra).await;
+        got.push((method, target, extra, code));
+    }
+    for g in &got {
+        assert!(
+            g.3 == 400 || g.3 == 429,
+            "a spelling dodged its limit: {g:?}\nall: {got:?}"
+        );
+    }
+    let lines = |p: &str| {
+        up.heads()
+            .iter()
+            .filter(|h| h.lines().next().is_some_and(|l| l.contains(p)))
+            .count()
+    };
+    assert_eq!(lines("/api/v1/login"), 1, "{:?}", up.heads());
+    assert_eq!(lines("/api/v1/ta"), 1, "{:?}", up.heads());
+    assert_eq!(lines("/API/V1"), 0, "{:?}", up.heads());
+    assert_eq!(lines("/t/x"), 1, "{:?}", up.heads());
+    assert_eq!(lines("/k/x"), 1, "{:?}", up.heads());
+    // A fragment is no part of the target: `http://h#/api/v1/login` is `/`, matched and
+    // forwarded as `/` (never an empty request-target).
+    assert_eq!(status(a, "POST", "http://api.example#/api/v1/login", "").await, 200);
+    assert!(
+        up.heads().iter().any(|h| h.starts_with("POST / HTTP/1.1\r\n")),
+        "{:?}",
+        up.heads()
+    );
+    let resp = raw(a, b"post /x HTTP/1.1\r\nHost: api.example\r\nConnection: close\r\n\r\n").await;
+    assert!(resp.contains("case-sensitive"), "the 400 says why: {resp}");
+    let resp = raw(
+        a,
+        b"GET /t/y HTTP/1.1\r\nHost: api.example\r\nX_Tenant: acme\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(resp.contains("'_'"), "the 400 says why: {resp}");
+    // An underscore header tollgate does not read passes (and is not counted as a spelling).
+    assert_eq!(status(a, "GET", "/other", "X_Custom_Thing: 1\r\n").await, 200);
 }

@@ -187,7 +187,18 @@ fn join_existing(h: &HeaderMap, name: &HeaderName, buf: &mut ValueBuf) {
 
 /// The origin-form request target (`/path?query`) sent to the upstream.
 pub fn origin_form(pq: Option<&PathAndQuery>) -> Uri {
-    Uri::from(pq.cloned().unwrap_or_else(|| PathAndQuery::from_static("/")))
+    match pq {
+        // An absolute-form target with an empty path (`http://h`, `http://h?q`, or a fragment
+        // the parser dropped: `http://h#/x`) is `/` (RFC 9112 §3.2.2), never an empty target.
+        // `as_str` reads `/` for an empty path too, which would still be written as an empty
+        // target: `/` is made afresh (static, no allocation).
+        Some(p) if p.as_str() == "/" => Uri::from_static("/"),
+        Some(p) if p.as_str().starts_with('/') || p.as_str() == "*" => Uri::from(p.clone()),
+        Some(p) => format!("/{}", p.as_str())
+            .parse::<PathAndQuery>()
+            .map_or_else(|_| Uri::from_static("/"), Uri::from),
+        None => Uri::from_static("/"),
+    }
 }
 
 /// Every protocol an `Upgrade` value offers (`websocket`, `h2c`, `foo/2`: by name, without its

@@ -113,6 +113,11 @@ impl std::fmt::Debug for JwtKeys {
 }
 
 impl JwtKeys {
+    /// The header the token is read from.
+    pub fn header(&self) -> HeaderName {
+        self.current.load().header.clone()
+    }
+
     /// Compile `identity.jwt` now (key files relative to `dir`).
     pub fn compile(file: &Path, dir: &Path, raw: &RawJwt) -> Result<Self, ConfigError> {
         let v = JwtVerifier::compile(file, dir, raw)?;

@@ -66,6 +66,10 @@ impl State {
         // Trailers pass through (gRPC's status is one): a client that accepts them asks the
         // upstream for them too, as does a rule that reads its cost from one.
         forward::strip_hop_by_hop(h, upgrade);
+        if !facts.traced {
+            // W3C trace context (`http::trace`): continued, or started here.
+            crate::http::trace::ensure(h, false);
+        }
         if want_trailers || facts.te_trailers {
             h.insert(header::TE, HeaderValue::from_static("trailers"));
         }

@@ -42,6 +42,10 @@ pub(super) struct Facts {
     pub(super) te_trailers: bool,
     /// When the request head reached the request path (for the latency tollgate adds).
     pub(super) arrived: Option<std::time::Instant>,
+    /// Some field name has a `_` (see `rules::underscore_spelling`).
+    pub(super) underscored: bool,
+    /// The trace context is already in the headers (set for the access line).
+    pub(super) traced: bool,
 }
 
 impl Facts {
@@ -51,6 +55,7 @@ impl Facts {
         for (name, value) in h {
             f.fields += 1;
             let name = name.as_str();
+            f.underscored |= name.as_bytes().contains(&b'_');
             f.bytes += name.len() + value.len() + 4;
             match name {
                 "host" => {

@@ -101,6 +101,15 @@ const FORWARD_ROOM: usize = 8;
 /// Refuses requests a proxy must not pass on, and bodies over `max_body_bytes` by their
 /// `Content-Length`.
 fn validate<B>(req: &Request<B>, f: &Facts, max_body_bytes: u64) -> Result<(), GatewayError> {
+    // Before any limit is spent: tollgate forwards no CONNECT.
+    if req.method() == http::Method::CONNECT {
+        return Err(GatewayError::BadRequest("CONNECT is not supported"));
+    }
+    if method_case_variant(req.method()) {
+        return Err(GatewayError::BadRequest(
+            "method names are case-sensitive: a standard method must be upper case",
+        ));
+    }
     if f.other_coding {
         return Err(GatewayError::NotImplemented("a transfer coding other than chunked"));
     }
@@ -121,6 +130,17 @@ fn validate<B>(req: &Request<B>, f: &Facts, max_body_bytes: u64) -> Result<(), G
         Some(Ok(len)) if len > max_body_bytes => Err(GatewayError::PayloadTooLarge),
         _ => Ok(()),
     }
+}
+
+/// A standard method spelled in another case (`post`, `Get`): the methods are case-sensitive
+/// (RFC 9110 §9.1), and an upstream that upper-cases them (Django, Flask) would run the method
+/// a `methods` condition names while the rule did not match.
+fn method_case_variant(m: &http::Method) -> bool {
+    const STANDARD: [&str; 9] = [
+        "GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH",
+    ];
+    let m = m.as_str();
+    m.bytes().any(|b| b.is_ascii_lowercase()) && STANDARD.iter().any(|s| s.eq_ignore_ascii_case(m))
 }
 
 /// Most header fields a request may carry: hyper's own parser's default limit (a request with
@@ -153,30 +173,35 @@ impl State {
         let mut facts = Facts::of(req.headers());
         facts.arrived = Some(arrived);
         let id = facts::ensure_request_id(req.headers_mut(), &facts);
-        let trace = crate::http::trace::ensure(req.headers_mut(), false);
         let grpc = facts.grpc;
         let http1 = req.version() < Version::HTTP_2;
-        let line = self.access_sampler().take().then(|| access::Line {
-            id: id.clone(),
-            started: arrived,
-            method: req.method().clone(),
-            path: req.uri().path().to_owned(),
-            client: peer,
-            tls: from.tls,
-            protocol: match req.version() {
-                Version::HTTP_10 => "HTTP/1.0",
-                Version::HTTP_2 => "HTTP/2",
-                _ => "HTTP/1.1",
-            },
-            host: req
-                .uri()
-                .authority()
-                .and_then(|a| http::HeaderValue::from_str(a.as_str()).ok())
-                .or_else(|| req.headers().get(header::HOST).cloned()),
-            user_agent: req.headers().get(header::USER_AGENT).cloned(),
-            bytes_in: facts.content_length.and_then(Result::ok),
-            trace_id: trace.trace_id_hex(),
-            note: access::Note::default(),
+        let line = self.access_sampler().take().then(|| {
+            // The trace context now, for the line; a request not logged gets it only when it is
+            // forwarded (`outbound`), so a 429 costs nothing for it.
+            let trace = crate::http::trace::ensure(req.headers_mut(), false);
+            facts.traced = true;
+            access::Line {
+                id: id.clone(),
+                started: arrived,
+                method: req.method().clone(),
+                path: req.uri().path().to_owned(),
+                client: peer,
+                tls: from.tls,
+                protocol: match req.version() {
+                    Version::HTTP_10 => "HTTP/1.0",
+                    Version::HTTP_2 => "HTTP/2",
+                    _ => "HTTP/1.1",
+                },
+                host: req
+                    .uri()
+                    .authority()
+                    .and_then(|a| http::HeaderValue::from_str(a.as_str()).ok())
+                    .or_else(|| req.headers().get(header::HOST).cloned()),
+                user_agent: req.headers().get(header::USER_AGENT).cloned(),
+                bytes_in: facts.content_length.and_then(Result::ok),
+                trace_id: trace.trace_id_hex(),
+                note: access::Note::default(),
+            }
         });
         // Dropped with this future if the client leaves before the response: counted and logged.
         let mut pending = access::Pending::new(self.metrics(), line);
@@ -268,6 +293,9 @@ impl State {
         // (store check, leaky-bucket wait, upstream exchange) without pinning an arc-swap slot.
         let snap = self.snapshot().load_full();
         let now_us = self.clock().now_us();
+        if facts.underscored {
+            self.refuse_underscore_spellings(&snap, req.headers())?;
+        }
         let mut plan = self.plan_of(&snap, &req, peer, now_us);
         if let Some(p) = plan.refused {
             return Err(p.into());
@@ -350,6 +378,27 @@ impl State {
             headers::write(resp.headers_mut(), &b, lim.ietf_headers, lim.legacy_headers, now_us);
         }
         Ok(resp)
+    }
+
+    /// Refuse a request that spells a header tollgate reads (credentials, rule keys and
+    /// conditions, method overrides) with `_` for `-`: a CGI-style upstream reads the two as one
+    /// (see `rules::underscore_spelling`).
+    fn refuse_underscore_spellings(
+        &self,
+        snap: &crate::state::Snapshot,
+        headers: &http::HeaderMap,
+    ) -> Result<(), GatewayError> {
+        let id = &self.config().identity;
+        let jwt = id.jwt.as_ref().map(|j| j.header());
+        let mut reads: Vec<&http::HeaderName> = vec![&header::AUTHORIZATION, &id.api_key_header];
+        reads.extend(jwt.as_ref());
+        reads.extend(snap.rules.read_headers.iter());
+        match crate::rules::underscore_spelling(headers, &reads) {
+            Some(_) => Err(GatewayError::BadRequest(
+                "a header name spells one tollgate reads with '_' for '-' (an upstream may read it as the other)",
+            )),
+            None => Ok(()),
+        }
     }
 
     /// The request's plan at `now_us`, against the snapshot and the runtime overrides in force.

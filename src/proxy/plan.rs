@@ -141,6 +141,21 @@ pub fn plan(
         };
         let mut last: Option<(KeyValue<'_>, crate::limiter::keys::Tag)> = None;
         for ri in selected {
+            if let crate::rules::KeyKind::Header(h) = &snap.rules.rules[ri as usize].key {
+                // A key header must be one field with one value: which of several the upstream
+                // reads is unknown, so none is believed (as with credentials).
+                let mut fields = req.headers.get_all(h).iter();
+                let first = fields.next();
+                if fields.next().is_some() || first.is_some_and(|v| v.as_bytes().contains(&b',')) {
+                    return RequestPlan {
+                        identity: ident,
+                        checks: PlannedChecks::new(),
+                        refused: Some(CredentialProblem::Ambiguous(
+                            "a header a rule is keyed by is sent twice or as a list",
+                        )),
+                    };
+                }
+            }
             if let Some(value) = key_value(
                 &snap.rules.rules[ri as usize].key,
                 &ident,

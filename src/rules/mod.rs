@@ -241,6 +241,16 @@ impl Rule {
 
 /// `path` in lower case; borrowed when it has no upper-case letter.
 pub(crate) fn lower(path: &str) -> Cow<'_, str> {
+    // A percent-escaped non-ASCII byte (`%80`..`%FF`) may spell a character whose case folds
+    // to ASCII (KELVIN SIGN to `k`, LONG S to `s`): an upstream that routes by Unicode case
+    // would read the rule's path.
+    let non_ascii = path
+        .as_bytes()
+        .windows(2)
+        .any(|w| w[0] == b'%' && matches!(w[1], b'8'..=b'9' | b'A'..=b'F' | b'a'..=b'f'));
+    if non_ascii {
+        return Cow::Owned(fold_escaped(path));
+    }
     if path.bytes().any(|b| b.is_ascii_uppercase()) {
         Cow::Owned(path.to_ascii_lowercase())
     } else {
@@ -248,12 +258,60 @@ pub(crate) fn lower(path: &str) -> Cow<'_, str> {
     }
 }
 
+/// `path` lower-cased, with each percent-escaped UTF-8 character whose Unicode case folding
+/// (upper then lower case, as `str::to_uppercase`/`to_lowercase` in Python, Java and JS
+/// routers) is ASCII replaced by that ASCII text. Other escapes stay (lower-cased).
+fn fold_escaped(path: &str) -> String {
+    let b = path.as_bytes();
+    let hex = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+    let byte_at = |i: usize| -> Option<u8> {
+        if b.get(i) == Some(&b'%') {
+            Some(hex(*b.get(i + 1)?)? << 4 | hex(*b.get(i + 2)?)?)
+        } else {
+            None
+        }
+    };
+    let mut out = String::with_capacity(path.len());
+    let mut i = 0;
+    while i < b.len() {
+        if let Some(first) = byte_at(i).filter(|v| *v >= 0x80) {
+            let len = match first {
+                0xC0..=0xDF => 2,
+                0xE0..=0xEF => 3,
+                0xF0..=0xF7 => 4,
+                _ => 1,
+            };
+            let bytes: Option<Vec<u8>> = (0..len).map(|k| byte_at(i + 3 * k)).collect();
+            if let Some(c) = bytes
+                .as_deref()
+                .and_then(|v| std::str::from_utf8(v).ok())
+                .and_then(|t| t.chars().next())
+            {
+                let folded: String = c.to_uppercase().collect::<String>().to_lowercase();
+                if folded.is_ascii() {
+                    out.push_str(&folded);
+                    i += 3 * len;
+                    continue;
+                }
+            }
+            out.push_str(&path[i..i + 3].to_ascii_lowercase());
+            i += 3;
+            continue;
+        }
+        out.push(char::from(b[i]).to_ascii_lowercase());
+        i += 1;
+    }
+    out
+}
+
+/// The method-override header names, in the order [`method_override`] reads them.
+pub const METHOD_OVERRIDE_HEADERS: [&str; 3] = ["x-http-method-override", "x-http-method", "x-method-override"];
+
 /// The method a request asks the upstream to run instead of its own, by the first of
 /// `X-HTTP-Method-Override`, `X-HTTP-Method` and `X-Method-Override` it carries (upper-cased, as
 /// the frameworks that honour them read them); `None` without one, or when it names no method.
 pub fn method_override(headers: &HeaderMap) -> Option<Method> {
-    const NAMES: [&str; 3] = ["x-http-method-override", "x-http-method", "x-method-override"];
-    let v = NAMES.iter().find_map(|n| headers.get(*n))?;
+    let v = METHOD_OVERRIDE_HEADERS.iter().find_map(|n| headers.get(*n))?;
     let up = v.to_str().ok()?.trim().to_ascii_uppercase();
     Method::from_bytes(up.as_bytes()).ok()
 }
@@ -297,6 +355,25 @@ pub struct RuleSet {
     pub version: String,
     /// Some rule matches on `host`: only then does a request's host need working out.
     pub uses_host: bool,
+    /// Header names the rules read (`header:` keys and `headers` conditions; the method
+    /// override names when a rule reads them), lower case: a request spelling one of them with
+    /// `_` for `-` is refused (see [`underscore_spelling`]).
+    pub read_headers: Vec<HeaderName>,
+}
+
+/// The first header of `headers` whose name has a `_` where `reads` has a `-` (`X_API_KEY` for
+/// `x-api-key`): CGI-style upstreams (WSGI, FastCGI, PHP) read both as `HTTP_X_API_KEY`, so
+/// tollgate and the upstream would read different credentials or keys. `None` when there is
+/// none. Only called for requests that carry a name with `_`.
+pub fn underscore_spelling<'a>(headers: &'a HeaderMap, reads: &[&HeaderName]) -> Option<&'a HeaderName> {
+    headers.keys().find(|name| {
+        let n = name.as_str().as_bytes();
+        n.contains(&b'_')
+            && reads.iter().any(|r| {
+                let r = r.as_str().as_bytes();
+                r.len() == n.len() && r.iter().zip(n).all(|(a, b)| a == b || (*a == b'-' && *b == b'_'))
+            })
+    })
 }
 
 impl RuleSet {

@@ -257,6 +257,17 @@ rules:
     for p in ["/api/v1/login", "/API/v1/LOGIN", "/Api/V1/LoGiN/"] {
         assert_eq!(chosen(&set, "POST", p, "free", &h), vec!["login"], "{p}");
     }
+    // Characters whose Unicode case folds to ASCII, as Python, Java and JS routers fold them:
+    // dotless i (`ı` -> `i`), LONG S (`ſ` -> `s`), KELVIN SIGN (`K` -> `k`).
+    for p in ["/api/v1/log%C4%B1n", "/api/v1/LOG%C4%B1N"] {
+        assert_eq!(chosen(&set, "POST", p, "free", &h), vec!["login"], "{p}");
+    }
+    let long_s = rules("rules:\n  - { name: tasks, match: { path: /api/v1/tasks, ignore_case: true }, key: ip, limit: 1, window: 1h }\n");
+    for p in ["/api/v1/ta%C5%BFks", "/api/v1/tas%E2%84%AAs", "/api/v1/TA%C5%BFKS"] {
+        assert_eq!(chosen(&long_s, "GET", p, "free", &h), vec!["tasks"], "{p}");
+    }
+    // Other escapes stay what they are.
+    assert!(chosen(&long_s, "GET", "/api/v1/ta%C3%9Fks", "free", &h).is_empty());
     assert_eq!(chosen(&set, "GET", "/api/v1/Search", "free", &h), vec!["exact-case"]);
     assert!(chosen(&set, "GET", "/api/v1/search", "free", &h).is_empty());
 }

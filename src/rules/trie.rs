@@ -4,6 +4,7 @@ use std::collections::{HashMap, HashSet};
 
 use super::path::{self, Pattern};
 use super::{Candidate, KeyKind, RequestInfo, RuleSet, Selection};
+use http::HeaderName;
 
 /// One trie node: the rules whose path pattern reaches this segment.
 #[derive(Debug, Clone, Default)]
@@ -78,6 +79,21 @@ impl RuleSet {
         self.uses_host = self.rules.iter().any(|r| r.host.is_some());
         self.uses_ignore_case = self.rules.iter().any(|r| r.ignore_case);
         self.uses_method_override = self.rules.iter().any(|r| r.method_override && r.methods.is_some());
+        let mut read: Vec<HeaderName> = Vec::new();
+        for r in &self.rules {
+            if let KeyKind::Header(h) = &r.key {
+                read.push(h.clone());
+            }
+            read.extend(r.headers.iter().map(|(h, _)| h.clone()));
+        }
+        if self.uses_method_override {
+            for n in super::METHOD_OVERRIDE_HEADERS {
+                read.push(HeaderName::from_static(n));
+            }
+        }
+        read.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+        read.dedup();
+        self.read_headers = read;
     }
 
     /// The chosen rule of each key kind for `req` (rule indices, one per kind that matched).
