@@ -76,7 +76,7 @@ fn query_param<'a>(q: &'a str, name: &str) -> Option<std::borrow::Cow<'a, str>> 
 /// health change from one second to the next, and a cache must never serve them).
 async fn route(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
     let from = auth::from_allowed(
-        gw.config().admin.token.is_some(),
+        gw.config().admin.has_token(),
         gw.config().admin_listen.ip().is_loopback(),
         req.method(),
         req.uri().path(),
@@ -97,11 +97,22 @@ async fn route(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Resp
 async fn answer(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
     let path = req.uri().path().to_string();
     let query = req.uri().query().unwrap_or("").to_string();
-    if !auth::is_open(req.method(), &path) && !auth::allowed(gw.config().admin.token.as_ref(), req.headers()) {
-        if req.headers().contains_key(http::header::AUTHORIZATION) {
-            tracing::warn!(target: "tollgate::audit", caller = %peer, method = %req.method(), path = %path, "admin request with a wrong token refused");
+    if !auth::is_open(req.method(), &path) {
+        let presented = auth::presented(req.headers());
+        match gw.config().admin.access(presented.as_deref()) {
+            crate::config::admin::Access::Full => {}
+            crate::config::admin::Access::ReadOnly if matches!(*req.method(), Method::GET | Method::HEAD) => {}
+            crate::config::admin::Access::ReadOnly => {
+                tracing::warn!(target: "tollgate::audit", caller = %peer, method = %req.method(), path = %path, "admin change with a read-only token refused");
+                return GatewayError::Forbidden("this admin token may only read (GET, HEAD)").into_response();
+            }
+            crate::config::admin::Access::Denied => {
+                if req.headers().contains_key(http::header::AUTHORIZATION) {
+                    tracing::warn!(target: "tollgate::audit", caller = %peer, method = %req.method(), path = %path, "admin request with a wrong token refused");
+                }
+                return GatewayError::Unauthorized.into_response();
+            }
         }
-        return GatewayError::Unauthorized.into_response();
     }
     match (req.method().clone(), path.as_str()) {
         (Method::GET, "/healthz") => respond::text(StatusCode::OK, "ok\n", "text/plain"),

@@ -161,7 +161,7 @@ async fn run_with(
         config.listen = l;
     }
     if let Some(a) = admin_listen {
-        if !a.ip().is_loopback() && config.admin.token.is_none() {
+        if !a.ip().is_loopback() && !config.admin.has_token() {
             return Err(format!("demo: --admin-listen {a} is not loopback and the demo admin API has no token").into());
         }
         config.admin_listen = a;

@@ -223,10 +223,12 @@ fn check(config: &std::path::Path) -> ExitCode {
                 cfg.listen,
                 if cfg.tls.is_some() { " (TLS)" } else { "" }
             );
-            let access = match (&cfg.admin.token_env, cfg.admin.insecure) {
-                (Some(env), _) => format!("token from ${env}"),
-                (None, true) => "no token, admin.insecure: true".to_string(),
-                (None, false) => "no token, loopback only".to_string(),
+            let access = match (&cfg.admin.token_env, &cfg.admin.token_file, cfg.admin.insecure) {
+                (Some(env), Some(_), _) => format!("token from ${env}, and the tokens of admin.token_file"),
+                (Some(env), None, _) => format!("token from ${env}"),
+                (None, Some(_), _) => "the tokens of admin.token_file (re-read when it changes)".to_string(),
+                (None, None, true) => "no token, admin.insecure: true".to_string(),
+                (None, None, false) => "no token, loopback only".to_string(),
             };
             println!("  admin  {} ({access})", cfg.admin_listen);
             let targets: Vec<String> = cfg.upstream.targets.iter().map(|t| t.url.to_string()).collect();

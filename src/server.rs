@@ -179,7 +179,7 @@ pub async fn start_with(gw: Arc<State>) -> Result<Running, StartError> {
         runtime = ?gw.config().server.runtime,
         store = crate::describe::store_kind(gw.config().store.kind),
         upstream = %targets.join(","),
-        admin_token = gw.config().admin.token.is_some(),
+        admin_token = gw.config().admin.has_token(),
         "tollgate listening"
     );
     // Every start, not only the first: `admin.insecure`, ignored overrides, risky timeouts.

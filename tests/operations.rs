@@ -1170,3 +1170,71 @@ fn a_fail_open_request_is_logged_as_fail_open_with_its_rule() {
     assert_eq!(f["rule"], "open", "{line}");
     assert_eq!(f["status"], 200, "{line}");
 }
+
+/// `admin.token_file`: every token it lists is accepted, a `read-only` one only for GET and
+/// HEAD, and an edit takes effect without a restart (old and new accepted while both lines are
+/// in the file, the old refused once its line is gone). A file that stops loading keeps the
+/// tokens read before.
+#[test]
+fn admin_tokens_rotate_through_the_token_file_and_read_only_tokens_only_read() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let up = echo_upstream(&rt);
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = dir.path().join("admin-tokens");
+    std::fs::write(
+        &tokens,
+        "# rotation: add the new line, move clients, drop the old one\nold-token-1\nread-only viewer-token\n",
+    )
+    .unwrap();
+    let (port, admin_port) = (free_port(), free_port());
+    let body = format!("{}admin:\n  token_file: admin-tokens\n", upstream_yaml(&up));
+    let p = write(dir.path(), port, &format!("127.0.0.1:{admin_port}"), &body, USER_RULES);
+    let gw = run(&p, &[], port, admin_port);
+    let admin = format!("http://127.0.0.1:{admin_port}");
+    let call =
+        |m: &str, path: &str, tok: &str| admin_call(m, &format!("{admin}{path}"), Some(&format!("Bearer {tok}"))).0;
+    assert_eq!(call("GET", "/status", "old-token-1"), 200);
+    assert_eq!(call("POST", "/reload", "old-token-1"), 200);
+    assert_eq!(call("GET", "/status", "viewer-token"), 200, "a read-only token reads");
+    assert_eq!(
+        call("POST", "/reload", "viewer-token"),
+        403,
+        "a read-only token changes nothing"
+    );
+    assert_eq!(call("DELETE", "/keys/cust_42", "viewer-token"), 403);
+    assert_eq!(call("GET", "/status", "new-token-2"), 401);
+    assert_eq!(admin_call("GET", &format!("{admin}/status"), None).0, 401);
+
+    // Rotation: both accepted, then only the new one.
+    atomic_write(&tokens, "old-token-1\nnew-token-2\nread-only viewer-token\n");
+    assert!(
+        eventually_blocking(Duration::from_secs(5), || call("GET", "/status", "new-token-2") == 200),
+        "the new token was never accepted: {}",
+        gw.log()
+    );
+    assert_eq!(
+        call("GET", "/status", "old-token-1"),
+        200,
+        "both while both lines are there"
+    );
+    atomic_write(&tokens, "new-token-2\n");
+    assert!(
+        eventually_blocking(Duration::from_secs(5), || call("GET", "/status", "old-token-1") == 401),
+        "the old token stayed accepted"
+    );
+    assert_eq!(call("POST", "/reload", "new-token-2"), 200);
+    // A file that no longer loads keeps the tokens in force, and says so.
+    atomic_write(&tokens, "\n# nothing\n");
+    assert!(
+        // (the file is looked at on admin requests, at most once a second)
+        eventually_blocking(Duration::from_secs(5), || call("GET", "/status", "new-token-2") == 200
+            && gw.log().contains("admin.token_file no longer loads")),
+        "{}",
+        gw.log()
+    );
+    assert_eq!(call("GET", "/status", "new-token-2"), 200);
+    assert!(
+        !gw.log().contains("new-token-2") && !gw.log().contains("viewer-token"),
+        "tokens never reach the log"
+    );
+}

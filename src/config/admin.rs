@@ -5,7 +5,7 @@
 //! `admin.insecure: true` says that is intended (which is noted, and logged at every start).
 
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde_saphyr::Spanned;
 use sha2::{Digest, Sha256};
@@ -44,11 +44,104 @@ impl AdminToken {
     }
 }
 
+/// What a presented admin token may do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Every endpoint (no token configured, or a full token).
+    Full,
+    /// `GET` and `HEAD` only (a `read-only` line of `admin.token_file`).
+    ReadOnly,
+    /// No valid token.
+    Denied,
+}
+
+/// The tokens of `admin.token_file`, re-read when the file changes (checked at most once a
+/// second, on an admin request): the old and the new token are both accepted while both lines
+/// are in the file, so a token rotates without a restart. A file that stops loading keeps the
+/// tokens last read (and says so in the log).
+#[derive(Debug)]
+pub struct TokenFile {
+    /// The file.
+    path: PathBuf,
+    /// The tokens last read, each with its access, and the file's modification time then.
+    tokens: parking_lot::Mutex<(
+        Vec<(AdminToken, Access)>,
+        Option<std::time::SystemTime>,
+        std::time::Instant,
+    )>,
+}
+
+impl TokenFile {
+    /// Read `path` (at least one token, or an error naming the problem).
+    pub fn load(path: &Path) -> Result<Self, String> {
+        let (tokens, mtime) = read_tokens(path)?;
+        Ok(TokenFile {
+            path: path.to_path_buf(),
+            tokens: parking_lot::Mutex::new((tokens, mtime, std::time::Instant::now())),
+        })
+    }
+
+    /// What `candidate` may do, by the file as it is now (re-read first when it changed).
+    pub fn access(&self, candidate: &[u8]) -> Access {
+        let mut t = self.tokens.lock();
+        if t.2.elapsed() >= std::time::Duration::from_secs(1) {
+            t.2 = std::time::Instant::now();
+            let mtime = std::fs::metadata(&self.path).and_then(|m| m.modified()).ok();
+            if mtime != t.1 {
+                match read_tokens(&self.path) {
+                    Ok((tokens, m)) => {
+                        tracing::info!(target: "tollgate::audit", file = %self.path.display(), tokens = tokens.len(), "admin.token_file re-read: the tokens it lists are now the ones accepted");
+                        (t.0, t.1) = (tokens, m);
+                    }
+                    Err(e) => {
+                        t.1 = mtime;
+                        tracing::error!(file = %self.path.display(), error = %e, "admin.token_file no longer loads; the tokens read before stay in force");
+                    }
+                }
+            }
+        }
+        // Every token is compared (no early exit), so timing tells nothing about which matched.
+        let mut best = Access::Denied;
+        for (tok, access) in &t.0 {
+            if tok.matches(candidate) && (best == Access::Denied || *access == Access::Full) {
+                best = *access;
+            }
+        }
+        best
+    }
+}
+
+/// The tokens of a token file: one per line, `read-only <token>` for read-only ones; blank
+/// lines and `#` comments skipped.
+fn read_tokens(path: &Path) -> Result<(Vec<(AdminToken, Access)>, Option<std::time::SystemTime>), String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let mtime = std::fs::metadata(path).and_then(|m| m.modified()).ok();
+    let mut tokens = Vec::new();
+    for line in text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+    {
+        match line.strip_prefix("read-only ") {
+            Some(t) if !t.trim().is_empty() => tokens.push((AdminToken::new(t.trim()), Access::ReadOnly)),
+            Some(_) => return Err("a read-only line without a token".into()),
+            None => tokens.push((AdminToken::new(line), Access::Full)),
+        }
+    }
+    if tokens.is_empty() {
+        return Err(format!("{} lists no token", path.display()));
+    }
+    Ok((tokens, mtime))
+}
+
 /// `admin:`, validated.
 #[derive(Debug, Clone, Default)]
 pub struct AdminConfig {
-    /// The token every protected endpoint needs; `None` = the admin API is open.
+    /// The token every protected endpoint needs; `None` = the admin API is open (unless
+    /// `token_file` is set).
     pub token: Option<AdminToken>,
+    /// `admin.token_file`: more tokens, rotatable and read-only ones.
+    pub token_file: Option<std::sync::Arc<TokenFile>>,
     /// The environment variable the token came from (for messages; never the value).
     pub token_env: Option<String>,
     /// `admin.insecure: true`: a non-loopback admin listener without a token, on purpose.
@@ -84,9 +177,22 @@ pub fn compile(
         },
         None => (None, None),
     };
+    let token_file = match &raw.token_file {
+        Some(f) => {
+            let p = if Path::new(&f.value).is_absolute() {
+                PathBuf::from(&f.value)
+            } else {
+                file.parent().unwrap_or(Path::new(".")).join(&f.value)
+            };
+            let t = TokenFile::load(&p)
+                .map_err(|e| ConfigError::at(file, &f.referenced, format!("admin.token_file: {e}")))?;
+            Some(std::sync::Arc::new(t))
+        }
+        None => None,
+    };
     let insecure = raw.insecure.as_ref().is_some_and(|i| i.value);
     let exposed = !admin_listen.ip().is_loopback();
-    if exposed && token.is_none() {
+    if exposed && token.is_none() && token_file.is_none() {
         if !insecure {
             let msg = format!(
                 "admin_listen {admin_listen} is not a loopback address and the admin API has no token: \
@@ -105,9 +211,29 @@ pub fn compile(
     }
     Ok(AdminConfig {
         token,
+        token_file,
         token_env,
         insecure,
     })
+}
+
+impl AdminConfig {
+    /// Is any admin token configured?
+    pub fn has_token(&self) -> bool {
+        self.token.is_some() || self.token_file.is_some()
+    }
+
+    /// What a request presenting `candidate` (or nothing) may do.
+    pub fn access(&self, candidate: Option<&[u8]>) -> Access {
+        if !self.has_token() {
+            return Access::Full;
+        }
+        let Some(c) = candidate else { return Access::Denied };
+        if self.token.as_ref().is_some_and(|t| t.matches(c)) {
+            return Access::Full;
+        }
+        self.token_file.as_ref().map_or(Access::Denied, |f| f.access(c))
+    }
 }
 
 #[cfg(test)]

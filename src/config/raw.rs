@@ -490,6 +490,9 @@ pub struct RawKey {
 pub struct RawAdmin {
     /// Name of the environment variable holding the admin token.
     pub token_env: Option<Spanned<String>>,
+    /// A file of admin tokens, one per line (`read-only <token>` for a token that may only
+    /// read), re-read when it changes: rotation without a restart.
+    pub token_file: Option<Spanned<String>>,
     /// Allow a non-loopback `admin_listen` without a token.
     pub insecure: Option<Spanned<bool>>,
 }
