@@ -55,6 +55,13 @@ pub enum Access {
     Denied,
 }
 
+/// The tokens of a token file, each with what it may do.
+type Tokens = Vec<(AdminToken, Access)>;
+
+/// What a token file held when last read: its tokens, its modification time then, and when it
+/// was last looked at.
+type Loaded = (Tokens, Option<std::time::SystemTime>, std::time::Instant);
+
 /// The tokens of `admin.token_file`, re-read when the file changes (checked at most once a
 /// second, on an admin request): the old and the new token are both accepted while both lines
 /// are in the file, so a token rotates without a restart. A file that stops loading keeps the
@@ -64,11 +71,7 @@ pub struct TokenFile {
     /// The file.
     path: PathBuf,
     /// The tokens last read, each with its access, and the file's modification time then.
-    tokens: parking_lot::Mutex<(
-        Vec<(AdminToken, Access)>,
-        Option<std::time::SystemTime>,
-        std::time::Instant,
-    )>,
+    tokens: parking_lot::Mutex<Loaded>,
 }
 
 impl TokenFile {
@@ -113,7 +116,7 @@ impl TokenFile {
 
 /// The tokens of a token file: one per line, `read-only <token>` for read-only ones; blank
 /// lines and `#` comments skipped.
-fn read_tokens(path: &Path) -> Result<(Vec<(AdminToken, Access)>, Option<std::time::SystemTime>), String> {
+fn read_tokens(path: &Path) -> Result<(Tokens, Option<std::time::SystemTime>), String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     let mtime = std::fs::metadata(path).and_then(|m| m.modified()).ok();
     let mut tokens = Vec::new();
