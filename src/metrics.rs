@@ -70,6 +70,17 @@ struct StatusLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TargetLabels {
+    target: String,
+    status: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EjectLabels {
+    target: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CodeLabels {
     code: String,
 }
@@ -201,6 +212,11 @@ pub struct Metrics {
     /// `tollgate_upstream_responses_total{status}` handles 1xx..5xx, then
     /// `tollgate_upstream_failures_total` (no response: refused, reset, timed out).
     pub upstream_status: [Counter; 6],
+    /// `tollgate_upstream_target_responses_total{target,status}`, resolved per target by
+    /// [`Metrics::target_counters`].
+    upstream_targets: Family<TargetLabels, Counter>,
+    /// `tollgate_upstream_target_ejections_total{target}`.
+    upstream_target_ejections: Family<EjectLabels, Counter>,
     /// Upstream latency.
     pub upstream_latency: Histogram,
     /// Reloads that succeeded.
@@ -257,6 +273,15 @@ pub struct Metrics {
     pub upstream_retries: Counter,
     /// Upstream targets taken out (passive ejection or a failed health check).
     pub upstream_ejections: Counter,
+}
+
+/// One upstream target's counters (see [`Metrics::target_counters`]).
+#[derive(Debug, Clone, Default)]
+pub struct TargetCounters {
+    /// Answers by status class 1xx..5xx, then requests that got no answer.
+    pub status: [Counter; 6],
+    /// Times the target was taken out.
+    pub ejections: Counter,
 }
 
 impl Metrics {
@@ -368,6 +393,18 @@ impl Metrics {
             upstream_failures.clone(),
         );
         let upstream_status = [st("1xx"), st("2xx"), st("3xx"), st("4xx"), st("5xx"), upstream_failures];
+        let upstream_targets = Family::<TargetLabels, Counter>::default();
+        registry.register(
+            "upstream_target_responses",
+            "Upstream answers by target and status class (failed: no response: refused, reset, timed out)",
+            upstream_targets.clone(),
+        );
+        let upstream_target_ejections = Family::<EjectLabels, Counter>::default();
+        registry.register(
+            "upstream_target_ejections",
+            "Times each upstream target was taken out (passive ejection or a failed health check)",
+            upstream_target_ejections.clone(),
+        );
         let upstream_latency = Histogram::new(exponential_buckets(0.0001, 2.0, 18));
         registry.register(
             "upstream_duration_seconds",
@@ -542,6 +579,8 @@ impl Metrics {
             memory_refused,
             leases,
             upstream_status,
+            upstream_targets,
+            upstream_target_ejections,
             upstream_latency,
             reload_ok,
             reload_error,
@@ -697,6 +736,29 @@ impl Metrics {
                 rule: name.to_string(),
                 event,
             });
+        }
+    }
+
+    /// One target's counters, resolved once when the upstream is built: its answers by status
+    /// class (1xx..5xx, then `failed`), and its ejections. `target` is its URL (no credentials:
+    /// an upstream URL has none).
+    pub fn target_counters(&self, target: &str) -> TargetCounters {
+        let c = |status: &'static str| {
+            self.upstream_targets
+                .get_or_create(&TargetLabels {
+                    target: target.to_string(),
+                    status,
+                })
+                .clone()
+        };
+        TargetCounters {
+            status: [c("1xx"), c("2xx"), c("3xx"), c("4xx"), c("5xx"), c("failed")],
+            ejections: self
+                .upstream_target_ejections
+                .get_or_create(&EjectLabels {
+                    target: target.to_string(),
+                })
+                .clone(),
         }
     }
 

@@ -332,6 +332,10 @@ fn dashboard_in_headless_chromium_matches_metrics_and_shows_no_identity() {
     // Store and upstream.
     assert!(dom.contains("started: memory (ok)"), "{dom}");
     assert!(dom.contains(&format!(r#"data-upstream="http://{up}""#)), "{dom}");
+    assert!(
+        dom.contains("this target: ") && dom.contains("× since start"),
+        "per-target figures:\n{dom}"
+    );
 
     // Screenshots: laptop and phone width (test artifacts in target/).
     let laptop = screenshot(&page, "dashboard.png", 1280, 1500);
@@ -370,6 +374,8 @@ async fn store_history_records_the_breaker_opening_and_closing() {
     let d = get_json(&c, &dash).await;
     assert_eq!(d["store"]["kind"], "redis");
     assert_eq!(d["upstreams"].as_array().unwrap().len(), 1);
+    assert!(d["upstreams"][0]["responses_total"].as_u64().is_some(), "{d}");
+    assert_eq!(d["upstreams"][0]["ejections_total"], 0, "{d}");
 
     redis.kill();
     // Requests fail open and open the breaker; the sampler notices within a second or two.

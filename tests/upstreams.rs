@@ -73,6 +73,20 @@ async fn two_targets_one_killed_under_load_no_get_fails_and_failed_posts_are_502
     assert!(gets > 150 && posts > 50, "{gets} GETs, {posts} POSTs");
     let ejections = metric_value(&c, &gw.admin, "tollgate_upstream_ejections_total").await;
     assert!(ejections >= 1.0, "the killed target was never ejected");
+    // Per target: the killed one was ejected and failed, the other answered and never was.
+    let body = get_text(&c, format!("{}/metrics", gw.admin)).await;
+    let per = |name: &str, target: &str, status: Option<&str>| {
+        let labels = match status {
+            Some(s) => format!("{{target=\"{target}\",status=\"{s}\"}}"),
+            None => format!("{{target=\"{target}\"}}"),
+        };
+        metric(&body, &format!("{name}{labels}")).map_or(0.0, |v| v.parse::<f64>().unwrap_or(0.0))
+    };
+    let (au, bu) = (a.url(), b.url());
+    assert!(per("tollgate_upstream_target_ejections_total", &au, None) >= 1.0);
+    assert_eq!(per("tollgate_upstream_target_ejections_total", &bu, None), 0.0);
+    assert!(per("tollgate_upstream_target_responses_total", &au, Some("failed")) >= 1.0);
+    assert!(per("tollgate_upstream_target_responses_total", &bu, Some("2xx")) >= 300.0);
     eprintln!(
         "{gets} GETs all 200; {posts} POSTs, {posts_502} got 502; retries {}",
         metric_value(&c, &gw.admin, "tollgate_upstream_retries_total").await

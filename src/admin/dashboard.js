@@ -86,7 +86,9 @@
     d.upstreams.forEach(function (u) {
       ul.appendChild(el("li", { "data-upstream": u.url },
         el("div", {}, el("code", { text: u.url }), " ", pill(u.state)),
-        el("div", { cls: "muted small", text: num(u.responses_last_minute) + " responses · " +
+        el("div", { cls: "muted small", "data-target-totals": "", text: "this target: " + num(u.responses_total) + " responses · " +
+          num(u.failures_total) + " failures · ejected " + num(u.ejections_total) + "× since start" }),
+        el("div", { cls: "muted small", text: "whole upstream: " + num(u.responses_last_minute) + " responses · " +
           num(u.failures_last_minute) + " failures in the last minute · last failure " + ago(u.last_failure_at, d.now) })));
     });
   }

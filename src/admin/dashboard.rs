@@ -165,12 +165,16 @@ pub fn json(gw: &State) -> Value {
             "rules": rules.into_iter().map(|(_, _, v)| v).collect::<Vec<_>>(),
         },
         "limited": act.top_limited(MAX_LIMITED),
-        // One entry per target: ejected ones say so; the traffic figures are the upstream's as
-        // a whole (the sampler reads the per-class response counters).
-        "upstreams": gw.upstream().status().into_iter().map(|(url, is_in)| json!({
+        // One entry per target: ejected ones say so, each with its own answers, failures and
+        // ejections since start; the last-minute figures are the upstream's as a whole (the
+        // sampler reads the per-class response counters).
+        "upstreams": gw.upstream().status().into_iter().zip(gw.upstream().target_totals()).map(|((url, is_in), (answered, failed, ejections))| json!({
             "url": url,
             "state": if is_in { up_state } else { "ejected" },
             "in": is_in,
+            "responses_total": answered,
+            "failures_total": failed,
+            "ejections_total": ejections,
             "responses_last_minute": up.responses,
             "failures_last_minute": up.failures,
             "last_failure_at": up.last_failure_at,

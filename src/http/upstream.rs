@@ -151,6 +151,8 @@ struct Target {
     out_until_ms: AtomicU64,
     /// Consecutive ejections without a success in between (the doubling).
     ejections: AtomicU32,
+    /// This target's answers by status class and its ejections (metrics).
+    counters: crate::metrics::TargetCounters,
 }
 
 /// Every target of the upstream, with the balancing and ejection state.
@@ -322,8 +324,10 @@ impl Upstream {
                     None
                 };
                 let authority = t.url.authority().map_or(t.addr.as_str(), |a| a.as_str());
+                let label: Arc<str> = format!("{}://{}", if t.tls { "https" } else { "http" }, authority).into();
                 Target {
-                    label: format!("{}://{}", if t.tls { "https" } else { "http" }, authority).into(),
+                    counters: metrics.target_counters(&label),
+                    label,
                     addr: t.addr.clone(),
                     server_name,
                     host_header: HeaderValue::from_str(authority).unwrap_or(HeaderValue::from_static("localhost")),
@@ -383,6 +387,21 @@ impl Upstream {
         self.ejected.get()
     }
 
+    /// Each target's answers (1xx..5xx), requests without an answer, and ejections, since start.
+    pub fn target_totals(&self) -> Vec<(u64, u64, u64)> {
+        self.targets
+            .iter()
+            .map(|t| {
+                let c = &t.counters;
+                (
+                    c.status[..5].iter().map(|x| x.get()).sum(),
+                    c.status[5].get(),
+                    c.ejections.get(),
+                )
+            })
+            .collect()
+    }
+
     /// Each target's label and whether it is in now.
     pub fn status(&self) -> Vec<(String, bool)> {
         let now = self.now_ms();
@@ -415,23 +434,28 @@ impl Upstream {
             // Written (the connection failed before the status line): a copy.
             (None, Retry::Copy(rp)) => rp.request(),
             _ => {
+                self.targets[first].counters.status[5].inc();
                 return Err(Failed {
                     error: err,
                     target: self.targets[first].label.clone(),
                     attempts: 1,
-                })
+                });
             }
         };
         self.retries.inc();
+        self.targets[first].counters.status[5].inc();
         let second = self.pick(Some(first));
         tracing::debug!(from = %self.targets[first].label, to = %self.targets[second].label, error = %err, "retrying upstream request");
         match self.attempt(second, again).await {
             Ok(r) => Ok(self.answered(second, r, 2)),
-            Err(e) => Err(Failed {
-                error: e.error,
-                target: self.targets[second].label.clone(),
-                attempts: 2,
-            }),
+            Err(e) => {
+                self.targets[second].counters.status[5].inc();
+                Err(Failed {
+                    error: e.error,
+                    target: self.targets[second].label.clone(),
+                    attempts: 2,
+                })
+            }
         }
     }
 
@@ -441,6 +465,8 @@ impl Upstream {
         } else {
             self.success(i);
         }
+        let class = usize::from((resp.status().as_u16() / 100).clamp(1, 5)) - 1;
+        self.targets[i].counters.status[class].inc();
         Exchange {
             response: resp.map(|inner| TargetBody { inner, _flight: flight }),
             target: self.targets[i].label.clone(),

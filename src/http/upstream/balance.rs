@@ -119,6 +119,7 @@ impl Upstream {
         t.out_until_ms.store(until, Ordering::Relaxed);
         t.fails.store(0, Ordering::Relaxed);
         self.ejected.inc();
+        t.counters.ejections.inc();
         tracing::warn!(target_url = %t.label, failures = fails, out_for_ms = period.as_millis() as u64, error = %why, "upstream target ejected");
     }
 
