@@ -265,6 +265,9 @@ pub struct Metrics {
     /// What tollgate adds to a forwarded request: its whole duration less the time waiting for
     /// the upstream's response head, seconds: `tollgate_request_overhead_seconds`.
     pub request_overhead: Histogram,
+    /// The listener certificate's `notAfter`, unix seconds (0 without TLS):
+    /// `tollgate_tls_certificate_expiry_timestamp_seconds`.
+    pub tls_cert_expiry: Gauge,
     /// Listener certificate reloads that took effect.
     pub tls_reload_ok: Counter,
     /// Listener certificate reloads refused (the old certificate kept serving).
@@ -418,6 +421,12 @@ impl Metrics {
             tls_reloads.clone(),
         );
         let tls_reload_ok = tls_reloads.get_or_create(&ResultLabels { result: "ok".into() }).clone();
+        let tls_cert_expiry = Gauge::default();
+        registry.register(
+            "tls_certificate_expiry_timestamp_seconds",
+            "When the listener certificate now served expires (its notAfter), unix seconds; alert well before it",
+            tls_cert_expiry.clone(),
+        );
         let tls_reload_error = tls_reloads
             .get_or_create(&ResultLabels { result: "error".into() })
             .clone();
@@ -601,6 +610,7 @@ impl Metrics {
             process_registry,
             request_duration,
             request_overhead,
+            tls_cert_expiry,
             tls_reload_ok,
             tls_reload_error,
             upstream_retries,

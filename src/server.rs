@@ -198,14 +198,17 @@ pub async fn start_with(gw: Arc<State>) -> Result<Running, StartError> {
 /// Re-read the listener's certificate and key when their files change (and on `SIGHUP`). A
 /// new pair that fails to load is refused, logged and counted; the old one keeps serving.
 fn spawn_cert_watcher(gw: &Arc<State>, resolver: Arc<crate::http::tls::CertResolver>, stop: watch::Receiver<bool>) {
+    set_cert_expiry(gw, &resolver);
     let gw = gw.clone();
     let files = resolver.files().to_vec();
     crate::config::reload::spawn_watcher(files, stop, move |why| {
         let (gw, resolver) = (gw.clone(), resolver.clone());
         async move {
-            match tokio::task::spawn_blocking(move || resolver.reload()).await {
+            let reloading = resolver.clone();
+            match tokio::task::spawn_blocking(move || reloading.reload()).await {
                 Ok(Ok(())) => {
                     gw.metrics().tls_reload_ok.inc();
+                    set_cert_expiry(&gw, &resolver);
                     tracing::info!(trigger = why.as_str(), "TLS certificate reloaded");
                 }
                 Ok(Err(e)) => {
@@ -216,6 +219,13 @@ fn spawn_cert_watcher(gw: &Arc<State>, resolver: Arc<crate::http::tls::CertResol
             }
         }
     });
+}
+
+/// `tollgate_tls_certificate_expiry_timestamp_seconds` from the certificate now served.
+fn set_cert_expiry(gw: &Arc<State>, resolver: &crate::http::tls::CertResolver) {
+    if let Some(t) = resolver.serving().and_then(|c| crate::http::tls::not_after(&c)) {
+        gw.metrics().tls_cert_expiry.set(i64::try_from(t).unwrap_or(i64::MAX));
+    }
 }
 
 /// Run `job` every `every` until `stop` changes. A tick missed while a job ran late is delayed,

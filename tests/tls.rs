@@ -601,3 +601,41 @@ async fn the_access_line_names_the_tls_version() {
     assert_eq!(tls_of("/v12"), Some(serde_json::json!("TLSv1.2")));
     assert_eq!(tls_of("/v13"), Some(serde_json::json!("TLSv1.3")));
 }
+
+/// The certificate's expiry is a gauge, and `tollgate check` warns on an expired certificate
+/// (and on one that expires within 14 days).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn certificate_expiry_is_a_gauge_and_check_warns_before_it() {
+    let pki = Pki::new("gateway CA");
+    let (cert, key) = pki.issue_until("gw", &["localhost", "127.0.0.1"], (2030, 1, 2));
+    let echo = echo().await;
+    let gw = binary(&format!("http://{echo}"), &tls_block(&cert, &key), OPEN_RULES);
+    let m = get_text(&client(), format!("{}/metrics", gw.admin)).await;
+    // 2030-01-02T00:00:00Z
+    assert_eq!(
+        metric(&m, "tollgate_tls_certificate_expiry_timestamp_seconds").as_deref(),
+        Some("1893542400"),
+        "{m}"
+    );
+    // An expired certificate: `check` says so (and still passes: it is a warning).
+    let (old_c, old_k) = pki.issue_until("old", &["localhost"], (2021, 6, 1));
+    let dir = tempfile::tempdir().unwrap();
+    let p = write_config(
+        dir.path(),
+        &format!("http://{echo}"),
+        &tls_block(&old_c, &old_k),
+        OPEN_RULES,
+        None,
+    );
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["check", "--config"])
+        .arg(&p)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("EXPIRED at 2021-06-01T00:00:00Z"), "{text}");
+}

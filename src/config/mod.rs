@@ -128,6 +128,31 @@ pub enum StoreKind {
     RedisCluster,
 }
 
+/// A note when the listener certificate has expired or expires within 14 days (logged at
+/// every start and shown by `tollgate check`).
+fn certificate_note(cert_file: &Path) -> Option<String> {
+    let der = crate::http::tls::load_certs(cert_file).ok()?.into_iter().next()?;
+    let expiry = crate::http::tls::not_after(&der)?;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let when = humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + std::time::Duration::from_secs(expiry));
+    if expiry <= now {
+        Some(format!(
+            "tls.cert_file {}: the certificate EXPIRED at {when}",
+            cert_file.display()
+        ))
+    } else if expiry - now < 14 * 86_400 {
+        Some(format!(
+            "tls.cert_file {}: the certificate expires at {when}, in {} days",
+            cert_file.display(),
+            (expiry - now) / 86_400
+        ))
+    } else {
+        None
+    }
+}
+
 /// `store.scripting`: how the limit script is run on Redis.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Scripting {
@@ -750,6 +775,9 @@ impl GatewayConfig {
             Some(t) => Some(net::listener_tls(f, dir, t)?),
             None => None,
         };
+        if let Some(note) = tls.as_ref().and_then(|t| certificate_note(&t.cert_file)) {
+            notes.push(note);
+        }
         let access_log = net::access_log(f, &raw.access_log)?;
         Ok(GatewayConfig {
             path: path.to_path_buf(),

@@ -190,6 +190,66 @@ impl ResolvesServerCert for CertResolver {
     }
 }
 
+/// The `notAfter` of a DER X.509 certificate, unix seconds; `None` when it does not parse.
+/// Reads only the path to it: Certificate → tbsCertificate → (version) serial, signature,
+/// issuer → validity → notAfter (UTCTime or GeneralizedTime, in UTC).
+pub fn not_after(der: &[u8]) -> Option<u64> {
+    /// One DER element at the start of `b`: (tag, contents, rest).
+    fn tlv(b: &[u8]) -> Option<(u8, &[u8], &[u8])> {
+        let (&tag, b) = b.split_first()?;
+        let (&first, mut b) = b.split_first()?;
+        let len = if first < 0x80 {
+            usize::from(first)
+        } else {
+            let n = usize::from(first & 0x7f);
+            if n == 0 || n > 4 || b.len() < n {
+                return None;
+            }
+            let len = b[..n].iter().fold(0usize, |a, &x| (a << 8) | usize::from(x));
+            b = &b[n..];
+            len
+        };
+        (b.len() >= len).then(|| (tag, &b[..len], &b[len..]))
+    }
+    let (_, cert, _) = tlv(der)?;
+    let (_, tbs, _) = tlv(cert)?;
+    let mut rest = tbs;
+    if rest.first() == Some(&0xa0) {
+        rest = tlv(rest)?.2; // version
+    }
+    for _ in 0..3 {
+        rest = tlv(rest)?.2; // serial, signature algorithm, issuer
+    }
+    let (_, validity, _) = tlv(rest)?;
+    let (_, _, after) = tlv(validity)?; // notBefore
+    let (tag, t, _) = tlv(after)?;
+    let t = std::str::from_utf8(t).ok()?.strip_suffix('Z')?;
+    let num = |s: &str| s.parse::<i64>().ok();
+    let (year, rest) = match tag {
+        0x17 => {
+            let yy = num(t.get(..2)?)?;
+            (if yy < 50 { 2000 + yy } else { 1900 + yy }, t.get(2..)?)
+        }
+        0x18 => (num(t.get(..4)?)?, t.get(4..)?),
+        _ => return None,
+    };
+    let (mo, d, h, mi, se) = (
+        num(rest.get(0..2)?)?,
+        num(rest.get(2..4)?)?,
+        num(rest.get(4..6)?)?,
+        num(rest.get(6..8)?)?,
+        num(rest.get(8..10)?)?,
+    );
+    // Days from the civil date (Howard Hinnant's algorithm).
+    let y = if mo <= 2 { year - 1 } else { year };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * (mo + if mo > 2 { -3 } else { 9 }) + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    u64::try_from(days * 86_400 + h * 3600 + mi * 60 + se).ok()
+}
+
 /// The listener's rustls config (ALPN h2 + http/1.1) and the resolver to reload.
 pub fn server_config(t: &ListenerTls) -> Result<(Arc<ServerConfig>, Arc<CertResolver>), TlsError> {
     let p = provider();
@@ -275,5 +335,26 @@ impl ServerCertVerifier for NoVerify {
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
         self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+#[cfg(test)]
+mod expiry_tests {
+    /// `notAfter` read from certificates made with rcgen, in UTCTime and GeneralizedTime.
+    #[test]
+    fn not_after_reads_the_certificates_validity() {
+        for ((y, m, d), want) in [
+            ((2030, 1, 2), 1_893_542_400u64),
+            ((2021, 6, 1), 1_622_505_600),
+            ((2051, 3, 1), 2_561_241_600),
+        ] {
+            let mut p = rcgen::CertificateParams::new(vec!["x".to_string()]).unwrap_or_default(); // allow-panic: test
+            p.not_after = rcgen::date_time_ymd(y, m, d);
+            let key = rcgen::KeyPair::generate();
+            let cert = key.and_then(|k| p.self_signed(&k));
+            let der = cert.map(|c| c.der().to_vec()).unwrap_or_default();
+            assert_eq!(super::not_after(&der), Some(want), "{y}-{m}-{d}");
+        }
+        assert_eq!(super::not_after(b"not a certificate"), None);
     }
 }

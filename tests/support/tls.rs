@@ -63,6 +63,26 @@ impl Pki {
         (cert.pem(), key.serialize_pem())
     }
 
+    /// A certificate for `names` valid until `(year, month, day)` 00:00 UTC, written to
+    /// `<file>.crt` and `<file>.key`: their paths.
+    pub fn issue_until(&self, file: &str, names: &[&str], until: (i32, u8, u8)) -> (PathBuf, PathBuf) {
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(names.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap();
+        params
+            .distinguished_name
+            .push(DnType::CommonName, names.first().copied().unwrap_or("x"));
+        params.not_before = rcgen::date_time_ymd(2020, 1, 1);
+        params.not_after = rcgen::date_time_ymd(until.0, until.1, until.2);
+        let cert = params.signed_by(&key, &self.ca).unwrap();
+        let (cp, kp) = (
+            self.dir.path().join(format!("{file}.crt")),
+            self.dir.path().join(format!("{file}.key")),
+        );
+        std::fs::write(&cp, cert.pem()).unwrap();
+        std::fs::write(&kp, key.serialize_pem()).unwrap();
+        (cp, kp)
+    }
+
     /// [`Pki::issue_pem`] written to `<file>.crt` and `<file>.key`: their paths.
     pub fn issue(&self, file: &str, names: &[&str]) -> (PathBuf, PathBuf) {
         let (c, k) = self.issue_pem(names);
