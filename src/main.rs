@@ -42,6 +42,9 @@ enum Command {
     Run,
     /// Validate the gateway config, rules and keys; print a summary.
     Check,
+    /// Print the settings in force (environment overrides applied, secrets hidden), each with
+    /// where its value came from: `file:line:col`, an environment variable, or the default.
+    Config,
     /// Show the identity, matching rules and store keys for a request.
     Explain {
         /// Method.
@@ -112,6 +115,7 @@ fn main() -> ExitCode {
     match cli.command.unwrap_or(Command::Run) {
         Command::HashKey { key } => hash_key(key),
         Command::Check => check(&config),
+        Command::Config => effective(&config),
         Command::Explain {
             method,
             path,
@@ -145,6 +149,34 @@ fn main() -> ExitCode {
                     .await
                     .map_err(|e| e.to_string())
             })
+        }
+    }
+}
+
+/// `tollgate config`: the settings in force, with where each came from.
+fn effective(config: &std::path::Path) -> ExitCode {
+    let env = EnvOverrides::from_env();
+    let raw = tollgate::config::parse_file::<tollgate::config::raw::RawGateway>(config);
+    let cfg = GatewayConfig::load(config, &env);
+    match (raw, cfg) {
+        (Ok(raw), Ok(cfg)) => {
+            let rows = tollgate::config::effective::settings(config, &raw, &cfg, &env);
+            let width = rows
+                .iter()
+                .map(|r| r.name.len() + r.value.len())
+                .max()
+                .unwrap_or(0)
+                .min(60)
+                + 3;
+            for r in rows {
+                let pad = width.saturating_sub(r.name.len() + r.value.len());
+                println!("{}: {}{:pad$}# {}", r.name, r.value, "", r.source);
+            }
+            ExitCode::SUCCESS
+        }
+        (Err(e), _) | (_, Err(e)) => {
+            eprintln!("{e}");
+            ExitCode::FAILURE
         }
     }
 }

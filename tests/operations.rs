@@ -1238,3 +1238,35 @@ fn admin_tokens_rotate_through_the_token_file_and_read_only_tokens_only_read() {
         "tokens never reach the log"
     );
 }
+
+/// `tollgate config`: the settings in force, each with where it came from; an environment
+/// override is named, a Redis password never shown.
+#[test]
+fn config_prints_each_setting_with_its_source_and_no_secret() {
+    let dir = tempfile::tempdir().unwrap();
+    let body = "upstream: { url: http://127.0.0.1:9 }\nstore:\n  kind: redis\n  urls: [\"redis://:hunter2@127.0.0.1:6379\"]\n  timeout: 30ms\n";
+    let p = write(dir.path(), free_port(), "127.0.0.1:0", body, RULES);
+    let out = tollgate(&[("TOLLGATE_LISTEN", "0.0.0.0:9999")])
+        .args(["config", "--config"])
+        .arg(&p)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let o = text(&out.stdout);
+    let line = |name: &str| {
+        o.lines()
+            .find(|l| l.starts_with(&format!("{name}: ")))
+            .unwrap_or_else(|| panic!("no {name}: {o}"))
+            .to_string()
+    };
+    assert!(
+        line("listen").contains("0.0.0.0:9999") && line("listen").ends_with("# env TOLLGATE_LISTEN"),
+        "{o}"
+    );
+    assert!(
+        line("store.timeout").contains("30ms") && line("store.timeout").contains("gateway.yaml:7:12"),
+        "{o}"
+    );
+    assert!(line("server.drain").ends_with("# default"), "{o}");
+    assert!(line("store.urls").contains("***") && !o.contains("hunter2"), "{o}");
+}

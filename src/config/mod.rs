@@ -4,6 +4,7 @@
 //! Every error names `file:line:col`. Durations are humantime strings (`5ms`, `1s`, `15m`).
 
 pub mod admin;
+pub mod effective;
 pub mod error;
 pub mod leases;
 pub mod net;

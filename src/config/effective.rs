@@ -1,0 +1,223 @@
+//! `tollgate config`: the settings in force, each with where its value came from — the gateway
+//! file (`file:line:col`), an environment variable that replaced it, or the default. Secrets
+//! are never shown: Redis URLs have their password replaced by `***`, and tokens, salts and
+//! passwords are named by where they are read from, never by value.
+
+use std::path::Path;
+
+use serde_saphyr::Spanned;
+
+use super::raw::RawGateway;
+use super::{redact_url, EnvOverrides, GatewayConfig};
+
+/// One setting: its dotted name, its value in force, and where that value came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Setting {
+    /// `server.drain`, `store.urls`, ...
+    pub name: &'static str,
+    /// The value in force, as text (secrets never appear).
+    pub value: String,
+    /// `gateway.yaml:12:9`, `env TOLLGATE_LISTEN`, or `default`.
+    pub source: String,
+}
+
+/// Where a raw value came from: its position in `file`, or `default` when it was not written.
+fn at<T>(file: &Path, v: Option<&Spanned<T>>) -> String {
+    match v {
+        Some(s) => format!("{}:{}:{}", file.display(), s.referenced.line(), s.referenced.column()),
+        None => "default".to_string(),
+    }
+}
+
+fn dur(d: std::time::Duration) -> String {
+    humantime::format_duration(d).to_string()
+}
+
+/// The settings of `cfg`, compiled from `raw` (the same file) under `env`.
+pub fn settings(file: &Path, raw: &RawGateway, cfg: &GatewayConfig, env: &EnvOverrides) -> Vec<Setting> {
+    let mut out = Vec::new();
+    let mut push = |name: &'static str, value: String, source: String| out.push(Setting { name, value, source });
+    let (s, st, u, l) = (&raw.server, &raw.store, &raw.upstream.value, &raw.limits);
+    push(
+        "listen",
+        cfg.listen.to_string(),
+        match &env.listen {
+            Some(_) => "env TOLLGATE_LISTEN".to_string(),
+            None => at(file, raw.listen.as_ref()),
+        },
+    );
+    push(
+        "admin_listen",
+        cfg.admin_listen.to_string(),
+        at(file, raw.admin_listen.as_ref()),
+    );
+    let admin = match (&cfg.admin.token_env, &cfg.admin.token_file) {
+        (Some(e), Some(_)) => format!("token from ${e} and admin.token_file"),
+        (Some(e), None) => format!("token from ${e}"),
+        (None, Some(_)) => "tokens from admin.token_file".to_string(),
+        (None, None) => "no token".to_string(),
+    };
+    push(
+        "admin",
+        admin,
+        at(file, raw.admin.token_env.as_ref().or(raw.admin.token_file.as_ref())),
+    );
+    let targets: Vec<String> = cfg.upstream.targets.iter().map(|t| t.url.to_string()).collect();
+    push(
+        "upstream.targets",
+        targets.join(", "),
+        at(file, u.url.as_ref()).replace("default", &at(file, u.targets.as_ref())),
+    );
+    push(
+        "upstream.protocol",
+        cfg.upstream.protocol.as_str().to_string(),
+        at(file, u.protocol.as_ref()),
+    );
+    push(
+        "upstream.connect_timeout",
+        dur(cfg.upstream.connect_timeout),
+        at(file, u.connect_timeout.as_ref()),
+    );
+    push(
+        "upstream.request_timeout",
+        dur(cfg.upstream.request_timeout),
+        at(file, u.request_timeout.as_ref()),
+    );
+    push(
+        "upstream.max_connections_per_target",
+        cfg.upstream.max_connections_per_target.to_string(),
+        at(file, u.max_connections_per_target.as_ref()),
+    );
+    push(
+        "store.kind",
+        crate::describe::store_kind(cfg.store.kind).to_string(),
+        at(file, st.kind.as_ref()),
+    );
+    let urls: Vec<String> = cfg.store.urls.iter().map(|x| redact_url(x)).collect();
+    push(
+        "store.urls",
+        urls.join(", "),
+        match &env.redis_urls {
+            Some(_) if !cfg.store.urls.is_empty() => format!("env {}", env.redis_urls_var),
+            _ => at(file, st.urls.first()),
+        },
+    );
+    push("store.timeout", dur(cfg.store.timeout), at(file, st.timeout.as_ref()));
+    push(
+        "store.breaker_threshold",
+        cfg.store.breaker_threshold.to_string(),
+        at(file, st.breaker_threshold.as_ref()),
+    );
+    push(
+        "store.memory_max_keys",
+        cfg.store.memory_max_keys.to_string(),
+        at(file, st.memory_max_keys.as_ref()),
+    );
+    push(
+        "store.key_prefix",
+        cfg.store.key_prefix.clone(),
+        at(file, st.key_prefix.as_ref()),
+    );
+    push(
+        "store.key_salt",
+        match &st.key_salt_env {
+            Some(e) => format!("from ${}", e.value),
+            None => "none (store.key_salt_env is not set)".to_string(),
+        },
+        at(file, st.key_salt_env.as_ref()),
+    );
+    push(
+        "store.leases",
+        if cfg.store.leases.is_some() { "on" } else { "off" }.to_string(),
+        at(file, st.leases.as_ref()),
+    );
+    push("server.drain", dur(cfg.server.drain), at(file, s.drain.as_ref()));
+    push(
+        "server.shutdown_grace",
+        dur(cfg.server.shutdown_grace),
+        at(file, s.shutdown_grace.as_ref()),
+    );
+    push(
+        "server.idle_timeout",
+        dur(cfg.server.idle_timeout),
+        at(file, s.idle_timeout.as_ref()),
+    );
+    push(
+        "server.header_read_timeout",
+        dur(cfg.server.header_read_timeout),
+        at(file, s.header_read_timeout.as_ref()),
+    );
+    push(
+        "server.max_connections",
+        cfg.server.max_connections.to_string(),
+        at(file, s.max_connections.as_ref()),
+    );
+    push(
+        "server.max_connections_per_ip",
+        cfg.server
+            .max_connections_per_ip
+            .map_or("off".to_string(), |n| n.to_string()),
+        at(file, s.max_connections_per_ip.as_ref()),
+    );
+    push(
+        "server.max_header_bytes",
+        cfg.server.max_header_bytes.to_string(),
+        at(file, s.max_header_bytes.as_ref()),
+    );
+    push("limits.deny_cache", cfg.limits.deny_cache.to_string(), {
+        if l.deny_cache.is_some() {
+            format!("{} (limits.deny_cache)", file.display())
+        } else {
+            "default".to_string()
+        }
+    });
+    push(
+        "limits.max_keys",
+        cfg.limits.max_keys.to_string(),
+        at(file, l.max_keys.as_ref()),
+    );
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_setting_says_where_it_came_from_and_no_secret_is_shown() {
+        let p = Path::new("/etc/tollgate/gateway.yaml");
+        let text = "listen: 127.0.0.1:8080\nupstream: { url: \"http://127.0.0.1:8081\" }\nstore:\n  kind: redis\n  urls: [\"redis://:hunter2@10.0.0.1:6379\"]\n  timeout: 30ms\nserver:\n  drain: 3s\n";
+        let raw: RawGateway = super::super::parse_str(p, text).unwrap_or_else(|e| panic!("{e}")); // allow-panic: test
+        let env = EnvOverrides {
+            listen: Some("0.0.0.0:9999".into()),
+            ..Default::default()
+        };
+        let cfg = GatewayConfig::compile(
+            p,
+            super::super::parse_str(p, text).unwrap_or_else(|e| panic!("{e}")),
+            &env,
+        ) // allow-panic: test
+        .unwrap_or_else(|e| panic!("{e}")); // allow-panic: test
+        let s = settings(p, &raw, &cfg, &env);
+        let get = |n: &str| {
+            s.iter()
+                .find(|x| x.name == n)
+                .cloned()
+                .unwrap_or_else(|| panic!("no {n}"))
+        }; // allow-panic: test
+        assert_eq!(
+            (get("listen").value, get("listen").source),
+            ("0.0.0.0:9999".into(), "env TOLLGATE_LISTEN".into())
+        );
+        assert_eq!(get("store.timeout").value, "30ms");
+        assert_eq!(get("store.timeout").source, "/etc/tollgate/gateway.yaml:6:12");
+        assert_eq!(get("server.drain").source, "/etc/tollgate/gateway.yaml:8:10");
+        assert_eq!(get("server.idle_timeout").source, "default");
+        let urls = get("store.urls");
+        assert!(
+            urls.value.contains("***") && !urls.value.contains("hunter2"),
+            "{urls:?}"
+        );
+        assert!(s.iter().all(|x| !x.value.contains("hunter2")));
+    }
+}
