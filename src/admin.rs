@@ -16,7 +16,7 @@ mod overrides;
 mod views;
 
 use identities::{identity_checks, identity_hash, Candidate};
-pub use views::{explain, rules_json};
+pub use views::{explain, rules_json, Probe};
 use views::{live_json, quota_json};
 
 use std::net::{IpAddr, SocketAddr};
@@ -236,17 +236,14 @@ async fn answer(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Res
             let snap = gw.snapshot().load_full();
             let now_secs = gw.clock().now_us() / 1_000_000;
             let runtime = gw.runtime().load_full();
-            let mut v = explain(
-                gw.config(),
-                gw.keys(),
-                &snap,
-                &runtime,
-                &method,
-                &p,
-                &headers,
+            let probe = views::Probe {
+                method: &method,
+                path: &p,
+                headers: &headers,
                 ip,
                 now_secs,
-            );
+            };
+            let mut v = explain(gw.config(), gw.keys(), &snap, &runtime, probe);
             // The live state of each planned limit: remaining, requests in flight, penalty left.
             let uri: http::Uri = p.parse().unwrap_or_else(|_| http::Uri::from_static("/"));
             let parts = RequestParts {

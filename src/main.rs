@@ -335,7 +335,14 @@ fn explain(config: &std::path::Path, method: &str, path: &str, headers: &[String
         .unwrap_or(0);
     // The CLI reads no store: runtime overrides are not shown (the admin API's /explain is).
     let runtime = tollgate::rules::runtime::RuntimeOverrides::default();
-    let v = tollgate::admin::explain(&cfg, &keys, &snap, &runtime, &m, path, &h, ip, now);
+    let probe = tollgate::admin::Probe {
+        method: &m,
+        path,
+        headers: &h,
+        ip,
+        now_secs: now,
+    };
+    let v = tollgate::admin::explain(&cfg, &keys, &snap, &runtime, probe);
     println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
     ExitCode::SUCCESS
 }

@@ -77,22 +77,18 @@ pub(super) fn identity_checks(
         let over = r.overrides.get(who);
         has_override |= over.is_some();
         // The keys the proxy would use for this value: the plan's own key builder.
-        let mut planned = crate::proxy::plan::PlannedChecks::new();
         let value = crate::rules::KeyValue::Value(ns, who.as_bytes());
         let ri = u32::try_from(ri).unwrap_or(u32::MAX);
         let who_id = crate::identity::IdText::from(who);
-        crate::proxy::plan::rule_checks(
+        let cx = crate::proxy::plan::PlanContext {
             snap,
             runtime,
-            now_secs,
             keys,
-            ri,
-            value,
-            &who_id,
-            &mut None,
-            &mut planned,
-        );
-        for p in planned {
+            now_secs,
+        };
+        let mut planned = crate::proxy::plan::Planned::default();
+        crate::proxy::plan::rule_checks(cx, ri, value, &who_id, &mut planned);
+        for p in planned.checks {
             checks.push(Candidate {
                 check: LimitCheck { cost: 0, ..p.check },
                 rule: r.name.to_string(),

@@ -93,20 +93,37 @@ pub fn rules_json(snap: &Snapshot) -> Value {
     })
 }
 
+/// The request `/explain` and `tollgate explain` ask about, and the instant they ask at.
+#[derive(Clone, Copy)]
+pub struct Probe<'a> {
+    /// Its method.
+    pub method: &'a Method,
+    /// Its path (a query allowed).
+    pub path: &'a str,
+    /// Its headers.
+    pub headers: &'a HeaderMap,
+    /// The client address it comes from.
+    pub ip: IpAddr,
+    /// Now, unix seconds.
+    pub now_secs: u64,
+}
+
 /// What `tollgate explain` and `GET /explain` show: identity, each matching rule and why it won
 /// or lost, and the store keys.
-#[allow(clippy::too_many_arguments)]
 pub fn explain(
     config: &GatewayConfig,
     keys: &KeyBuilder,
     snap: &Snapshot,
     runtime: &RuntimeOverrides,
-    method: &Method,
-    path: &str,
-    headers: &HeaderMap,
-    ip: IpAddr,
-    now_secs: u64,
+    probe: Probe<'_>,
 ) -> Value {
+    let Probe {
+        method,
+        path,
+        headers,
+        ip,
+        now_secs,
+    } = probe;
     // The same plan the proxy builds for this request: one place decides the keys.
     let uri: http::Uri = path.parse().unwrap_or_else(|_| http::Uri::from_static("/"));
     let parts = RequestParts {

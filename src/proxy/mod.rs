@@ -328,15 +328,12 @@ impl State {
                     v
                 }
             };
-            if let Some(denied) = self.decide(
-                &snap,
-                &plan,
-                &verdict,
+            let decided = Decided {
+                verdict: &verdict,
                 holder,
                 now_us,
-                note.as_deref_mut(),
-                &mut admitted,
-            ) {
+            };
+            if let Some(denied) = self.decide(&snap, &plan, decided, note.as_deref_mut(), &mut admitted) {
                 return denied;
             }
         }
@@ -429,17 +426,19 @@ impl State {
     /// Act on the limiter's verdict: count it, and either answer now (`Some`: a 429, or a 503
     /// for a fail-closed rule whose store is down) or fill `admitted` with what the admitted
     /// request holds on its way upstream.
-    #[allow(clippy::too_many_arguments)]
     fn decide(
         self: &Arc<Self>,
         snap: &crate::state::Snapshot,
         plan: &RequestPlan,
-        verdict: &Verdict,
-        holder: u64,
-        now_us: u64,
+        decided: Decided<'_>,
         note: Option<&mut access::Note>,
         admitted: &mut Admitted,
     ) -> Option<Result<Response<ProxyBody>, GatewayError>> {
+        let Decided {
+            verdict,
+            holder,
+            now_us,
+        } = decided;
         self.account(snap, plan, verdict, &plan.identity);
         // Fail closed wins over everything: the store is down and the rule says so.
         if let Some(i) = plan
@@ -524,6 +523,15 @@ impl State {
         }
         None
     }
+}
+
+/// What the limiter decided for a request, as [`State::decide`] reads it: the verdict, the
+/// holder of its concurrency slots (0 without), and the instant it was decided at.
+#[derive(Clone, Copy)]
+struct Decided<'a> {
+    verdict: &'a Verdict,
+    holder: u64,
+    now_us: u64,
 }
 
 /// What an admitted request holds on its way upstream.

@@ -139,7 +139,13 @@ pub fn plan(
         } else {
             crate::identity::ip_text(ident.ip)
         };
-        let mut last: Option<(KeyValue<'_>, crate::limiter::keys::Tag)> = None;
+        let cx = PlanContext {
+            snap,
+            runtime,
+            keys,
+            now_secs,
+        };
+        let mut acc = Planned::default();
         for ri in selected {
             if let crate::rules::KeyKind::Header(h) = &snap.rules.rules[ri as usize].key {
                 // A key header must be one field with one value: which of several the upstream
@@ -162,19 +168,10 @@ pub fn plan(
                 req.headers,
                 ip_text.as_bytes(),
             ) {
-                rule_checks(
-                    snap,
-                    runtime,
-                    now_secs,
-                    keys,
-                    ri,
-                    value,
-                    &ident.id,
-                    &mut last,
-                    &mut checks,
-                );
+                rule_checks(cx, ri, value, &ident.id, &mut acc);
             }
         }
+        checks = acc.checks;
     }
     RequestPlan {
         identity: ident,
@@ -183,21 +180,47 @@ pub fn plan(
     }
 }
 
+/// What planning reads besides the request: the rules in force, the runtime overrides, the key
+/// builder, and now (unix seconds).
+#[derive(Clone, Copy)]
+pub struct PlanContext<'a> {
+    /// The rules and keys in force.
+    pub snap: &'a Snapshot,
+    /// The runtime overrides in force.
+    pub runtime: &'a RuntimeOverrides,
+    /// Builds store keys.
+    pub keys: &'a KeyBuilder,
+    /// Now, unix seconds.
+    pub now_secs: u64,
+}
+
+/// The checks planned so far, and the last key value with its tag (a caller's rules hash its
+/// value once).
+#[derive(Default)]
+pub struct Planned<'v> {
+    /// The previous value and its tag.
+    pub last: Option<(KeyValue<'v>, crate::limiter::keys::Tag)>,
+    /// The checks, rule after rule.
+    pub checks: PlannedChecks,
+}
+
 /// Append the checks of rule `ri` for the key value `value`: the limits of a runtime override
 /// for that value when one is in force, else of `who`'s override in the rules file, else the
 /// rule's. `last` remembers the previous value's tag, so a caller's rules hash its value once.
-#[allow(clippy::too_many_arguments)]
 pub fn rule_checks<'v>(
-    snap: &Snapshot,
-    runtime: &RuntimeOverrides,
-    now_secs: u64,
-    keys: &KeyBuilder,
+    cx: PlanContext<'_>,
     ri: u32,
     value: KeyValue<'v>,
     who: &crate::identity::IdText,
-    last: &mut Option<(KeyValue<'v>, crate::limiter::keys::Tag)>,
-    out: &mut PlannedChecks,
+    acc: &mut Planned<'v>,
 ) {
+    let PlanContext {
+        snap,
+        runtime,
+        keys,
+        now_secs,
+    } = cx;
+    let Planned { last, checks: out } = acc;
     let rule = &snap.rules.rules[ri as usize];
     let planned = |check: LimitCheck, from: LimitsFrom| PlannedCheck {
         leasable: rule.lease && crate::limiter::lease::algorithm_leases(check.quota.algorithm),

@@ -66,6 +66,17 @@ struct Ctx<'a> {
     calendar: std::cell::Cell<Option<i32>>,
 }
 
+/// A rule's (or an override's) limit fields as written: `limit`/`window`, `limits:`, or
+/// `rate`/`capacity`.
+#[derive(Clone, Copy)]
+struct LimitFields<'a> {
+    limit: &'a Option<Spanned<i64>>,
+    window: &'a Option<Spanned<String>>,
+    limits: &'a Option<Vec<Spanned<RawWindow>>>,
+    rate: &'a Option<Spanned<String>>,
+    capacity: &'a Option<Spanned<i64>>,
+}
+
 impl Ctx<'_> {
     fn err(&self, loc: &Location, msg: impl Into<String>) -> ConfigError {
         ConfigError::at(self.file, loc, msg)
@@ -117,18 +128,20 @@ impl Ctx<'_> {
     }
 
     /// Build the quotas from limit/window, limits:, or rate/capacity.
-    #[allow(clippy::too_many_arguments)]
     fn quotas(
         &self,
         rule: &str,
         loc: &Location,
         alg: Algorithm,
-        limit: &Option<Spanned<i64>>,
-        window: &Option<Spanned<String>>,
-        limits: &Option<Vec<Spanned<RawWindow>>>,
-        rate: &Option<Spanned<String>>,
-        capacity: &Option<Spanned<i64>>,
+        fields: LimitFields<'_>,
     ) -> Result<Vec<Quota>, ConfigError> {
+        let LimitFields {
+            limit,
+            window,
+            limits,
+            rate,
+            capacity,
+        } = fields;
         if alg == Algorithm::Concurrency {
             if window.is_some() || limits.is_some() || rate.is_some() || capacity.is_some() {
                 return Err(self.err(
@@ -312,7 +325,18 @@ impl RuleSet {
             })?;
             let alg = ctx.algorithm(name, &r.algorithm)?;
             ctx.calendar.set(calendar_of(file, name, alg, &r.align, &r.timezone)?);
-            let mut limits = ctx.quotas(name, loc, alg, &r.limit, &r.window, &r.limits, &r.rate, &r.capacity)?;
+            let mut limits = ctx.quotas(
+                name,
+                loc,
+                alg,
+                LimitFields {
+                    limit: &r.limit,
+                    window: &r.window,
+                    limits: &r.limits,
+                    rate: &r.rate,
+                    capacity: &r.capacity,
+                },
+            )?;
             align(&mut limits, ctx.calendar.get());
             let cost = match &r.cost {
                 Some(c) if alg == Algorithm::Concurrency => {
@@ -403,7 +427,18 @@ impl RuleSet {
                         format!("rule {name:?}: override {who:?}: rate/capacity on a window algorithm"),
                     ));
                 }
-                let mut qs = ctx.quotas(name, &o.referenced, alg, &limit, &window, &limits_o, &rate, &capacity)?;
+                let mut qs = ctx.quotas(
+                    name,
+                    &o.referenced,
+                    alg,
+                    LimitFields {
+                        limit: &limit,
+                        window: &window,
+                        limits: &limits_o,
+                        rate: &rate,
+                        capacity: &capacity,
+                    },
+                )?;
                 align(&mut qs, ctx.calendar.get());
                 check_cost(&qs, &o.referenced)?;
                 overrides.insert(who.clone(), qs);

@@ -181,7 +181,14 @@ pub(super) async fn accept_loop(listener: TcpListener, w: Worker) {
         let first_byte = sc.header_read_timeout;
         let tls = tls.clone();
         tokio::spawn(async move {
-            let mut serve = pin!(serve_stream(stream, peer, tls, gw2, &h1, &h2, &watch, first_byte));
+            let with = Serve {
+                gw: gw2,
+                h1: &h1,
+                h2: &h2,
+                stop: &watch,
+                first_byte,
+            };
+            let mut serve = pin!(serve_stream(stream, peer, tls, with));
             let result = std::future::poll_fn(|cx| {
                 // The grace period passed: drop the connection, whatever it was doing.
                 if watch.poll_level(cx) == Level::Killed {
@@ -270,23 +277,32 @@ pub(super) fn spawn_worker(
     Ok(done)
 }
 
+/// What every connection of a listener is served with: the gateway, hyper's HTTP/1.1 and HTTP/2
+/// builders, the shutdown watch, and the deadline on a new connection's first bytes (and, on
+/// plain HTTP/1.1, on the next request of an idle keep-alive connection).
+#[derive(Clone)]
+struct Serve<'a> {
+    gw: Arc<State>,
+    h1: &'a hyper::server::conn::http1::Builder,
+    h2: &'a hyper::server::conn::http2::Builder<TokioExecutor>,
+    stop: &'a StopWatch,
+    first_byte: Duration,
+}
+
 /// Serve one accepted connection until it ends: the TLS handshake when `tls` is given, then
 /// HTTP/2 or HTTP/1.1. `first_byte` bounds the wait for a new connection's first bytes (and the
 /// handshake) and, on plain HTTP/1.1, for the next request on an idle keep-alive connection.
 ///
 /// Everything that lives only while a connection is busy (the TLS handshake, hyper's
 /// connection) is boxed, so that the task of an idle connection is small.
-#[allow(clippy::too_many_arguments)]
 async fn serve_stream(
     stream: tokio::net::TcpStream,
     peer: SocketAddr,
     tls: Option<tokio_rustls::TlsAcceptor>,
-    gw: Arc<State>,
-    h1: &hyper::server::conn::http1::Builder,
-    h2: &hyper::server::conn::http2::Builder<TokioExecutor>,
-    stop: &StopWatch,
-    first_byte: Duration,
+    serve: Serve<'_>,
 ) -> Result<(), hyper::Error> {
+    let first_byte = serve.first_byte;
+    let stop = serve.stop;
     match tls {
         None => {
             // hyper's header timer starts only with the first request: a client that connects
@@ -302,34 +318,27 @@ async fn serve_stream(
                 Box::pin(serve_conn(
                     TokioIo::new(stream),
                     true,
-                    gw,
                     crate::proxy::Peer::plain(peer),
-                    h1,
-                    h2,
-                    stop,
+                    serve,
                 ))
                 .await
             } else {
-                serve_h1_parking(stream, gw, peer, h1, stop, first_byte).await
+                serve_h1_parking(stream, peer, serve).await
             }
         }
-        Some(acceptor) => Box::pin(serve_tls(stream, acceptor, gw, peer, h1, h2, stop, first_byte)).await,
+        Some(acceptor) => Box::pin(serve_tls(stream, acceptor, peer, serve)).await,
     }
 }
 
 /// [`serve_stream`] over TLS: the handshake (bounded by `first_byte`), then ALPN picks HTTP/2
 /// or HTTP/1.1.
-#[allow(clippy::too_many_arguments)]
 async fn serve_tls(
     stream: tokio::net::TcpStream,
     acceptor: tokio_rustls::TlsAcceptor,
-    gw: Arc<State>,
     peer: SocketAddr,
-    h1: &hyper::server::conn::http1::Builder,
-    h2: &hyper::server::conn::http2::Builder<TokioExecutor>,
-    stop: &StopWatch,
-    first_byte: Duration,
+    serve: Serve<'_>,
 ) -> Result<(), hyper::Error> {
+    let (first_byte, stop) = (serve.first_byte, serve.stop);
     let s = tokio::select! {
         r = tokio::time::timeout(first_byte, acceptor.accept(stream)) => match r {
             Ok(Ok(s)) => s,
@@ -354,23 +363,16 @@ async fn serve_tls(
     // hyper's own answers to request heads it cannot parse become JSON (`http::parse_reply`;
     // an HTTP/2 connection never writes one, and passes through after its first write).
     let s = crate::http::parse_reply::ParseReply::new(s);
-    serve_conn(TokioIo::new(s), is_h2, gw, peer, h1, h2, stop).await
+    serve_conn(TokioIo::new(s), is_h2, peer, serve).await
 }
 
 /// Serve one connection (TLS, or h2c) with hyper's HTTP/1.1 or HTTP/2 connection, until it
 /// ends; once `stop` fires it finishes gracefully.
-async fn serve_conn<I>(
-    io: I,
-    is_h2: bool,
-    gw: Arc<State>,
-    peer: crate::proxy::Peer,
-    h1: &hyper::server::conn::http1::Builder,
-    h2: &hyper::server::conn::http2::Builder<TokioExecutor>,
-    stop: &StopWatch,
-) -> Result<(), hyper::Error>
+async fn serve_conn<I>(io: I, is_h2: bool, peer: crate::proxy::Peer, serve: Serve<'_>) -> Result<(), hyper::Error>
 where
     I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
 {
+    let Serve { gw, h1, h2, stop, .. } = serve;
     if is_h2 {
         let idle = gw.config().server.idle_timeout;
         let streams = H2Streams::new();
@@ -422,12 +424,16 @@ where
 /// connection) or once `stop` fires.
 async fn serve_h1_parking(
     mut stream: tokio::net::TcpStream,
-    gw: Arc<State>,
     peer: SocketAddr,
-    h1: &hyper::server::conn::http1::Builder,
-    stop: &StopWatch,
-    idle_timeout: Duration,
+    serve: Serve<'_>,
 ) -> Result<(), hyper::Error> {
+    let Serve {
+        gw,
+        h1,
+        stop,
+        first_byte: idle_timeout,
+        ..
+    } = serve;
     use crate::http::idle::{ConnShared, IdleIo, Tracked};
     use crate::http::parse_reply::ParseReply;
     let shared = Arc::new(ConnShared::default());
