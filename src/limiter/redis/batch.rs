@@ -31,6 +31,11 @@
 //! and answers it "late", which the caller gets as [`StoreError::Timeout`] (the rule's failure
 //! policy). The offset is a lower bound, so the Redis deadline is never later than the local
 //! one. Refunds, debits and renewals carry none: they must land whenever they run.
+//!
+//! The deadline cannot cover a reply that is slow on its way back: the script ran in time and
+//! spent, but the caller had given up (its timer fired, or its client went away) before the
+//! reply arrived. Such a reply finds its oneshot closed, and what it spent is refunded at once,
+//! before the slot's next call goes out, so the caller's next request sees it back.
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -41,6 +46,7 @@ use std::sync::Arc;
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::{mpsc, oneshot};
 
+use super::protocol::{peeked, Mode};
 use super::{Inner, RedisMode};
 use crate::limiter::{LimitCheck, Outcome, StoreError};
 
@@ -209,6 +215,7 @@ async fn send(inner: &Arc<Inner>, slot: Slot, batch: Vec<Pending>) {
         Ok((now, outcomes)) => {
             shard.offset.learn(now, inner.mono_us());
             let mut outcomes = outcomes.into_iter();
+            let mut abandoned = Vec::new();
             for p in batch {
                 let mine: Vec<(bool, Outcome)> = outcomes.by_ref().take(p.checks.len()).collect();
                 let answer = if mine.iter().any(|(late, _)| *late) {
@@ -216,7 +223,14 @@ async fn send(inner: &Arc<Inner>, slot: Slot, batch: Vec<Pending>) {
                 } else {
                     Ok((now, mine.into_iter().map(|(_, o)| o).collect()))
                 };
-                let _ = p.reply.send(answer);
+                if let Err(Ok((_, outcomes))) = p.reply.send(answer) {
+                    abandoned.extend(spent_by(p.checks, &outcomes));
+                }
+            }
+            // Before the slot's next call goes out (rare, and one round trip): a later request
+            // of the same caller then sees the units back.
+            if !abandoned.is_empty() {
+                give_back(inner, now, abandoned).await;
             }
         }
         Err(e) => {
@@ -224,5 +238,39 @@ async fn send(inner: &Arc<Inner>, slot: Slot, batch: Vec<Pending>) {
                 let _ = p.reply.send(Err(e.clone()));
             }
         }
+    }
+}
+
+/// What an admitted request spent, as refunds: each admitted limit's cost plus the units it
+/// leased, at the instant it was spent; nothing when a non-shadow limit denied (then nothing
+/// was spent). A slot's refund releases it.
+fn spent_by(checks: Vec<LimitCheck>, outcomes: &[Outcome]) -> Vec<LimitCheck> {
+    let denied = checks.iter().zip(outcomes).any(|(c, o)| !o.allowed && !c.shadow);
+    if denied {
+        return Vec::new();
+    }
+    checks
+        .into_iter()
+        .zip(outcomes)
+        .filter(|(_, o)| o.allowed)
+        .map(|(mut c, o)| {
+            c.cost = c.cost.saturating_add(o.leased);
+            c.lease = None;
+            c
+        })
+        .collect()
+}
+
+/// Refund what requests spent after their callers had given up (the reply came back after the
+/// caller's own deadline, or the client went away while it was in flight): the caller answered
+/// from its failure policy or not at all, so those units must not stay spent. All on one slot,
+/// one call at the instant the script ran.
+async fn give_back(inner: &Inner, now: u64, spent: Vec<LimitCheck>) {
+    tracing::debug!(
+        limits = spent.len(),
+        "refunding a check whose caller gave up before its reply"
+    );
+    if let Err(e) = inner.call(Mode::Refund, Some(now), spent.iter(), peeked).await {
+        tracing::warn!(error = %e, "refund of a check its caller gave up on failed; the units stay spent until their window passes");
     }
 }
