@@ -12,7 +12,7 @@
 //!
 //! Raw identity values never reach this module: only the salted hashes of store keys.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -111,9 +111,9 @@ pub struct ReloadEvent {
     /// Did anything change?
     pub changed: bool,
     /// Rules added / removed / changed, when applied.
-    pub rules: Option<crate::state::Changes>,
+    pub rules: Option<Changes>,
     /// Keys added / removed / changed, when applied.
-    pub keys: Option<crate::state::Changes>,
+    pub keys: Option<Changes>,
     /// Why it was refused.
     pub error: Option<String>,
 }
@@ -509,6 +509,37 @@ fn store_changes(before: &[ShardView], after: &[ShardView], first: bool) -> Vec<
         }
     }
     out
+}
+
+/// Counts of added, removed and changed entries.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Changes {
+    /// New entries.
+    pub added: u64,
+    /// Entries gone.
+    pub removed: u64,
+    /// Entries present before and after, but different.
+    pub changed: u64,
+}
+
+impl Changes {
+    /// Compare two maps of name → comparable value.
+    pub(crate) fn between<K: Ord, V: PartialEq>(old: &BTreeMap<K, V>, new: &BTreeMap<K, V>) -> Self {
+        let mut c = Changes::default();
+        for (k, v) in new {
+            match old.get(k) {
+                None => c.added += 1,
+                Some(o) if o != v => c.changed += 1,
+                Some(_) => {}
+            }
+        }
+        c.removed = old.keys().filter(|k| !new.contains_key(k)).count() as u64;
+        c
+    }
+
+    pub(crate) fn any(&self) -> bool {
+        *self != Changes::default()
+    }
 }
 
 #[cfg(test)]

@@ -13,6 +13,7 @@ mod keyfile;
 #[cfg(test)]
 mod keyfile_tests;
 pub mod keys;
+pub mod raw;
 
 use std::net::{IpAddr, Ipv6Addr};
 use std::sync::Arc;

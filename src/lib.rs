@@ -9,6 +9,7 @@
 //! Data flows one way: [`server`] wires everything → [`proxy`] handles one request → the core
 //! below it ([`rules`], [`identity`], [`limiter`], pure or behind the [`limiter::Store`] trait) →
 //! [`http`] (bytes out). Nothing below [`server`] holds an `Arc` of more than [`state::State`].
+//! The file-level import graph has no cycle (`scripts/check-cycles`, run by `scripts/test`).
 //!
 //! | module | what it does |
 //! |---|---|
@@ -18,7 +19,8 @@
 //! | [`background`] | low-priority threads for reloads and for freeing replaced snapshots, so neither competes with requests |
 //! | [`activity`] | what the admin dashboard shows over time: per-second rule rates, most limited hashes, store and reload history |
 //! | [`admin`] | admin listener: health, readiness, status, metrics, rules, reload, explain, counters (`identities`), JSON views of rules and limits (`views`); token auth |
-//! | [`config`] | raw serde structs, validation into typed config, the file watcher; errors and parsing in a leaf |
+//! | [`config`] | composes the subsystems' own config types (`rules::raw`, `identity::raw`, `http::tls`, `http::upstream::settings`, `limiter::redis`) into `GatewayConfig`; the gateway-level raw structs, validation, the file watcher. Nothing below it imports it |
+//! | [`yaml`] | below every subsystem: errors that name `file:line:col`, sized YAML parsing, durations, [`yaml::Secret`] |
 //! | [`identity`] | request → [`identity::Identity`] (JWT, API key, client IP); pure, no I/O |
 //! | [`rules`] | types, `compile` (validation, specificity; `compile/fields` for a rule's penalty, calendar, `count_when`, `cost_from`, failure policy), `trie` (matching); pure, no I/O |
 //! | [`limiter`] | the request's checks and verdict (`check`), algorithms, the [`limiter::Store`] trait, memory and Redis stores (`redis/{conn,protocol,slots,batch}`), key schema (`keys`), deny cache, per-shard breakers, failure policy |
@@ -47,3 +49,4 @@ pub mod proxy;
 pub mod rules;
 pub mod server;
 pub mod state;
+pub mod yaml;

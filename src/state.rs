@@ -23,7 +23,8 @@ use crate::rules::RuleSet;
 
 mod reload;
 
-pub use reload::{Changes, ReloadReport};
+pub use crate::activity::Changes;
+pub use reload::ReloadReport;
 
 /// Upstream failures are logged at most once per this, with a count of those suppressed.
 const UPSTREAM_LOG_EVERY: Duration = Duration::from_secs(1);

@@ -5,17 +5,17 @@
 
 pub mod admin;
 pub mod effective;
-pub mod error;
 pub mod leases;
 pub mod net;
 pub mod raw;
 pub mod reload;
 
+pub use crate::http::tls::{ClientAuth, ListenerTls, UpstreamTls};
+pub use crate::http::upstream::settings::{HealthCheck, Target, UpstreamConfig, UpstreamProtocol};
 pub use crate::identity::IdentityConfig;
-pub use error::{duration, parse_file, parse_str, ConfigError};
-pub use net::{
-    AccessLog, ClientAuth, HealthCheck, ListenerTls, Secret, StoreAuth, Target, UpstreamProtocol, UpstreamTls,
-};
+pub use crate::limiter::redis::{redact_url, Scripting};
+pub use crate::yaml::{duration, parse_file, parse_str, ConfigError, Secret};
+pub use net::{AccessLog, StoreAuth};
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -75,33 +75,6 @@ where
     }
 }
 
-/// `url` with any password replaced by `***` (for logs and `tollgate check`). Text that does not
-/// parse as a URL is shown up to its last `@` only as `***@…`, so a password never leaks.
-pub fn redact_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return match url.rsplit_once('@') {
-            Some((_, host)) => format!("***@{host}"),
-            None => url.to_string(),
-        };
-    };
-    let (auth, tail) = match rest.find(['/', '?', '#']) {
-        Some(i) => rest.split_at(i),
-        None => (rest, ""),
-    };
-    match auth.rsplit_once('@') {
-        Some((userinfo, host)) => {
-            let user = userinfo.split_once(':').map_or("", |(u, _)| u);
-            let shown = if userinfo.contains(':') {
-                format!("{user}:***")
-            } else {
-                "***".to_string()
-            };
-            format!("{scheme}://{shown}@{host}{tail}")
-        }
-        None => url.to_string(),
-    }
-}
-
 /// Check one Redis URL the way the store will open it: scheme `redis://` (or `rediss://`), and
 /// parsed by the Redis client. Returns a message naming the (redacted) URL.
 fn check_redis_url(url: &str) -> Result<(), String> {
@@ -152,52 +125,6 @@ fn certificate_note(cert_file: &Path) -> Option<String> {
     } else {
         None
     }
-}
-
-/// `store.scripting`: how the limit script is run on Redis.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Scripting {
-    /// Redis functions (`FCALL`, the library loaded once per node) where the server has
-    /// them (Redis 7+); `EVALSHA` on a server that answers "unknown command" (Redis 6).
-    #[default]
-    Auto,
-    /// Redis functions only: a server without them fails every check (no fallback).
-    Functions,
-    /// `EVALSHA`, with `EVAL` on NOSCRIPT, whatever the server supports (the Redis 6 path).
-    Eval,
-}
-
-/// `upstream:`, validated.
-#[derive(Debug, Clone)]
-pub struct UpstreamConfig {
-    /// The first target's `http(s)://host:port` (no path), for logs and summaries.
-    pub url: http::Uri,
-    /// Scheme of `url`.
-    pub scheme: http::uri::Scheme,
-    /// Authority of `url`.
-    pub authority: http::uri::Authority,
-    /// Every instance of the upstream (`upstream.url` is one target); at least one.
-    pub targets: Vec<Target>,
-    /// What the connections to the targets speak (`upstream.protocol`).
-    pub protocol: UpstreamProtocol,
-    /// TLS to `https://` targets.
-    pub tls: UpstreamTls,
-    /// Consecutive failures (connect errors, 5xx answers) that eject a target.
-    pub eject_after: u32,
-    /// How long an ejected target first stays out; doubled each time it fails again on return.
-    pub eject_for: Duration,
-    /// Optional active health check of every target.
-    pub health_check: Option<HealthCheck>,
-    /// TCP connect timeout.
-    pub connect_timeout: Duration,
-    /// Deadline for response headers; past it the client gets 504.
-    pub request_timeout: Duration,
-    /// Idle pooled connections per host.
-    pub pool_max_idle_per_host: usize,
-    /// Open connections to one target at most (`upstream.max_connections_per_target`). A
-    /// request that needs a new connection while its target is at the cap waits up to
-    /// `connect_timeout` for a pooled one to come free or a connection to close, then gets 503.
-    pub max_connections_per_target: usize,
 }
 
 /// `store:`, validated.

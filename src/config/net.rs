@@ -10,116 +10,9 @@ use serde_saphyr::Spanned;
 
 use super::raw::{RawAccessLog, RawStore, RawTls, RawUpstream};
 use super::{at_least, positive_duration, ConfigError};
-use crate::http::tls;
-
-/// Does a listener with `client_ca_file` require a client certificate?
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ClientAuth {
-    /// Clients without a certificate are served; one that sends a certificate must chain to
-    /// the CA.
-    Optional,
-    /// Every client must present a certificate that chains to the CA.
-    Required,
-}
-
-/// `tls:` on the proxy listener, validated.
-#[derive(Debug, Clone)]
-pub struct ListenerTls {
-    /// PEM certificate chain (re-read when it changes).
-    pub cert_file: PathBuf,
-    /// PEM private key (re-read when it changes).
-    pub key_file: PathBuf,
-    /// Mutual TLS: the CA client certificates chain to.
-    pub client_ca_file: Option<PathBuf>,
-    /// Whether a client certificate is required (only with `client_ca_file`).
-    pub client_auth: ClientAuth,
-}
-
-/// `upstream.protocol`: what the connections to the targets speak.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum UpstreamProtocol {
-    /// HTTP/1.1, one request at a time per pooled connection (the default).
-    #[default]
-    Http1,
-    /// HTTP/2 without TLS (prior knowledge), on `http://` targets: a few shared connections
-    /// carry many concurrent streams.
-    H2c,
-    /// HTTP/2 over TLS, agreed by ALPN, on `https://` targets; a target that does not agree to
-    /// `h2` fails the connection.
-    H2,
-    /// Whatever ALPN agrees on `https://` targets (h2 preferred, else HTTP/1.1); HTTP/1.1 on
-    /// `http://` targets.
-    Auto,
-}
-
-impl UpstreamProtocol {
-    /// The name used in the config.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            UpstreamProtocol::Http1 => "http1",
-            UpstreamProtocol::H2c => "h2c",
-            UpstreamProtocol::H2 => "h2",
-            UpstreamProtocol::Auto => "auto",
-        }
-    }
-}
-
-/// `upstream.tls:`, validated.
-#[derive(Debug, Clone, Default)]
-pub struct UpstreamTls {
-    /// Trusted CA bundle instead of the webpki roots.
-    pub ca_file: Option<PathBuf>,
-    /// Client certificate chain and key (mutual TLS to the upstream).
-    pub client_cert: Option<(PathBuf, PathBuf)>,
-    /// Skip verification of the upstream's certificate (a warning at every start).
-    pub insecure_skip_verify: bool,
-    /// `upstream.tls.server_name`: the name sent as SNI and verified in the certificate of every
-    /// https:// target (targets addressed by IP, or a name the certificate does not carry);
-    /// `None`: each target's own host. Validated as a TLS server name.
-    pub server_name: Option<String>,
-}
-
-/// One upstream instance.
-#[derive(Debug, Clone)]
-pub struct Target {
-    /// `http(s)://host:port` as configured (no path).
-    pub url: http::Uri,
-    /// `https://`.
-    pub tls: bool,
-    /// The host, without brackets: the SNI name (or IP) of a TLS target.
-    pub host: String,
-    /// `host:port` to connect to (the default port filled in).
-    pub addr: String,
-}
-
-impl Target {
-    /// A plain-HTTP target at `addr` (the demo's echo upstream).
-    pub fn plain(addr: std::net::SocketAddr) -> Self {
-        let url = http::Uri::builder()
-            .scheme("http")
-            .authority(addr.to_string())
-            .path_and_query("/")
-            .build()
-            .unwrap_or_default();
-        Target {
-            url,
-            tls: false,
-            host: addr.ip().to_string(),
-            addr: addr.to_string(),
-        }
-    }
-}
-
-/// `upstream.health_check:`, validated.
-#[derive(Debug, Clone)]
-pub struct HealthCheck {
-    /// Path asked with `GET`.
-    pub path: http::uri::PathAndQuery,
-    /// Period.
-    pub interval: Duration,
-    /// Deadline of one check.
-    pub timeout: Duration,
-}
+use crate::http::tls::{self, ClientAuth, ListenerTls, UpstreamTls};
+use crate::http::upstream::settings::{HealthCheck, Target, UpstreamProtocol};
+use crate::yaml::Secret;
 
 /// `access_log:`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -135,23 +28,6 @@ pub enum AccessLog {
         /// Every how many requests one is logged.
         one_in: u64,
     },
-}
-
-/// A secret from the environment. Its `Debug` never shows it.
-#[derive(Clone, Default)]
-pub struct Secret(pub(crate) String);
-
-impl Secret {
-    /// The secret itself (to hand to a client library, never to a log).
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl std::fmt::Debug for Secret {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Secret(***)")
-    }
 }
 
 /// `store.password_env` and `store.tls`, validated.

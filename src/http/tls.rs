@@ -20,8 +20,6 @@ use rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
 use rustls::sign::CertifiedKey;
 use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, ServerConfig, SignatureScheme};
 
-use crate::config::{ClientAuth, ListenerTls, UpstreamTls};
-
 /// Why a certificate, key or TLS config could not be loaded.
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
@@ -336,6 +334,44 @@ impl ServerCertVerifier for NoVerify {
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
         self.0.signature_verification_algorithms.supported_schemes()
     }
+}
+
+/// Does a listener with `client_ca_file` require a client certificate?
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientAuth {
+    /// Clients without a certificate are served; one that sends a certificate must chain to
+    /// the CA.
+    Optional,
+    /// Every client must present a certificate that chains to the CA.
+    Required,
+}
+
+/// `tls:` on the proxy listener, validated.
+#[derive(Debug, Clone)]
+pub struct ListenerTls {
+    /// PEM certificate chain (re-read when it changes).
+    pub cert_file: PathBuf,
+    /// PEM private key (re-read when it changes).
+    pub key_file: PathBuf,
+    /// Mutual TLS: the CA client certificates chain to.
+    pub client_ca_file: Option<PathBuf>,
+    /// Whether a client certificate is required (only with `client_ca_file`).
+    pub client_auth: ClientAuth,
+}
+
+/// `upstream.tls:`, validated.
+#[derive(Debug, Clone, Default)]
+pub struct UpstreamTls {
+    /// Trusted CA bundle instead of the webpki roots.
+    pub ca_file: Option<PathBuf>,
+    /// Client certificate chain and key (mutual TLS to the upstream).
+    pub client_cert: Option<(PathBuf, PathBuf)>,
+    /// Skip verification of the upstream's certificate (a warning at every start).
+    pub insecure_skip_verify: bool,
+    /// `upstream.tls.server_name`: the name sent as SNI and verified in the certificate of every
+    /// https:// target (targets addressed by IP, or a name the certificate does not carry);
+    /// `None`: each target's own host. Validated as a TLS server name.
+    pub server_name: Option<String>,
 }
 
 #[cfg(test)]

@@ -42,9 +42,10 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::TlsConnector;
 
 use super::ProxyBody;
-use crate::config::{UpstreamConfig, UpstreamProtocol};
 
 mod balance;
+pub mod settings;
+pub use settings::{HealthCheck, UpstreamConfig, UpstreamProtocol};
 mod h1;
 mod h2;
 

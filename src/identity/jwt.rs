@@ -16,9 +16,9 @@ use jsonwebtoken::{Algorithm, AlgorithmFamily, DecodingKey, Validation};
 use serde_json::Value;
 use sha2::Digest;
 
-use crate::config::error::{duration, ConfigError};
-use crate::config::raw::RawJwt;
+use crate::identity::raw::RawJwt;
 use crate::identity::CredentialProblem;
+use crate::yaml::{duration, ConfigError};
 
 /// Claims the gateway uses.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -5,8 +5,8 @@ use std::path::Path;
 
 use super::keyfile::{scan, Scan};
 use super::keys::{hash_key, KeyEntry, KeyRegistry};
-use crate::config::error::{parse_str_sized, ConfigError, Sized};
-use crate::config::raw::RawKeys;
+use crate::identity::raw::RawKeys;
+use crate::yaml::{parse_str_sized, ConfigError, Sized};
 
 type Loaded = Result<Vec<([u8; 32], KeyEntry)>, String>;
 

@@ -8,11 +8,11 @@ use std::sync::Arc;
 use sha2::{Digest, Sha256};
 
 use super::keyfile;
-use crate::config::error::{parse_str_sized, ConfigError, Sized};
+use crate::yaml::{parse_str_sized, ConfigError, Sized};
 
 /// Keys a registry may hold unless `limits.max_keys` says otherwise.
 pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
-use crate::config::raw::RawKeys;
+use crate::identity::raw::RawKeys;
 
 /// One registered key.
 #[derive(Debug, Clone, PartialEq, Eq)]

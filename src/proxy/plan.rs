@@ -9,7 +9,7 @@ use std::net::IpAddr;
 
 use http::{header, HeaderMap, Method, Uri};
 
-use crate::config::IdentityConfig;
+use crate::identity::IdentityConfig;
 use crate::identity::{identify_checked, CredentialProblem, Identity, IdentityKind};
 use crate::limiter::keys::KeyBuilder;
 use crate::limiter::{FailurePolicy, LimitCheck, PolicedCheck};

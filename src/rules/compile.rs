@@ -11,9 +11,9 @@ use serde_saphyr::{Location, Spanned};
 use sha2::Digest;
 
 use super::{KeyKind, Pattern, Rule, RuleSet, Specificity};
-use crate::config::error::{parse_str_sized, Sized};
-use crate::config::raw::{RawOverride, RawRule, RawRules, RawWindow};
-use crate::config::{duration, ConfigError};
+use crate::rules::raw::{RawOverride, RawRule, RawRules, RawWindow};
+use crate::yaml::{duration, ConfigError};
+use crate::yaml::{parse_str_sized, Sized};
 
 /// Rules a rules file may hold unless `limits.max_rules` says otherwise.
 pub const DEFAULT_MAX_RULES: usize = 50_000;

@@ -12,6 +12,7 @@
 
 mod compile;
 pub mod path;
+pub mod raw;
 pub mod runtime;
 mod trie;
 

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::SystemTime;
 
+use crate::activity::Changes;
 use crate::config::reload::Trigger;
 use crate::config::ConfigError;
 use crate::rules::runtime::RuntimeOverrides;
@@ -52,37 +53,6 @@ impl Named {
         }
         n.removed = old.keys().filter(|k| !new.contains_key(*k)).cloned().collect();
         n
-    }
-}
-
-/// Counts of added, removed and changed entries.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
-pub struct Changes {
-    /// New entries.
-    pub added: u64,
-    /// Entries gone.
-    pub removed: u64,
-    /// Entries present before and after, but different.
-    pub changed: u64,
-}
-
-impl Changes {
-    /// Compare two maps of name → comparable value.
-    fn between<K: Ord, V: PartialEq>(old: &BTreeMap<K, V>, new: &BTreeMap<K, V>) -> Self {
-        let mut c = Changes::default();
-        for (k, v) in new {
-            match old.get(k) {
-                None => c.added += 1,
-                Some(o) if o != v => c.changed += 1,
-                Some(_) => {}
-            }
-        }
-        c.removed = old.keys().filter(|k| !new.contains_key(k)).count() as u64;
-        c
-    }
-
-    fn any(&self) -> bool {
-        *self != Changes::default()
     }
 }
 

@@ -1,5 +1,6 @@
+use super::settings::Target;
 use super::*;
-use crate::config::{Target, UpstreamTls};
+use crate::http::tls::UpstreamTls;
 
 fn config(n: usize) -> UpstreamConfig {
     let targets: Vec<Target> = (0..n)
@@ -10,7 +11,7 @@ fn config(n: usize) -> UpstreamConfig {
         scheme: http::uri::Scheme::HTTP,
         authority: "127.0.0.1:1".parse().unwrap(),
         targets,
-        protocol: crate::config::UpstreamProtocol::Http1,
+        protocol: UpstreamProtocol::Http1,
         tls: UpstreamTls::default(),
         eject_after: 2,
         eject_for: Duration::from_secs(60),

@@ -34,8 +34,8 @@ use redis::io::tcp::TcpSettings;
 use redis::{Cmd, ErrorKind, IntoConnectionInfo, RedisError, ServerErrorKind, Value};
 
 use super::protocol::{check_cmd, checked, parse_packed, script_cmd, Invoke, Mode};
+use super::Scripting;
 use super::{slots, RedisMode};
-use crate::config::Scripting;
 use crate::limiter::{LimitCheck, Outcome, StoreError};
 
 /// Minimum time between two connection rebuilds.
@@ -285,7 +285,7 @@ pub(super) fn connect_timeout(timeout: Duration) -> Duration {
 #[derive(Debug, Clone, Default)]
 pub struct Auth {
     /// `AUTH` password (overrides one in the URL).
-    pub password: Option<crate::config::Secret>,
+    pub password: Option<crate::yaml::Secret>,
     /// PEM roots for `rediss://` (else the system's roots).
     pub ca_pem: Option<Vec<u8>>,
 }

@@ -82,8 +82,6 @@ use conn::{open, path_of, Inner, Target};
 use protocol::{keyless_peek, peeked, Mode};
 use slots::group_by_tag;
 
-use crate::config::{redact_url, Scripting};
-
 /// The key [`Store::probe`] checks (a cost-0 token-bucket check: it admits nothing and expires
 /// within a millisecond). Outside any key prefix so it can never collide with a limit.
 pub const PROBE_KEY: &str = "tollgate:probe:{tollgate-probe}";
@@ -518,6 +516,46 @@ impl Store for RedisStore {
         }
         Ok(())
     }
+}
+
+/// `url` with any password replaced by `***` (for logs and `tollgate check`). Text that does not
+/// parse as a URL is shown up to its last `@` only as `***@…`, so a password never leaks.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return match url.rsplit_once('@') {
+            Some((_, host)) => format!("***@{host}"),
+            None => url.to_string(),
+        };
+    };
+    let (auth, tail) = match rest.find(['/', '?', '#']) {
+        Some(i) => rest.split_at(i),
+        None => (rest, ""),
+    };
+    match auth.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            let user = userinfo.split_once(':').map_or("", |(u, _)| u);
+            let shown = if userinfo.contains(':') {
+                format!("{user}:***")
+            } else {
+                "***".to_string()
+            };
+            format!("{scheme}://{shown}@{host}{tail}")
+        }
+        None => url.to_string(),
+    }
+}
+
+/// `store.scripting`: how the limit script is run on Redis.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Scripting {
+    /// Redis functions (`FCALL`, the library loaded once per node) where the server has
+    /// them (Redis 7+); `EVALSHA` on a server that answers "unknown command" (Redis 6).
+    #[default]
+    Auto,
+    /// Redis functions only: a server without them fails every check (no fallback).
+    Functions,
+    /// `EVALSHA`, with `EVAL` on NOSCRIPT, whatever the server supports (the Redis 6 path).
+    Eval,
 }
 
 mod batch;

@@ -8,10 +8,10 @@ use http::HeaderName;
 use serde_saphyr::Spanned;
 
 use super::super::{CostFrom, StatusMatch};
-use crate::config::raw::{RawCostFrom, RawCountWhen, RawPenalty, RawStatus};
-use crate::config::ConfigError;
 use crate::limiter::algorithm::calendar::{self, Calendar, CalendarUnit};
 use crate::limiter::{Algorithm, FailurePolicy, Penalty, Quota};
+use crate::rules::raw::{RawCostFrom, RawCountWhen, RawPenalty, RawStatus};
+use crate::yaml::ConfigError;
 
 /// Longest penalty a rule may set (a penalty key expires with it; a day is long enough to mean
 /// "blocked" and short enough that a mistake lifts itself).

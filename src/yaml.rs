@@ -1,6 +1,8 @@
-//! The config layer's leaf: errors that name `file:line:col`, YAML parsing into the raw
-//! structs, and duration parsing. It uses nothing else of the crate, so `identity` (which
-//! compiles its own parts of the config) depends on it without a cycle.
+//! Reading settings files, below every subsystem: errors that name `file:line:col`, YAML parsing
+//! into a subsystem's raw structs (with size limits), durations, and [`Secret`], a value that is
+//! never printed. It uses nothing else of the crate, so each subsystem compiles its own part of
+//! the config with it, and `config` (which composes them) sits above them all
+//! (ARCHITECTURE.md, "Layering").
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -199,4 +201,21 @@ fn edit_distance(a: &str, b: &str) -> usize {
 pub fn duration(file: &Path, s: &Spanned<String>) -> Result<Duration, ConfigError> {
     humantime::parse_duration(s.value.trim())
         .map_err(|e| ConfigError::at(file, &s.referenced, format!("invalid duration {:?}: {e}", s.value)))
+}
+
+/// A secret from the environment. Its `Debug` never shows it.
+#[derive(Clone, Default)]
+pub struct Secret(pub(crate) String);
+
+impl Secret {
+    /// The secret itself (to hand to a client library, never to a log).
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(***)")
+    }
 }

@@ -1,0 +1,175 @@
+//! Raw serde structs: exactly what the YAML says, before validation. Unknown fields are errors.
+//! Fields that validation may refuse are [`Spanned`] so the error names line and column.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+use serde_saphyr::Spanned;
+
+/// `rules.yaml`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRules {
+    /// Defaults for every rule.
+    #[serde(default)]
+    pub defaults: RawDefaults,
+    /// The rules.
+    #[serde(default)]
+    pub rules: Vec<Spanned<RawRule>>,
+}
+
+/// `defaults:`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawDefaults {
+    /// Default algorithm.
+    pub algorithm: Option<Spanned<String>>,
+    /// Default failure policy.
+    pub failure: Option<Spanned<String>>,
+    /// Default local share.
+    pub local_share: Option<Spanned<u32>>,
+}
+
+/// One rule.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRule {
+    /// Unique name.
+    pub name: Spanned<String>,
+    /// What requests it applies to.
+    #[serde(rename = "match")]
+    pub matcher: RawMatch,
+    /// What one counter is shared by.
+    pub key: Spanned<String>,
+    /// Algorithm (default from `defaults`).
+    pub algorithm: Option<Spanned<String>>,
+    /// Window algorithms: units per window.
+    pub limit: Option<Spanned<i64>>,
+    /// Window algorithms: the window.
+    pub window: Option<Spanned<String>>,
+    /// Several windows at once.
+    pub limits: Option<Vec<Spanned<RawWindow>>>,
+    /// Buckets: `N/s`, `N/m`, `N/h`.
+    pub rate: Option<Spanned<String>>,
+    /// Buckets: capacity.
+    pub capacity: Option<Spanned<i64>>,
+    /// Units per request.
+    pub cost: Option<Spanned<i64>>,
+    /// open | closed | local.
+    pub failure: Option<Spanned<String>>,
+    /// Nodes sharing the limit in `failure: local`.
+    pub local_share: Option<Spanned<u32>>,
+    /// Per-identity limits.
+    #[serde(default)]
+    pub overrides: BTreeMap<String, Spanned<RawOverride>>,
+    /// Evaluate and report, never reject.
+    #[serde(default)]
+    pub shadow: bool,
+    /// Penalty box: `10m`, or `{base: 1m, max: 1h}` to double on every breach during one.
+    pub penalty: Option<Spanned<RawPenalty>>,
+    /// `lease: false` keeps this rule's keys out of leases (`store.leases`).
+    pub lease: Option<bool>,
+    /// Only responses with these statuses spend quota.
+    pub count_when: Option<Spanned<RawCountWhen>>,
+    /// The real cost comes from a response header (or trailer).
+    pub cost_from: Option<Spanned<RawCostFrom>>,
+    /// `calendar`: windows are the clock's days, weeks or months.
+    pub align: Option<Spanned<String>>,
+    /// The clock of a calendar window: `UTC` or `+HH:MM`.
+    pub timezone: Option<Spanned<String>>,
+}
+
+/// `count_when: {status: [401, 403, 5xx]}`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawCountWhen {
+    /// Status codes (`401`) or classes (`"4xx"`).
+    pub status: Vec<RawStatus>,
+}
+
+/// One entry of `count_when.status`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum RawStatus {
+    /// An exact status code.
+    Code(i64),
+    /// A class: `1xx` … `5xx`.
+    Class(String),
+}
+
+/// `cost_from: {header: X-Tokens-Used, max: 100000}`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawCostFrom {
+    /// Response header (or trailer) carrying the real cost.
+    pub header: String,
+    /// Largest cost the header may report (larger values count as this).
+    pub max: i64,
+    /// Most requests of one key in flight at once (the bound on what a key can spend before
+    /// its requests settle is `in_flight × (max − cost)`); default `max(2, limit / (max − cost))`.
+    pub in_flight: Option<Spanned<i64>>,
+}
+
+/// `penalty:` — one duration, or a base and a maximum for escalation.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum RawPenalty {
+    /// `penalty: 10m`.
+    Fixed(String),
+    /// `penalty: {base: 1m, max: 1h}`.
+    Escalating {
+        /// The first penalty.
+        base: String,
+        /// The longest.
+        max: String,
+    },
+}
+
+/// `match:`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawMatch {
+    /// Path pattern.
+    pub path: Spanned<String>,
+    /// Methods.
+    pub methods: Option<Vec<Spanned<String>>>,
+    /// Tier.
+    pub tier: Option<String>,
+    /// Host.
+    pub host: Option<String>,
+    /// Exact header values.
+    #[serde(default)]
+    pub header: BTreeMap<String, String>,
+    /// Match the path without regard to letter case (for upstreams that route that way).
+    #[serde(default)]
+    pub ignore_case: bool,
+    /// `methods` also match the method named by `X-HTTP-Method-Override`, `X-HTTP-Method` or
+    /// `X-Method-Override` (default true: upstreams that honour them run that method).
+    pub method_override: Option<bool>,
+}
+
+/// One `{limit, window}`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawWindow {
+    /// Units per window.
+    pub limit: Spanned<i64>,
+    /// Window.
+    pub window: Spanned<String>,
+}
+
+/// An override.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawOverride {
+    /// Units per window.
+    pub limit: Option<Spanned<i64>>,
+    /// Window.
+    pub window: Option<Spanned<String>>,
+    /// Several windows.
+    pub limits: Option<Vec<Spanned<RawWindow>>>,
+    /// Bucket rate.
+    pub rate: Option<Spanned<String>>,
+    /// Bucket capacity.
+    pub capacity: Option<Spanned<i64>>,
+}
