@@ -10,8 +10,6 @@
 
 pub mod jwt;
 mod keyfile;
-#[cfg(test)]
-mod keyfile_tests;
 pub mod keys;
 pub mod raw;
 

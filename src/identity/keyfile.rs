@@ -338,3 +338,6 @@ fn comment_ok(c: &str) -> bool {
             && c != '\u{FEFF}'
     })
 }
+
+#[cfg(test)]
+mod tests;

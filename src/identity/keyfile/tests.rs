@@ -3,8 +3,8 @@
 
 use std::path::Path;
 
-use super::keyfile::{scan, Scan};
-use super::keys::{hash_key, KeyEntry, KeyRegistry};
+use super::{scan, Scan};
+use crate::identity::keys::{hash_key, KeyEntry, KeyRegistry};
 use crate::identity::raw::RawKeys;
 use crate::yaml::{parse_str_sized, ConfigError, Sized};
 
