@@ -30,7 +30,7 @@
 --     now (tb_lease; see src/limiter/lease.rs). The reply's allowed code is then 5 and its delay
 --     slot carries g. No grant when g < 1.
 -- Reset marker ("<key>:r", a string: the Redis instant of the key's last reset, living a few
---   lease lives; written by reset mode, see src/limiter/redis/mod.rs, reset_settled). While it
+--   lease lives; written by reset mode, see src/limiter/redis.rs, reset_settled). While it
 --   exists a check grants no lease of the key, and a refund whose now (the instant its units
 --   were spent) is at or before it gives nothing back: those units belong to the count the
 --   reset deletes, and a lease return must not mint them into the new one. Concurrency
