@@ -261,7 +261,7 @@ async fn answer(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Res
                     ..c.check.clone()
                 })
                 .collect();
-            if let Ok(states) = gw.limiter().store.peek(&checks).await {
+            if let Ok(states) = gw.limiter().store().peek(&checks).await {
                 let live: Vec<Value> = plan
                     .checks
                     .iter()
@@ -299,7 +299,7 @@ async fn answer(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Res
             let all: Vec<LimitCheck> = candidates.checks.iter().map(|c| c.check.clone()).collect();
             // Peek first: which counters exist decides which rules apply to values tollgate cannot
             // enumerate (JWT users, orgs from tokens, header values), and whether it exists at all.
-            let states = match gw.limiter().store.peek(&all).await {
+            let states = match gw.limiter().store().peek(&all).await {
                 Ok(s) => s,
                 Err(e) => {
                     return respond::json(StatusCode::SERVICE_UNAVAILABLE, &json!({"error": e.to_string()}));

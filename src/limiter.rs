@@ -42,28 +42,28 @@ pub const DENY_CACHE_MAX_US: u64 = 1_000_000;
 pub struct Limiter {
     /// The primary store (memory, Redis or Redis Cluster). For Redis it holds one circuit
     /// breaker per shard, so a failed shard costs no timeout and fails only its own limits.
-    pub store: Backend,
+    store: Backend,
     /// This node's memory store, for `failure: local` while the primary is down. When the
     /// primary is the memory store this is a separate instance, never used.
-    pub local: Arc<MemoryStore>,
+    local: Arc<MemoryStore>,
     /// Denials remembered until they can pass; `None` when `limits.deny_cache: false`.
-    pub deny: Option<DenyCache>,
+    deny: Option<DenyCache>,
     /// Hard deadline on one check (each Redis slot's call has it; the whole check gets twice
     /// that, refunds of a cross-slot denial included).
-    pub timeout: Duration,
+    timeout: Duration,
     /// Time source for the deny cache.
-    pub clock: SharedClock,
+    clock: SharedClock,
     /// Concurrency slots taken by requests still running, by holder, renewed by
     /// [`Limiter::renew_held`]. A `parking_lot` mutex held only to insert, remove or copy out
     /// (never across an `.await`); only requests of concurrency rules touch it.
-    pub held: parking_lot::Mutex<std::collections::HashMap<u64, Vec<(LimitCheck, Source)>>>,
+    held: parking_lot::Mutex<std::collections::HashMap<u64, Vec<(LimitCheck, Source)>>>,
     /// The next holder id. Starts at a random point per process, so the holders of several
     /// gateways sharing one Redis never meet (64 bits: two nodes' ranges would have to overlap
     /// within the requests in flight).
-    pub next_holder: std::sync::atomic::AtomicU64,
+    next_holder: std::sync::atomic::AtomicU64,
     /// This node's leases of hot keys (`store.leases`); `None` on the memory store or when
     /// leases are off.
-    pub leases: Option<lease::Leases>,
+    leases: Option<lease::Leases>,
 }
 
 /// A check [`Limiter::begin`] could not decide without the store: what [`Limiter::ask`] needs
@@ -92,6 +92,56 @@ pub fn random_holder_start() -> u64 {
 }
 
 impl Limiter {
+    /// A limiter deciding on `store`, with `local` for `failure: local` while the primary is
+    /// down (a separate memory store), `timeout` as the deadline of one store call, and `clock`
+    /// for the deny cache and leases. No deny cache and no leases until added with
+    /// [`Limiter::with_deny_cache`] and [`Limiter::with_leases`]. Holder ids start at a random
+    /// point ([`random_holder_start`]).
+    pub fn new(store: Backend, local: Arc<MemoryStore>, timeout: Duration, clock: SharedClock) -> Self {
+        Limiter {
+            store,
+            local,
+            deny: None,
+            timeout,
+            clock,
+            held: Default::default(),
+            next_holder: std::sync::atomic::AtomicU64::new(random_holder_start()),
+            leases: None,
+        }
+    }
+
+    /// Remember up to `max` denials until they can pass (`limits.deny_cache`).
+    pub fn with_deny_cache(mut self, max: usize) -> Self {
+        self.deny = Some(DenyCache::new(max));
+        self
+    }
+
+    /// Take leases of hot keys (`store.leases`; the Redis stores only).
+    pub fn with_leases(mut self, leases: lease::Leases) -> Self {
+        self.leases = Some(leases);
+        self
+    }
+
+    /// The primary store.
+    pub fn store(&self) -> &Backend {
+        &self.store
+    }
+
+    /// This node's memory store for `failure: local`.
+    pub fn local(&self) -> &Arc<MemoryStore> {
+        &self.local
+    }
+
+    /// The deny cache, when `limits.deny_cache` is on.
+    pub fn deny_cache(&self) -> Option<&DenyCache> {
+        self.deny.as_ref()
+    }
+
+    /// This node's leases, when on.
+    pub fn leases(&self) -> Option<&lease::Leases> {
+        self.leases.as_ref()
+    }
+
     /// Check `checks`, each with its rule's failure policy.
     pub async fn check<P: PolicedCheck>(&self, checks: &[P]) -> Verdict {
         match self.begin(checks, self.clock.now_us()) {

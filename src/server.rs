@@ -309,7 +309,7 @@ const PERMISSION_CHECK_EVERY: std::time::Duration = std::time::Duration::from_se
 /// Check the Redis user's permissions at start and every [`PERMISSION_CHECK_EVERY`]
 /// ([`State::check_store_permissions`]): a missing permission is loud, not a silent fail-open.
 fn spawn_permission_check(gw: &Arc<State>, stop: watch::Receiver<bool>) {
-    if gw.limiter().store.is_memory() {
+    if gw.limiter().store().is_memory() {
         return;
     }
     let gw = gw.clone();
@@ -321,7 +321,7 @@ fn spawn_permission_check(gw: &Arc<State>, stop: watch::Receiver<bool>) {
 
 /// While a shard's breaker is open, probe that shard and close its breaker when it answers.
 fn spawn_probe(gw: &Arc<State>, stop: watch::Receiver<bool>) {
-    if gw.limiter().store.is_memory() {
+    if gw.limiter().store().is_memory() {
         return;
     }
     let gw = gw.clone();
@@ -330,7 +330,7 @@ fn spawn_probe(gw: &Arc<State>, stop: watch::Receiver<bool>) {
         async move {
             let open = gw.limiter().heal().await;
             gw.metrics().breaker_open.set(i64::try_from(open).unwrap_or(i64::MAX));
-            if let crate::limiter::Backend::Redis(r) = &gw.limiter().store {
+            if let crate::limiter::Backend::Redis(r) = gw.limiter().store() {
                 for (shard, is_open, _) in r.shard_states() {
                     let g = gw
                         .metrics()

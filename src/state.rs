@@ -12,7 +12,6 @@ use arc_swap::ArcSwap;
 use crate::clock::{SharedClock, SystemClock};
 use crate::config::{ConfigError, GatewayConfig, StoreKind};
 use crate::identity::KeyRegistry;
-use crate::limiter::deny_cache::DenyCache;
 use crate::limiter::keys::KeyBuilder;
 use crate::limiter::memory::MemoryStore;
 use crate::limiter::redis::{RedisMode, RedisStore};
@@ -285,24 +284,17 @@ impl State {
                 Backend::Redis(Arc::new(store))
             }
         };
-        let limiter = Limiter {
-            store,
-            local: Arc::new(
-                MemoryStore::new(clock.clone(), sc.memory_max_keys)
-                    .with_eviction_counters(metrics.memory_evicted.clone(), metrics.memory_refused.clone()),
-            ),
-            deny: config
-                .limits
-                .deny_cache
-                .then(|| DenyCache::new(config.limits.deny_cache_max)),
-            timeout: sc.timeout,
-            clock: clock.clone(),
-            held: Default::default(),
-            next_holder: std::sync::atomic::AtomicU64::new(crate::limiter::random_holder_start()),
-            leases: sc
-                .leases
-                .map(|cfg| crate::limiter::lease::Leases::new(cfg, metrics.leases.clone())),
-        };
+        let local = Arc::new(
+            MemoryStore::new(clock.clone(), sc.memory_max_keys)
+                .with_eviction_counters(metrics.memory_evicted.clone(), metrics.memory_refused.clone()),
+        );
+        let mut limiter = Limiter::new(store, local, sc.timeout, clock.clone());
+        if config.limits.deny_cache {
+            limiter = limiter.with_deny_cache(config.limits.deny_cache_max);
+        }
+        if let Some(cfg) = sc.leases {
+            limiter = limiter.with_leases(crate::limiter::lease::Leases::new(cfg, metrics.leases.clone()));
+        }
         let upstream = crate::http::upstream::Upstream::new(&config.upstream, &metrics)?;
         let access = crate::proxy::access::Sampler::new(config.access_log);
         let keys = key_builder(&config);
@@ -349,14 +341,14 @@ impl State {
     /// Read the runtime override table from the store and install it (compiled against the
     /// loaded rules) when it changed. Expired entries are dropped from the store on the way.
     pub async fn refresh_overrides(&self) -> Result<(), crate::limiter::StoreError> {
-        let rows = self.limiter.store.table_load(&self.overrides_key).await?;
+        let rows = self.limiter.store().table_load(&self.overrides_key).await?;
         let now = unix_secs(SystemTime::now());
         let mut stored = Vec::with_capacity(rows.len());
         for (field, json) in rows {
             match serde_json::from_str::<StoredOverride>(&json) {
                 Ok(o) if o.expires_at > now => stored.push(o),
                 Ok(_) => {
-                    let _ = self.limiter.store.table_set(&self.overrides_key, &field, None).await;
+                    let _ = self.limiter.store().table_set(&self.overrides_key, &field, None).await;
                 }
                 Err(e) => tracing::warn!(field = %field, error = %e, "unreadable runtime override; ignored"),
             }
@@ -375,7 +367,7 @@ impl State {
     pub async fn put_override(&self, o: &StoredOverride) -> Result<(), crate::limiter::StoreError> {
         let json = serde_json::to_string(o).map_err(|e| crate::limiter::StoreError::Protocol(e.to_string()))?;
         self.limiter
-            .store
+            .store()
             .table_set(&self.overrides_key, &o.field(), Some(&json))
             .await?;
         self.refresh_overrides().await
@@ -384,7 +376,7 @@ impl State {
     /// Remove the override stored under `field`; true when there was one.
     pub async fn delete_override(&self, field: &str) -> Result<bool, crate::limiter::StoreError> {
         let existed = self.runtime.load().stored.iter().any(|o| o.field() == field);
-        self.limiter.store.table_set(&self.overrides_key, field, None).await?;
+        self.limiter.store().table_set(&self.overrides_key, field, None).await?;
         self.refresh_overrides().await?;
         Ok(existed)
     }
@@ -392,9 +384,9 @@ impl State {
     /// Refresh the gauges that are read rather than counted (memory store size, process memory
     /// and descriptors); `/metrics` calls this before encoding.
     pub fn refresh_gauges(&self) {
-        let mem = match &self.limiter.store {
+        let mem = match self.limiter.store() {
             Backend::Memory(m) => m,
-            Backend::Redis(_) => &self.limiter.local,
+            Backend::Redis(_) => self.limiter.local(),
         };
         self.metrics
             .memory_store_keys
@@ -478,7 +470,7 @@ impl State {
     pub async fn store_ready(&self) -> Result<(), StoreError> {
         match tokio::time::timeout(
             self.config.store.timeout.max(READY_PROBE_MIN),
-            self.limiter.store.probe(),
+            self.limiter.store().probe(),
         )
         .await
         {

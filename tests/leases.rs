@@ -354,25 +354,23 @@ async fn node(url: &str, leases: bool) -> Limiter {
     let store = RedisStore::connect(RedisMode::Single, &[url.to_owned()], Duration::from_millis(300), 3)
         .await
         .unwrap();
-    Limiter {
-        store: Backend::Redis(Arc::new(store)),
-        local: Arc::new(MemoryStore::new(clock.clone(), 1000)),
-        deny: None,
-        timeout: Duration::from_millis(300),
+    let limiter = Limiter::new(
+        Backend::Redis(Arc::new(store)),
+        Arc::new(MemoryStore::new(clock.clone(), 1000)),
+        Duration::from_millis(300),
         clock,
-        held: Default::default(),
-        next_holder: std::sync::atomic::AtomicU64::new(1),
-        leases: leases.then(|| {
-            Leases::new(
-                LeaseConfig {
-                    min_rate: NonZeroU32::new(5).unwrap(),
-                    ttl_us: nz(100_000),
-                    max_share_ppm: NonZeroU32::new(200_000).unwrap(),
-                },
-                LeaseMetrics::default(),
-            )
-        }),
+    );
+    if !leases {
+        return limiter;
     }
+    limiter.with_leases(Leases::new(
+        LeaseConfig {
+            min_rate: NonZeroU32::new(5).unwrap(),
+            ttl_us: nz(100_000),
+            max_share_ppm: NonZeroU32::new(200_000).unwrap(),
+        },
+        LeaseMetrics::default(),
+    ))
 }
 
 /// The same pseudo-random request sequences (node, cost) through three limiters, leases on and
@@ -565,7 +563,7 @@ async fn a_reset_while_leases_are_held_starts_the_count_afresh() {
         let (before, local) = round_robin(&nodes, &key, q, 600).await;
         assert_eq!(before, 600);
         assert!(local > 100, "{:?}: leases decided only {local}", q.algorithm);
-        let live: usize = nodes.iter().map(|n| n.leases.as_ref().map_or(0, |l| l.live())).sum();
+        let live: usize = nodes.iter().map(|n| n.leases().map_or(0, |l| l.live())).sum();
         assert!(live >= 2, "{:?}: only {live} nodes hold a lease", q.algorithm);
         nodes[0].reset(&[LimitCheck::new(key.clone(), q, 1)]).await.unwrap();
         let started = Instant::now();
@@ -617,7 +615,7 @@ async fn concurrency_slots_held_survive_a_reset() {
         "a reset freed a slot held by a running request"
     );
     // The slots are still released by their holders.
-    Store::refund(&limiter.store, &[(slot(1).0, v.outcomes[0].0.at_us)])
+    Store::refund(limiter.store(), &[(slot(1).0, v.outcomes[0].0.at_us)])
         .await
         .unwrap();
     assert!(

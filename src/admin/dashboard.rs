@@ -57,7 +57,7 @@ pub async fn sample_every_second(gw: Arc<State>, mut stop: watch::Receiver<bool>
 
 /// The store's shards now (one pseudo-shard for the memory store).
 fn shards(gw: &State) -> Vec<ShardView> {
-    match &gw.limiter().store {
+    match gw.limiter().store() {
         Backend::Memory(_) => vec![ShardView {
             addr: "memory".into(),
             breaker_open: false,
@@ -220,7 +220,7 @@ pub async fn limited(gw: &State, hash: &str) -> Response<ProxyBody> {
     }
     let states = match tokio::time::timeout(
         gw.config().store.timeout.max(Duration::from_millis(200)),
-        crate::limiter::Store::peek(&gw.limiter().store, &checks),
+        crate::limiter::Store::peek(gw.limiter().store(), &checks),
     )
     .await
     {

@@ -136,7 +136,7 @@ impl State {
                 // Freeing a large snapshot takes a while too: not on a request thread, and not
                 // by a request that happened to hold the last reference.
                 crate::background::reclaim(previous);
-                if let Some(d) = &self.limiter.deny {
+                if let Some(d) = self.limiter.deny_cache() {
                     // Limits may have changed: cached denials may no longer be true.
                     d.clear();
                 }

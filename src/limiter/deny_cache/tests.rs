@@ -116,16 +116,15 @@ async fn a_cached_denial_carries_the_binding_limit_of_the_whole_request() {
     let t0 = 1_700_000_040 * SEC;
     let clock = FakeClock::new(t0);
     for deny_cache in [false, true] {
-        let limiter = Limiter {
-            store: Backend::Memory(Arc::new(MemoryStore::new(Arc::new(clock.clone()), 1000))),
-            local: Arc::new(MemoryStore::new(Arc::new(clock.clone()), 1000)),
-            deny: deny_cache.then(|| DenyCache::new(1000)),
-            timeout: std::time::Duration::from_millis(20),
-            clock: Arc::new(clock.clone()),
-            held: Default::default(),
-            next_holder: std::sync::atomic::AtomicU64::new(1),
-            leases: None,
-        };
+        let mut limiter = Limiter::new(
+            Backend::Memory(Arc::new(MemoryStore::new(Arc::new(clock.clone()), 1000))),
+            Arc::new(MemoryStore::new(Arc::new(clock.clone()), 1000)),
+            std::time::Duration::from_millis(20),
+            Arc::new(clock.clone()),
+        );
+        if deny_cache {
+            limiter = limiter.with_deny_cache(1000);
+        }
         let checks = [
             Closed(LimitCheck::new(
                 StoreKey::from(format!("tl:{{a{deny_cache}}}:r:10s")),

@@ -298,19 +298,13 @@ fn a_request_going_to_the_store_takes_its_keys_leases_back_first() {
 /// lease itself: the tests grant them by hand, as the Redis store would).
 fn limiter_with_leases(clock: &crate::clock::FakeClock) -> crate::limiter::Limiter {
     let shared: crate::clock::SharedClock = Arc::new(clock.clone());
-    crate::limiter::Limiter {
-        store: crate::limiter::Backend::Memory(Arc::new(crate::limiter::memory::MemoryStore::new(
-            shared.clone(),
-            1000,
-        ))),
-        local: Arc::new(crate::limiter::memory::MemoryStore::new(shared.clone(), 1000)),
-        deny: None,
-        timeout: std::time::Duration::from_millis(100),
-        clock: shared,
-        held: Default::default(),
-        next_holder: std::sync::atomic::AtomicU64::new(1),
-        leases: Some(leases()),
-    }
+    crate::limiter::Limiter::new(
+        crate::limiter::Backend::Memory(Arc::new(crate::limiter::memory::MemoryStore::new(shared.clone(), 1000))),
+        Arc::new(crate::limiter::memory::MemoryStore::new(shared.clone(), 1000)),
+        std::time::Duration::from_millis(100),
+        shared,
+    )
+    .with_leases(leases())
 }
 
 #[test]
