@@ -31,10 +31,10 @@ use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use crate::engine::plan::RequestParts;
 use crate::http::respond::{self, GatewayError};
 use crate::http::ProxyBody;
 use crate::limiter::{LimitCheck, Store};
-use crate::proxy::plan::RequestParts;
 use crate::state::State;
 
 /// Time an admin client has to send its request headers (the admin port is for people and
@@ -252,7 +252,7 @@ async fn answer(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Res
                 headers: &headers,
                 peer: ip,
             };
-            let plan = crate::proxy::plan::plan(&snap, &runtime, gw.keys(), &gw.config().identity, parts, now_secs);
+            let plan = crate::engine::plan::plan(&snap, &runtime, gw.keys(), &gw.config().identity, parts, now_secs);
             let checks: Vec<LimitCheck> = plan
                 .checks
                 .iter()

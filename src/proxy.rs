@@ -24,14 +24,14 @@ pub mod access;
 mod account;
 mod exchange;
 pub(crate) mod facts;
-pub mod plan;
 mod settle;
 mod slots;
 mod target;
 
+pub use crate::engine::plan::host_for_matching;
+use crate::engine::plan::{RequestParts, RequestPlan};
+use crate::engine::{Decision, Engine};
 use facts::Facts;
-pub use plan::host_for_matching;
-use plan::{RequestParts, RequestPlan};
 
 /// The headers' view of planned check `i` with outcome `o` reached through `source`: the quota
 /// enforced is this node's share of it when the rule fell back to the local store. When the
@@ -45,7 +45,7 @@ fn binding_of<'a>(
 ) -> Binding<'a> {
     let (i, source) = (*i, *source);
     let p = &plan.checks[i];
-    let enforced = |c: &plan::PlannedCheck| match (source, c.policy) {
+    let enforced = |c: &crate::engine::PlannedCheck| match (source, c.policy) {
         (Source::Local, FailurePolicy::Local { share }) => {
             let local = local_share(&c.check, share);
             (local.quota, local.cost)
@@ -296,7 +296,16 @@ impl State {
         if facts.underscored {
             self.refuse_underscore_spellings(&snap, req.headers())?;
         }
-        let mut plan = self.plan_of(&snap, &req, peer, now_us);
+        let engine = self.engine(&snap);
+        let mut plan = {
+            let facts = RequestParts {
+                method: req.method(),
+                uri: req.uri(),
+                headers: req.headers(),
+                peer: peer.ip(),
+            };
+            engine.plan(&self.runtime().load(), facts, now_us)
+        };
         if let Some(p) = plan.refused {
             return Err(p.into());
         }
@@ -311,26 +320,14 @@ impl State {
         if plan.checks.is_empty() {
             self.metrics().unmatched.inc();
         } else {
-            // Concurrency slots name the request that holds them.
-            let mut holder = 0;
-            for c in plan.checks.iter_mut().filter(|c| c.check.is_slot()) {
-                if holder == 0 {
-                    holder = self.limiter().holder();
-                }
-                c.check.holder = holder;
+            let checked = engine.check(&mut plan, now_us).await;
+            if let Some(waited) = checked.store_wait {
+                self.metrics().check_latency.observe(waited.as_secs_f64());
             }
-            let verdict = match self.limiter().begin(&plan.checks, now_us) {
-                Ok(v) => v,
-                Err(ask) => {
-                    let started = Instant::now();
-                    let v = self.limiter().ask(&plan.checks, ask).await;
-                    self.metrics().check_latency.observe(started.elapsed().as_secs_f64());
-                    v
-                }
-            };
             let decided = Decided {
-                verdict: &verdict,
-                holder,
+                verdict: &checked.verdict,
+                decision: engine.judge(&plan, &checked.verdict),
+                holder: checked.holder,
                 now_us,
             };
             if let Some(denied) = self.decide(&snap, &plan, decided, note.as_deref_mut(), &mut admitted) {
@@ -398,29 +395,15 @@ impl State {
         }
     }
 
-    /// The request's plan at `now_us`, against the snapshot and the runtime overrides in force.
-    fn plan_of(
-        &self,
-        snap: &crate::state::Snapshot,
-        req: &Request<Incoming>,
-        peer: SocketAddr,
-        now_us: u64,
-    ) -> RequestPlan {
-        let parts = RequestParts {
-            method: req.method(),
-            uri: req.uri(),
-            headers: req.headers(),
-            peer: peer.ip(),
-        };
-        let runtime = self.runtime().load();
-        plan::plan(
+    /// The decision engine over `snap` and this gateway's key builder, identity settings and
+    /// limiter.
+    fn engine<'a>(&'a self, snap: &'a crate::state::Snapshot) -> Engine<'a> {
+        Engine {
             snap,
-            &runtime,
-            self.keys(),
-            &self.config().identity,
-            parts,
-            now_us / 1_000_000,
-        )
+            keys: self.keys(),
+            identity: &self.config().identity,
+            limiter: self.limiter(),
+        }
     }
 
     /// Act on the limiter's verdict: count it, and either answer now (`Some`: a 429, or a 503
@@ -436,31 +419,24 @@ impl State {
     ) -> Option<Result<Response<ProxyBody>, GatewayError>> {
         let Decided {
             verdict,
+            decision,
             holder,
             now_us,
         } = decided;
         self.account(snap, plan, verdict, &plan.identity);
-        // Fail closed wins over everything: the store is down and the rule says so.
-        if let Some(i) = plan
-            .checks
-            .iter()
-            .zip(&verdict.outcomes)
-            .position(|(c, (_, s))| !c.check.shadow && *s == Source::FailClosed)
-        {
-            let rule = &snap.rules.rules[plan.checks[i].rule as usize];
-            return Some(Err(GatewayError::LimiterUnavailable {
-                rule: rule.name.to_string(),
-                retry_after_secs: 1,
-            }));
-        }
-        // Shadow limits never bind; nor do limits that went unchecked (store down, fail
-        // open): their quota is unknown, and `r=0` would stall a header-following client.
-        // A `cost_from` rule's in-flight cap binds only when it denies: an allowed response
-        // shows the rule's own quota.
-        let idx = headers::binding_index(plan.checks.iter().zip(&verdict.outcomes).map(|(c, (o, src))| {
-            let skip = c.check.shadow || *src == Source::FailOpen || (o.allowed && plan::is_in_flight_cap(snap, c));
-            (skip, *o, c.check.cost)
-        }));
+        let idx = match decision {
+            Decision::Unavailable { check } => {
+                let rule = &snap.rules.rules[plan.checks[check].rule as usize];
+                return Some(Err(GatewayError::LimiterUnavailable {
+                    rule: rule.name.to_string(),
+                    retry_after_secs: 1,
+                }));
+            }
+            Decision::Limited { binding } => Some(binding),
+            Decision::Admit { binding } => binding,
+            Decision::Refused(p) => return Some(Err(p.into())),
+            Decision::Unmatched => None,
+        };
         let mut note = note;
         if let Some(n) = note.as_deref_mut() {
             // The store was down for a rule that lets requests through unchecked: say so, and
@@ -530,6 +506,8 @@ impl State {
 #[derive(Clone, Copy)]
 struct Decided<'a> {
     verdict: &'a Verdict,
+    /// What the engine made of it.
+    decision: Decision,
     holder: u64,
     now_us: u64,
 }

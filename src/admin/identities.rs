@@ -80,14 +80,14 @@ pub(super) fn identity_checks(
         let value = crate::rules::KeyValue::Value(ns, who.as_bytes());
         let ri = u32::try_from(ri).unwrap_or(u32::MAX);
         let who_id = crate::identity::IdText::from(who);
-        let cx = crate::proxy::plan::PlanContext {
+        let cx = crate::engine::plan::PlanContext {
             snap,
             runtime,
             keys,
             now_secs,
         };
-        let mut planned = crate::proxy::plan::Planned::default();
-        crate::proxy::plan::rule_checks(cx, ri, value, &who_id, &mut planned);
+        let mut planned = crate::engine::plan::Planned::default();
+        crate::engine::plan::rule_checks(cx, ri, value, &who_id, &mut planned);
         for p in planned.checks {
             checks.push(Candidate {
                 check: LimitCheck { cost: 0, ..p.check },

@@ -7,9 +7,9 @@ use http::{HeaderMap, Method};
 use serde_json::{json, Value};
 
 use crate::config::GatewayConfig;
+use crate::engine::plan::{request_host, LimitsFrom, RequestParts};
 use crate::limiter::keys::KeyBuilder;
 use crate::limiter::LimitCheck;
-use crate::proxy::plan::{request_host, LimitsFrom, RequestParts};
 use crate::rules::runtime::RuntimeOverrides;
 use crate::rules::{caller, normalize, window_text, RequestInfo, Rule};
 use crate::state::Snapshot;
@@ -132,7 +132,7 @@ pub fn explain(
         headers,
         peer: ip,
     };
-    let plan = crate::proxy::plan::plan(snap, runtime, keys, &config.identity, parts, now_secs);
+    let plan = crate::engine::plan::plan(snap, runtime, keys, &config.identity, parts, now_secs);
     let ident = &plan.identity;
     let norm = normalize(uri.path());
     let overridden = crate::rules::method_override(headers);

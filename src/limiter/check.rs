@@ -178,7 +178,7 @@ pub enum Source {
 }
 
 /// The limiter's answer for one request: one outcome per check, plus how it was reached.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Verdict {
     /// One per check, in order. Fail-open checks get an allowed outcome with full quota.
     pub outcomes: SmallVec<[(Outcome, Source); 2]>,

@@ -8,7 +8,7 @@ use crate::limiter::{Source, StoreError, Verdict};
 use crate::rules::caller;
 use crate::state::State;
 
-use super::plan::RequestPlan;
+use crate::engine::plan::RequestPlan;
 
 impl State {
     /// Metrics and logs for one verdict.

@@ -32,8 +32,8 @@ use crate::limiter::{local_share, FailurePolicy, LimitCheck, Source, Verdict};
 use crate::rules::CostFrom;
 use crate::state::State;
 
-use super::plan::RequestPlan;
 use super::slots::SlotGuard;
+use crate::engine::plan::RequestPlan;
 
 /// What one rule of an admitted request reserved: its checks, each with the instant its check
 /// was decided and the store that decided it.

@@ -11,7 +11,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use crate::limiter::{local_share, FailurePolicy, Source, Verdict};
 use crate::state::State;
 
-use super::plan::RequestPlan;
+use crate::engine::plan::RequestPlan;
 
 /// Holds a request's slots; dropping it releases them (in a spawned task: a drop cannot wait)
 /// and lowers the per-rule in-flight gauges.
