@@ -11,6 +11,7 @@
 
 pub mod auth;
 pub mod dashboard;
+pub mod error;
 mod identities;
 mod overrides;
 mod views;
@@ -32,10 +33,11 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use crate::engine::plan::RequestParts;
-use crate::http::respond::{self, GatewayError};
+use crate::http::respond;
 use crate::http::ProxyBody;
 use crate::limiter::{LimitCheck, Store};
 use crate::state::State;
+use error::AdminError;
 
 /// Time an admin client has to send its request headers (the admin port is for people and
 /// scrapers on a short network path; a slow one is cut off instead of holding a task).
@@ -86,7 +88,7 @@ async fn route(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Resp
         Ok(()) => answer(gw, req, peer).await,
         Err(why) => {
             tracing::warn!(target: "tollgate::audit", caller = %peer, method = %req.method(), path = %req.uri().path(), "admin request refused: {why}");
-            GatewayError::Forbidden(why).into_response()
+            AdminError::Forbidden(why).into_response()
         }
     };
     resp.headers_mut()
@@ -104,13 +106,13 @@ async fn answer(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Res
             crate::config::admin::Access::ReadOnly if matches!(*req.method(), Method::GET | Method::HEAD) => {}
             crate::config::admin::Access::ReadOnly => {
                 tracing::warn!(target: "tollgate::audit", caller = %peer, method = %req.method(), path = %path, "admin change with a read-only token refused");
-                return GatewayError::Forbidden("this admin token may only read (GET, HEAD)").into_response();
+                return AdminError::Forbidden("this admin token may only read (GET, HEAD)").into_response();
             }
             crate::config::admin::Access::Denied => {
                 if req.headers().contains_key(http::header::AUTHORIZATION) {
                     tracing::warn!(target: "tollgate::audit", caller = %peer, method = %req.method(), path = %path, "admin request with a wrong token refused");
                 }
-                return GatewayError::Unauthorized.into_response();
+                return AdminError::Unauthorized.into_response();
             }
         }
     }
@@ -214,14 +216,14 @@ async fn answer(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Res
                 .unwrap_or("GET".into())
                 .to_ascii_uppercase();
             let Ok(method) = Method::from_bytes(method.as_bytes()) else {
-                return GatewayError::BadRequest("invalid method").into_response();
+                return AdminError::BadRequest("invalid method").into_response();
             };
             let p = query_param(&query, "path").unwrap_or("/".into()).into_owned();
             let ip: IpAddr = match query_param(&query, "ip") {
                 None => IpAddr::from([127, 0, 0, 1]),
                 Some(s) => match s.parse() {
                     Ok(ip) => ip,
-                    Err(_) => return GatewayError::BadRequest("ip: not an IP address").into_response(),
+                    Err(_) => return AdminError::BadRequest("ip: not an IP address").into_response(),
                 },
             };
             // `host=` explains the request as sent under that Host (the admin API's own Host is
@@ -229,7 +231,7 @@ async fn answer(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Res
             let mut headers = req.headers().clone();
             if let Some(h) = query_param(&query, "host") {
                 let Ok(v) = http::HeaderValue::from_str(&h) else {
-                    return GatewayError::BadRequest("host: not a valid Host value").into_response();
+                    return AdminError::BadRequest("host: not a valid Host value").into_response();
                 };
                 headers.insert(http::header::HOST, v);
             }
@@ -291,7 +293,7 @@ async fn answer(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Res
                 .decode_utf8_lossy()
                 .into_owned();
             if who.is_empty() {
-                return GatewayError::NotFound.into_response();
+                return AdminError::NotFound.into_response();
             }
             let snap = gw.snapshot().load();
             let runtime = gw.runtime().load_full();
@@ -313,7 +315,7 @@ async fn answer(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Res
                 .collect();
             let tracked = kept.iter().any(|(_, s)| s.is_some());
             if !candidates.known && !tracked {
-                return GatewayError::UnknownIdentity.into_response();
+                return AdminError::UnknownIdentity.into_response();
             }
             if m == Method::DELETE {
                 let keys: Vec<LimitCheck> = kept.iter().map(|(c, _)| c.check.clone()).collect();
@@ -375,6 +377,6 @@ async fn answer(gw: Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Res
                 "counters": counters,
             }))
         }
-        _ => GatewayError::NotFound.into_response(),
+        _ => AdminError::NotFound.into_response(),
     }
 }

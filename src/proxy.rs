@@ -14,7 +14,7 @@ use hyper::body::Incoming;
 
 use crate::http::headers::{self, Binding};
 use crate::http::request_id::X_REQUEST_ID;
-use crate::http::respond::{self, GatewayError};
+use crate::http::respond::{self, GatewayError, LocalAnswer};
 use crate::http::ProxyBody;
 use crate::limiter::{local_share, FailurePolicy, Source, Verdict};
 use crate::rules::caller;
@@ -238,21 +238,6 @@ impl State {
         note: Option<&mut access::Note>,
     ) -> Response<ProxyBody> {
         match result {
-            Ok(r) if grpc && r.status() == http::StatusCode::TOO_MANY_REQUESTS => {
-                let wait = r
-                    .headers()
-                    .get(header::RETRY_AFTER)
-                    .and_then(|v| v.to_str().ok())
-                    .unwrap_or("1");
-                let rule = r
-                    .headers()
-                    .get(&headers::RATELIMIT)
-                    .and_then(|v| v.to_str().ok())
-                    .and_then(|v| v.split('"').nth(1))
-                    .unwrap_or("");
-                let msg = format!("rate limit {rule:?} exceeded; retry in {wait} s");
-                respond::grpc(r, respond::GrpcCode::ResourceExhausted, &msg)
-            }
             Ok(r) => r,
             Err(e) => {
                 if let Some(n) = note {
@@ -266,11 +251,7 @@ impl State {
                     };
                 }
                 self.metrics().local_response(e.status().as_u16());
-                if grpc && e.status().is_server_error() {
-                    let msg = e.to_string();
-                    return respond::grpc(e.into_response(), respond::GrpcCode::Unavailable, &msg);
-                }
-                e.into_response()
+                LocalAnswer::from(e).render(grpc)
             }
         }
     }
@@ -329,6 +310,7 @@ impl State {
                 decision: engine.judge(&plan, &checked.verdict),
                 holder: checked.holder,
                 now_us,
+                grpc: facts.grpc,
             };
             if let Some(denied) = self.decide(&snap, &plan, decided, note.as_deref_mut(), &mut admitted) {
                 return denied;
@@ -422,6 +404,7 @@ impl State {
             decision,
             holder,
             now_us,
+            grpc,
         } = decided;
         self.account(snap, plan, verdict, &plan.identity);
         let idx = match decision {
@@ -469,12 +452,12 @@ impl State {
                 let b = binding_of(plan, snap, &bound, &mut windows);
                 let lim = &self.config().limits;
                 self.metrics().rate_limited();
-                return Some(Ok(respond::rate_limited(
-                    &b,
-                    lim.ietf_headers,
-                    lim.legacy_headers,
-                    now_us,
-                )));
+                let render = if grpc {
+                    respond::rate_limited_grpc
+                } else {
+                    respond::rate_limited
+                };
+                return Some(Ok(render(&b, lim.ietf_headers, lim.legacy_headers, now_us)));
             }
             admitted.binding = Some((i, o, src));
         }
@@ -509,6 +492,8 @@ struct Decided<'a> {
     /// What the engine made of it.
     decision: Decision,
     holder: u64,
+    /// A gRPC client's request: a 429 is rendered as gRPC.
+    grpc: bool,
     now_us: u64,
 }
 

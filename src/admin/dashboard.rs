@@ -8,6 +8,7 @@
 //! The history it shows comes from [`crate::activity`]; [`sample_every_second`] feeds it from
 //! the existing counters, off the request path.
 
+use super::AdminError;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -187,7 +188,7 @@ pub fn json(gw: &State) -> Value {
 /// (the rule's configured limits; a per-identity override cannot be told from a hash).
 pub async fn limited(gw: &State, hash: &str) -> Response<ProxyBody> {
     if hash.len() != 24 || !hash.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return respond::GatewayError::NotFound.into_response();
+        return AdminError::NotFound.into_response();
     }
     let seen: Vec<_> = gw
         .activity()
@@ -196,7 +197,7 @@ pub async fn limited(gw: &State, hash: &str) -> Response<ProxyBody> {
         .filter(|l| l.hash == hash)
         .collect();
     if seen.is_empty() {
-        return respond::GatewayError::NotFound.into_response();
+        return AdminError::NotFound.into_response();
     }
     let snap = gw.snapshot().load();
     let mut checks = Vec::new();

@@ -15,7 +15,8 @@ use hyper::body::Incoming;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::http::respond::{self, GatewayError};
+use super::AdminError;
+use crate::http::respond;
 use crate::http::ProxyBody;
 use crate::limiter::keys::Namespace;
 use crate::rules::runtime::{quotas, OverrideLimit, StoredOverride, MAX_OVERRIDE_SECS};
@@ -109,7 +110,7 @@ pub(super) async fn handle(gw: &Arc<State>, req: Request<Incoming>, peer: Socket
     let method = req.method().clone();
     if path == "/overrides" || path == "/overrides/" {
         if method != Method::GET {
-            return GatewayError::NotFound.into_response();
+            return AdminError::NotFound.into_response();
         }
         let rt = gw.runtime().load();
         let list: Vec<Value> = rt.stored.iter().map(listed).collect();
@@ -117,7 +118,7 @@ pub(super) async fn handle(gw: &Arc<State>, req: Request<Incoming>, peer: Socket
     }
     let rest = &path["/overrides/".len()..];
     let Some((kind, raw_value)) = rest.split_once('/') else {
-        return GatewayError::NotFound.into_response();
+        return AdminError::NotFound.into_response();
     };
     let kind = percent_encoding::percent_decode_str(kind)
         .decode_utf8_lossy()
@@ -126,7 +127,7 @@ pub(super) async fn handle(gw: &Arc<State>, req: Request<Incoming>, peer: Socket
         .decode_utf8_lossy()
         .into_owned();
     if value.is_empty() {
-        return GatewayError::NotFound.into_response();
+        return AdminError::NotFound.into_response();
     }
     let snap = gw.snapshot().load_full();
     let tag = match tag_of(gw, &snap, &kind, &value) {
@@ -137,7 +138,7 @@ pub(super) async fn handle(gw: &Arc<State>, req: Request<Incoming>, peer: Socket
         Method::PUT => {
             let body = match http_body_util::Limited::new(req.into_body(), MAX_BODY).collect().await {
                 Ok(b) => b.to_bytes(),
-                Err(_) => return GatewayError::PayloadTooLarge.into_response(),
+                Err(_) => return AdminError::PayloadTooLarge.into_response(),
             };
             let put: PutBody = match serde_json::from_slice(&body) {
                 Ok(p) => p,
@@ -184,7 +185,7 @@ pub(super) async fn handle(gw: &Arc<State>, req: Request<Incoming>, peer: Socket
             let rt = gw.runtime().load();
             let list: Vec<Value> = rt.stored.iter().filter(|o| o.tag == tag).map(listed).collect();
             if list.is_empty() {
-                return GatewayError::NotFound.into_response();
+                return AdminError::NotFound.into_response();
             }
             respond::json_ok(&json!({"overrides": list}))
         }
@@ -202,7 +203,7 @@ pub(super) async fn handle(gw: &Arc<State>, req: Request<Incoming>, peer: Socket
                 .map(StoredOverride::field)
                 .collect();
             if fields.is_empty() {
-                return GatewayError::NotFound.into_response();
+                return AdminError::NotFound.into_response();
             }
             for f in &fields {
                 if let Err(e) = gw.delete_override(f).await {
@@ -212,6 +213,6 @@ pub(super) async fn handle(gw: &Arc<State>, req: Request<Incoming>, peer: Socket
             tracing::info!(target: "tollgate::audit", caller = %peer, action = "override_delete", identity_hash = %tag, removed = fields.len(), "admin: DELETE /overrides");
             respond::json_ok(&json!({"result": "deleted", "removed": fields.len()}))
         }
-        _ => GatewayError::NotFound.into_response(),
+        _ => AdminError::NotFound.into_response(),
     }
 }

@@ -10,7 +10,8 @@ use super::headers::{self, Binding};
 use super::value_buf::{Text, ValueBuf};
 use super::{full, ProxyBody};
 
-/// Everything that ends a request without (or instead of) the upstream's response.
+/// Why the proxy ends a request without (or instead of) the upstream's response. Each becomes
+/// one [`LocalAnswer`]; the admin API's own reasons are `admin::AdminError`.
 #[derive(Debug, thiserror::Error)]
 pub enum GatewayError {
     /// The store failed and a `failure: closed` rule applies.
@@ -37,28 +38,16 @@ pub enum GatewayError {
     /// The body is larger than `max_body_bytes`.
     #[error("request body too large")]
     PayloadTooLarge,
-    /// The admin API was asked for something it does not have.
-    #[error("not found")]
-    NotFound,
     /// The gateway is shutting down or at its connection cap.
     #[error("service unavailable: {0}")]
     Unavailable(&'static str),
-    /// A protected admin endpoint without the right token.
-    #[error("unauthorized")]
-    Unauthorized,
     /// The request's header section is larger than `max_header_bytes`, or has too many fields.
     #[error("request header fields too large")]
     HeadersTooLarge,
-    /// `/keys/{identity}` for a value that is no registered key id, IP or org and has no counters.
-    #[error("unknown identity")]
-    UnknownIdentity,
     /// A credential that is present but identifies no one (`identity.invalid_credentials:
     /// reject`). The body never echoes the credential.
     #[error("invalid credentials")]
     InvalidCredentials,
-    /// An admin request refused for where it came from (a foreign Host or Origin).
-    #[error("forbidden: {0}")]
-    Forbidden(&'static str),
 }
 
 impl From<crate::identity::CredentialProblem> for GatewayError {
@@ -71,7 +60,7 @@ impl From<crate::identity::CredentialProblem> for GatewayError {
 }
 
 impl GatewayError {
-    /// The status code.
+    /// The HTTP status of its answer.
     pub fn status(&self) -> StatusCode {
         match self {
             GatewayError::LimiterUnavailable { .. } | GatewayError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -80,86 +69,192 @@ impl GatewayError {
             GatewayError::BadRequest(_) => StatusCode::BAD_REQUEST,
             GatewayError::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
             GatewayError::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            GatewayError::NotFound | GatewayError::UnknownIdentity => StatusCode::NOT_FOUND,
             GatewayError::HeadersTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-            GatewayError::Unauthorized | GatewayError::InvalidCredentials => StatusCode::UNAUTHORIZED,
-            GatewayError::Forbidden(_) => StatusCode::FORBIDDEN,
+            GatewayError::InvalidCredentials => StatusCode::UNAUTHORIZED,
         }
     }
 
-    /// The response: status, JSON body, `Retry-After` where it applies.
+    /// Its answer rendered as HTTP (see [`LocalAnswer::http`]).
     pub fn into_response(self) -> Response<ProxyBody> {
-        let status = self.status();
-        let mut retry: Option<u64> = None;
-        let body = match &self {
-            GatewayError::LimiterUnavailable { rule, retry_after_secs } => {
-                retry = Some(*retry_after_secs);
-                json!({
-                    "error": "rate_limiter_unavailable",
-                    "message": "The rate limiter's store is unavailable and this endpoint fails closed; retry shortly.",
-                    "rule": rule,
-                    "retry_after": retry_after_secs,
-                })
-            }
+        LocalAnswer::from(self).http()
+    }
+}
+
+impl From<GatewayError> for LocalAnswer {
+    fn from(e: GatewayError) -> Self {
+        let status = e.status();
+        match e {
+            GatewayError::LimiterUnavailable { rule, retry_after_secs } => LocalAnswer {
+                retry_after: Some(retry_after_secs),
+                rule: Some(rule),
+                ..LocalAnswer::new(
+                    status,
+                    "rate_limiter_unavailable",
+                    "The rate limiter's store is unavailable and this endpoint fails closed; retry shortly.",
+                )
+            },
             GatewayError::BadGateway(_) => {
-                json!({"error": "bad_gateway", "message": "The upstream could not be reached."})
+                LocalAnswer::new(status, "bad_gateway", "The upstream could not be reached.")
             }
             GatewayError::GatewayTimeout => {
-                json!({"error": "gateway_timeout", "message": "The upstream did not answer in time."})
+                LocalAnswer::new(status, "gateway_timeout", "The upstream did not answer in time.")
             }
-            GatewayError::BadRequest(why) => json!({"error": "bad_request", "message": why}),
-            GatewayError::NotImplemented(why) => json!({"error": "not_implemented", "message": why}),
-            GatewayError::PayloadTooLarge => {
-                json!({"error": "payload_too_large", "message": "The request body is larger than this gateway accepts."})
-            }
-            GatewayError::NotFound => json!({"error": "not_found"}),
-            GatewayError::Unavailable(why) => {
-                retry = Some(1);
-                json!({"error": "unavailable", "message": why})
-            }
-            GatewayError::HeadersTooLarge => json!({
-                "error": "request_header_fields_too_large",
-                "message": "The request's headers are larger than this gateway accepts.",
-            }),
-            GatewayError::UnknownIdentity => json!({
-                "error": "unknown_identity",
-                "message": "Not a registered API key id, an IP address or a registered org, and no counters exist for it: check the spelling.",
-            }),
-            GatewayError::InvalidCredentials => json!({
-                "error": "invalid_credentials",
-                "message": "The API key or bearer token was not accepted: it is unknown, expired or does not verify.",
-            }),
-            GatewayError::Forbidden(why) => json!({"error": "forbidden", "message": why}),
-            GatewayError::Unauthorized => json!({
-                "error": "unauthorized",
-                "message": "This admin endpoint needs the admin token: Authorization: Bearer <token>, or HTTP Basic with the token as the password.",
-            }),
-        };
+            GatewayError::BadRequest(why) => LocalAnswer::new(status, "bad_request", why),
+            GatewayError::NotImplemented(why) => LocalAnswer::new(status, "not_implemented", why),
+            GatewayError::PayloadTooLarge => LocalAnswer::new(
+                status,
+                "payload_too_large",
+                "The request body is larger than this gateway accepts.",
+            ),
+            GatewayError::Unavailable(why) => LocalAnswer {
+                retry_after: Some(1),
+                ..LocalAnswer::new(status, "unavailable", why)
+            },
+            GatewayError::HeadersTooLarge => LocalAnswer::new(
+                status,
+                "request_header_fields_too_large",
+                "The request's headers are larger than this gateway accepts.",
+            ),
+            GatewayError::InvalidCredentials => LocalAnswer {
+                challenge: Challenge::InvalidToken,
+                ..LocalAnswer::new(
+                    status,
+                    "invalid_credentials",
+                    "The API key or bearer token was not accepted: it is unknown, expired or does not verify.",
+                )
+            },
+        }
+    }
+}
+
+/// A `WWW-Authenticate` challenge a local answer carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Challenge {
+    /// None.
+    None,
+    /// `Bearer error="invalid_token"`: a credential was refused.
+    InvalidToken,
+    /// The admin API's `Bearer` and `Basic` realms: it needs the admin token.
+    AdminRealm,
+}
+
+/// Every answer tollgate makes itself, the proxy's and the admin API's alike: one value that
+/// knows its HTTP status and its gRPC code, rendered once, as HTTP ([`LocalAnswer::http`], a
+/// JSON body) or as gRPC ([`LocalAnswer::grpc`], `grpc-status` and `grpc-message`). The 429,
+/// made on the hot deny path from the binding limit, is [`rate_limited`], in either form.
+#[derive(Debug, Clone)]
+pub struct LocalAnswer {
+    status: StatusCode,
+    code: GrpcCode,
+    /// The body's machine-readable `error`.
+    error: &'static str,
+    /// The body's `message` (omitted when empty).
+    message: std::borrow::Cow<'static, str>,
+    /// The rule it is about (a fail-closed outage).
+    rule: Option<String>,
+    /// `Retry-After` and the body's `retry_after`, seconds.
+    retry_after: Option<u64>,
+    challenge: Challenge,
+}
+
+impl LocalAnswer {
+    /// An answer with `status` (its gRPC code follows from it, see [`GrpcCode::for_status`]),
+    /// the body's `error` and `message`.
+    pub fn new(status: StatusCode, error: &'static str, message: impl Into<std::borrow::Cow<'static, str>>) -> Self {
+        LocalAnswer {
+            status,
+            code: GrpcCode::for_status(status),
+            error,
+            message: message.into(),
+            rule: None,
+            retry_after: None,
+            challenge: Challenge::None,
+        }
+    }
+
+    /// The same answer with a `WWW-Authenticate` challenge.
+    pub fn with_challenge(mut self, challenge: Challenge) -> Self {
+        self.challenge = challenge;
+        self
+    }
+
+    /// Its HTTP status.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// Its gRPC status code.
+    pub fn grpc_code(&self) -> GrpcCode {
+        self.code
+    }
+
+    /// As a gRPC client needs it when `grpc`, else as HTTP.
+    pub fn render(self, grpc: bool) -> Response<ProxyBody> {
+        if grpc {
+            self.grpc()
+        } else {
+            self.http()
+        }
+    }
+
+    /// As HTTP: its status, a JSON body (`error`, `message`, and `rule` / `retry_after` where
+    /// they apply), `Cache-Control: no-store`, `Retry-After` where it applies, its challenge.
+    pub fn http(self) -> Response<ProxyBody> {
+        let mut body = json!({"error": self.error});
+        if !self.message.is_empty() {
+            body["message"] = json!(self.message);
+        }
+        if let Some(rule) = &self.rule {
+            body["rule"] = json!(rule);
+        }
+        if let (Some(s), Some(_)) = (self.retry_after, &self.rule) {
+            body["retry_after"] = json!(s);
+        }
         let mut resp = Response::new(full(body.to_string()));
-        *resp.status_mut() = status;
+        *resp.status_mut() = self.status;
         let h = resp.headers_mut();
         h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
         h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-        if let Some(s) = retry {
+        self.finish(h);
+        resp
+    }
+
+    /// As gRPC: HTTP 200, `grpc-status` its code, `grpc-message` what it says (see [`grpc`]).
+    pub fn grpc(self) -> Response<ProxyBody> {
+        let mut resp = Response::new(super::empty());
+        self.finish(resp.headers_mut());
+        let message = match &self.rule {
+            Some(rule) => format!("{} (rule {rule})", self.message),
+            None if self.message.is_empty() => self.error.to_owned(),
+            None => self.message.to_string(),
+        };
+        grpc(resp, self.code, &message)
+    }
+
+    /// `Retry-After` and the challenge, both renderings.
+    fn finish(&self, h: &mut http::HeaderMap) {
+        if let Some(s) = self.retry_after {
             h.insert(header::RETRY_AFTER, HeaderValue::from(s));
         }
-        if matches!(self, GatewayError::InvalidCredentials) {
-            h.insert(
-                header::WWW_AUTHENTICATE,
-                HeaderValue::from_static("Bearer error=\"invalid_token\""),
-            );
+        match self.challenge {
+            Challenge::None => {}
+            Challenge::InvalidToken => {
+                h.insert(
+                    header::WWW_AUTHENTICATE,
+                    HeaderValue::from_static("Bearer error=\"invalid_token\""),
+                );
+            }
+            Challenge::AdminRealm => {
+                h.append(
+                    header::WWW_AUTHENTICATE,
+                    HeaderValue::from_static("Bearer realm=\"tollgate admin\""),
+                );
+                h.append(
+                    header::WWW_AUTHENTICATE,
+                    HeaderValue::from_static("Basic realm=\"tollgate admin\", charset=\"UTF-8\""),
+                );
+            }
         }
-        if matches!(self, GatewayError::Unauthorized) {
-            h.append(
-                header::WWW_AUTHENTICATE,
-                HeaderValue::from_static("Bearer realm=\"tollgate admin\""),
-            );
-            h.append(
-                header::WWW_AUTHENTICATE,
-                HeaderValue::from_static("Basic realm=\"tollgate admin\", charset=\"UTF-8\""),
-            );
-        }
-        resp
     }
 }
 
@@ -251,6 +346,25 @@ static RETRY_AFTER: http::HeaderName = header::RETRY_AFTER;
 /// value chunk and shared from it ([`ValueBuf`]).
 pub fn rate_limited(b: &Binding<'_>, ietf: bool, legacy: bool, now_us: u64) -> Response<ProxyBody> {
     let inputs = Inputs429::of(b, ietf, legacy, now_us);
+    limited_http(b, &inputs, now_us)
+}
+
+/// The same 429 as a gRPC client needs it: `grpc-status: 8` (RESOURCE_EXHAUSTED), a
+/// `grpc-message` naming the rule and the wait, and the rate-limit headers and `Retry-After`
+/// as metadata; no JSON body is written.
+pub fn rate_limited_grpc(b: &Binding<'_>, ietf: bool, legacy: bool, now_us: u64) -> Response<ProxyBody> {
+    let inputs = Inputs429::of(b, ietf, legacy, now_us);
+    let mut resp = Response::new(super::empty());
+    headers::write(resp.headers_mut(), b, ietf, legacy, now_us);
+    resp.headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(inputs.secs));
+    let message = format!("rate limit {:?} exceeded; retry in {} s", b.rule, inputs.secs);
+    grpc(resp, GrpcCode::ResourceExhausted, &message)
+}
+
+/// [`rate_limited`] once its inputs are known.
+fn limited_http(b: &Binding<'_>, inputs: &Inputs429, now_us: u64) -> Response<ProxyBody> {
+    let inputs = *inputs;
     let mut resp = Response::new(super::empty());
     *resp.status_mut() = StatusCode::TOO_MANY_REQUESTS;
     let reused = LAST_429
@@ -367,11 +481,36 @@ fn build_429(h: &mut http::HeaderMap, b: &Binding<'_>, inputs: &Inputs429, now_u
 /// gRPC status codes tollgate answers with itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GrpcCode {
-    /// 8: over a limit (what HTTP says with 429).
+    /// 3: a malformed request (HTTP 400).
+    InvalidArgument = 3,
+    /// 5: the admin API has no such thing (HTTP 404).
+    NotFound = 5,
+    /// 7: refused for where it came from, or a read-only token (HTTP 403).
+    PermissionDenied = 7,
+    /// 8: over a limit, or a request or header section too large (HTTP 429, 413, 431).
     ResourceExhausted = 8,
-    /// 14: the limiter's store is down and the rule fails closed, or the upstream is
-    /// unreachable (what HTTP says with 503 / 502 / 504).
+    /// 12: something tollgate does not implement (HTTP 501).
+    Unimplemented = 12,
+    /// 14: the limiter's store is down and the rule fails closed, the upstream is unreachable
+    /// or late, or the gateway is draining (HTTP 502, 503, 504).
     Unavailable = 14,
+    /// 16: no credential, or one refused (HTTP 401).
+    Unauthenticated = 16,
+}
+
+impl GrpcCode {
+    /// The code of a local answer with HTTP `status`.
+    pub fn for_status(status: StatusCode) -> Self {
+        match status.as_u16() {
+            400 => GrpcCode::InvalidArgument,
+            401 => GrpcCode::Unauthenticated,
+            403 => GrpcCode::PermissionDenied,
+            404 => GrpcCode::NotFound,
+            413 | 429 | 431 => GrpcCode::ResourceExhausted,
+            501 => GrpcCode::Unimplemented,
+            _ => GrpcCode::Unavailable,
+        }
+    }
 }
 
 /// True for a gRPC request's `Content-Type` (`application/grpc`, `application/grpc+proto`, …):

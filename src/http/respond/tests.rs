@@ -105,3 +105,54 @@ fn a_429_is_rebuilt_when_anything_it_says_changes() {
     );
     assert_ne!(h1, h2);
 }
+
+/// Every local answer is one value with an HTTP status and a gRPC code, rendered either way:
+/// HTTP gets its status and a JSON body, gRPC gets 200, `grpc-status` and a message, and both
+/// keep `Retry-After` and the credential challenge.
+#[test]
+fn a_local_answer_renders_as_http_or_as_grpc_from_one_value() {
+    use super::{GatewayError, GrpcCode, LocalAnswer};
+    use http::StatusCode;
+    let cases = [
+        (GatewayError::BadRequest("x"), 400, GrpcCode::InvalidArgument),
+        (GatewayError::InvalidCredentials, 401, GrpcCode::Unauthenticated),
+        (GatewayError::PayloadTooLarge, 413, GrpcCode::ResourceExhausted),
+        (GatewayError::HeadersTooLarge, 431, GrpcCode::ResourceExhausted),
+        (GatewayError::NotImplemented("gzip"), 501, GrpcCode::Unimplemented),
+        (GatewayError::BadGateway("refused".into()), 502, GrpcCode::Unavailable),
+        (GatewayError::Unavailable("draining"), 503, GrpcCode::Unavailable),
+        (GatewayError::GatewayTimeout, 504, GrpcCode::Unavailable),
+        (
+            GatewayError::LimiterUnavailable {
+                rule: "login".into(),
+                retry_after_secs: 1,
+            },
+            503,
+            GrpcCode::Unavailable,
+        ),
+    ];
+    for (e, status, code) in cases {
+        let shown = format!("{e:?}");
+        let a = LocalAnswer::from(e);
+        assert_eq!(a.status(), StatusCode::from_u16(status).unwrap(), "{shown}");
+        assert_eq!(a.grpc_code(), code, "{shown}");
+        let http = a.clone().http();
+        assert_eq!(http.status().as_u16(), status, "{shown}");
+        assert_eq!(http.headers()["content-type"], "application/json", "{shown}");
+        let grpc = a.grpc();
+        assert_eq!(grpc.status(), StatusCode::OK, "{shown}: gRPC clients read grpc-status");
+        assert_eq!(grpc.headers()["grpc-status"], (code as i32).to_string(), "{shown}");
+        assert_eq!(grpc.headers()["content-type"], "application/grpc", "{shown}");
+        assert!(grpc.headers().contains_key("grpc-message"), "{shown}");
+        assert_eq!(
+            http.headers().get("retry-after"),
+            grpc.headers().get("retry-after"),
+            "{shown}: Retry-After either way"
+        );
+        assert_eq!(
+            http.headers().get("www-authenticate"),
+            grpc.headers().get("www-authenticate"),
+            "{shown}: the challenge either way"
+        );
+    }
+}
