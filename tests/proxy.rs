@@ -173,7 +173,7 @@ async fn http2_cleartext_is_served() {
 }
 
 /// An HTTP/2 connection gives its read and write buffers back each time it goes idle (the
-/// patched h2, vendor/h2/TOLLGATE.md) and takes new ones for the next request: on one
+/// patched h2, docs/h2.md) and takes new ones for the next request: on one
 /// connection, bodies larger than both buffers go up and come back whole, request after request,
 /// and the per-response rate-limit headers (never HPACK-indexed) read right every time.
 #[tokio::test]
