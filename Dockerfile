@@ -34,14 +34,27 @@ WORKDIR /app
 ENV CARGO_PROFILE_RELEASE_STRIP=symbols \
     CARGO_TERM_COLOR=never
 
+# ---- vendor: the crates come from crates.io, or from the build context ---------------------
+# A builder that cannot reach crates.io passes --build-arg CARGO_VENDOR_DIR=<a directory of the
+# build context holding `cargo vendor` output plus a config.toml that points crates-io at
+# /vendor> (scripts/compose-images makes target/compose-cache/vendor; CI builds this way).
+# Unset, only Cargo.lock lands in /vendor, cargo's config is untouched and crates.io is used.
+FROM chef AS vendor
+ARG CARGO_VENDOR_DIR
+COPY ${CARGO_VENDOR_DIR:-Cargo.lock} /vendor/
+RUN if [ -f /vendor/config.toml ]; then cp /vendor/config.toml "$CARGO_HOME/config.toml"; fi
+
 # ---- planner: the dependency recipe (changes only when Cargo.toml / Cargo.lock change) -----
-FROM chef AS planner
+FROM vendor AS planner
 COPY . .
 RUN cargo chef prepare --recipe-path recipe.json
 
 # ---- builder: dependencies in their own cached layer, then the crate ----------------------
-FROM chef AS builder
+FROM vendor AS builder
 COPY --from=planner /app/recipe.json recipe.json
+# Cargo.toml's [patch] points h2 at vendor/h2 in the tree; not a workspace member, so the
+# recipe does not carry it, and cook needs it.
+COPY vendor/h2 vendor/h2
 # (cook always builds from the recipe's Cargo.lock; it has no --locked flag)
 RUN cargo chef cook --release --recipe-path recipe.json --bin tollgate
 COPY . .
