@@ -12,7 +12,10 @@
 # shared Docker network (as docker-compose.yml does).
 #
 # Pin the base images below to exact tags or digests of your registry for reproducible builds
-# (pass --build-arg CHEF_IMAGE=... --build-arg RUNTIME_IMAGE=...).
+# (pass --build-arg CHEF_IMAGE=... --build-arg RUNTIME_IMAGE=...). No registry, or no crates.io
+# from the build? scripts/compose-images makes these base images from Debian's packages under
+# the same names, and the crates for --build-arg CARGO_VENDOR_DIR (the `vendor` stage below);
+# that is how tests/compose_stack.rs builds this file.
 #
 # The config is not baked in: mount a directory holding gateway.yaml (and the rules.yaml /
 # keys.yaml it names) at /etc/tollgate. Mount the directory, not single files, so hot reload
