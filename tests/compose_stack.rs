@@ -115,13 +115,18 @@ fn remove_stale_stacks(compose: &[String]) {
     }
 }
 
+/// A Redis master that serves slots: its node number (redis-N) and slot ranges.
+struct Master {
+    node: usize,
+    slots: Vec<(u16, u16)>,
+}
+
 /// The running stack; `docker-compose down` on drop (after printing the logs when the test
 /// failed).
 struct Stack {
     compose: Vec<String>,
     project: String,
     env: Vec<(String, String)>,
-    token: String,
     config: tempfile::TempDir,
     /// `http://127.0.0.1:port` of tollgate-1 and tollgate-2: proxy, admin.
     proxy: [String; 2],
@@ -171,8 +176,8 @@ impl Stack {
         panic!("no Redis container answers redis-cli {args:?}")
     }
 
-    /// The masters that serve slots: (announced IP, node number 1..=6, slot ranges).
-    fn masters(&self) -> Vec<(String, usize, Vec<(u16, u16)>)> {
+    /// The masters that serve slots.
+    fn masters(&self) -> Vec<Master> {
         let nodes = self.redis_cli(&["cluster", "nodes"]);
         let mut out = vec![];
         for line in nodes.lines() {
@@ -195,7 +200,7 @@ impl Stack {
                 })
                 .collect::<Vec<(u16, u16)>>();
             if !ranges.is_empty() {
-                out.push((ip, n, ranges));
+                out.push(Master { node: n, slots: ranges });
             }
         }
         out
@@ -205,8 +210,8 @@ impl Stack {
     fn node_of_slot(&self, slot: u16) -> usize {
         self.masters()
             .into_iter()
-            .find(|(_, _, r)| r.iter().any(|(a, b)| (*a..=*b).contains(&slot)))
-            .map(|(_, n, _)| n)
+            .find(|m| m.slots.iter().any(|(a, b)| (*a..=*b).contains(&slot)))
+            .map(|m| m.node)
             .unwrap_or_else(|| {
                 panic!(
                     "no master serves slot {slot}:\n{}",
@@ -557,7 +562,6 @@ fn the_compose_stack_builds_runs_and_survives_faults_between_hosts() {
         compose,
         project: format!("tollgate-stack-test-{}", std::process::id()),
         env,
-        token: token.clone(),
         config,
         proxy: [url(ports[0]), url(ports[2])],
         admin: [url(ports[1]), url(ports[3])],
@@ -725,8 +729,8 @@ fn the_compose_stack_builds_runs_and_survives_faults_between_hosts() {
     // 5. `docker pause` of one master (frozen, TCP open): only that shard's limits fail open.
     rt.block_on(async {
         let masters = stack.masters();
-        let frozen_node = masters[0].1;
-        let other_node = masters[1].1;
+        let frozen_node = masters[0].node;
+        let other_node = masters[1].node;
         let on_frozen = callers.take(&stack, Some(frozen_node));
         let elsewhere = callers.take(&stack, Some(other_node));
         let frozen = stack.container(&format!("redis-{frozen_node}"));
@@ -964,7 +968,7 @@ impl Stack {
     fn node_of_slot_opt(&self, slot: u16) -> Option<usize> {
         self.masters()
             .into_iter()
-            .find(|(_, _, r)| r.iter().any(|(a, b)| (*a..=*b).contains(&slot)))
-            .map(|(_, n, _)| n)
+            .find(|m| m.slots.iter().any(|(a, b)| (*a..=*b).contains(&slot)))
+            .map(|m| m.node)
     }
 }
