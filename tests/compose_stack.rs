@@ -375,6 +375,16 @@ async fn exact_again(
     (hit, misses.into_inner())
 }
 
+/// The sum of `tollgate_store_errors_total` (every kind) on the admin listener `admin`.
+async fn store_errors(c: &reqwest::Client, admin: &str) -> f64 {
+    get_text(c, format!("{admin}/metrics"))
+        .await
+        .lines()
+        .filter(|l| l.starts_with("tollgate_store_errors_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 async fn ready_store(c: &reqwest::Client, admin: &str) -> bool {
     c.get(format!("{admin}/readyz?store=1"))
         .timeout(Duration::from_secs(2))
@@ -795,6 +805,7 @@ fn the_compose_stack_builds_runs_and_survives_faults_between_hosts() {
     //    failure policies, tollgate-2 is unaffected, exact again after reconnecting.
     rt.block_on(async {
         let net = format!("{}_redis", stack.project);
+        let errors_before = [store_errors(&c, &stack.admin[0]).await, store_errors(&c, &stack.admin[1]).await];
         docker(&["network", "disconnect", &net, &tg[0]]);
         let cut_at = Instant::now();
         // open (export): everything passes on tollgate-1
@@ -816,8 +827,14 @@ fn the_compose_stack_builds_runs_and_survives_faults_between_hosts() {
         }
         let breaker: f64 = metric(&get_text(&c, format!("{}/metrics", stack.admin[0])).await, "tollgate_store_breaker_open")
             .map_or(-1.0, |v| v.parse().unwrap());
+        let errors_during = [
+            store_errors(&c, &stack.admin[0]).await - errors_before[0],
+            store_errors(&c, &stack.admin[1]).await - errors_before[1],
+        ];
         docker(&["network", "connect", "--ip", "172.30.46.41", &net, &tg[0]]);
         let cut_for = cut_at.elapsed();
+        assert!(errors_during[0] > 0.0, "tollgate-1 counted no store failure while cut off");
+        assert_eq!(errors_during[1], 0.0, "tollgate-2 counted store failures while tollgate-1 was cut off");
         assert_eq!(admitted(&cut), 8, "tollgate-1 cut off: export (failure: open) admits all: {cut:?}");
         assert_eq!(admitted(&fine), EXPORT_BURST, "tollgate-2 unaffected: {fine:?}");
         assert_eq!(login_cut, 503, "tollgate-1 cut off: login-per-ip (failure: closed) refuses");
@@ -828,7 +845,7 @@ fn the_compose_stack_builds_runs_and_survives_faults_between_hosts() {
             "tollgate-1 cut off: pro-user (failure: local, a third of 200 + refill) limits locally: {pro:?}"
         );
         eprintln!(
-            "compose_stack: tollgate-1 cut off from Redis for {:.1} s: export 8/8, login 503, pro-user local {pro:?}, tollgate_store_breaker_open {breaker}",
+            "compose_stack: tollgate-1 cut off from Redis for {:.1} s: export 8/8, login 503, pro-user local {pro:?}, store failures counted {errors_during:?}, tollgate_store_breaker_open {breaker}",
             cut_for.as_secs_f64()
         );
         let (hit, misses) = exact_again(&c, &stack, &callers, None, RECONNECT_WITHIN).await;
