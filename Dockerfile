@@ -12,7 +12,10 @@
 # shared Docker network (as docker-compose.yml does).
 #
 # Pin the base images below to exact tags or digests of your registry for reproducible builds
-# (pass --build-arg CHEF_IMAGE=... --build-arg RUNTIME_IMAGE=...).
+# (pass --build-arg CHEF_IMAGE=... --build-arg RUNTIME_IMAGE=...). No registry, or no crates.io
+# from the build? scripts/compose-images makes these base images from Debian's packages under
+# the same names, and the crates for --build-arg CARGO_VENDOR_DIR (the `vendor` stage below);
+# that is how tests/compose_stack.rs builds this file.
 #
 # The config is not baked in: mount a directory holding gateway.yaml (and the rules.yaml /
 # keys.yaml it names) at /etc/tollgate. Mount the directory, not single files, so hot reload
@@ -34,14 +37,27 @@ WORKDIR /app
 ENV CARGO_PROFILE_RELEASE_STRIP=symbols \
     CARGO_TERM_COLOR=never
 
+# ---- vendor: the crates come from crates.io, or from the build context ---------------------
+# A builder that cannot reach crates.io passes --build-arg CARGO_VENDOR_DIR=<a directory of the
+# build context holding `cargo vendor` output plus a config.toml that points crates-io at
+# /vendor> (scripts/compose-images makes target/compose-cache/vendor; CI builds this way).
+# Unset, only Cargo.lock lands in /vendor, cargo's config is untouched and crates.io is used.
+FROM chef AS vendor
+ARG CARGO_VENDOR_DIR
+COPY ${CARGO_VENDOR_DIR:-Cargo.lock} /vendor/
+RUN if [ -f /vendor/config.toml ]; then cp /vendor/config.toml "$CARGO_HOME/config.toml"; fi
+
 # ---- planner: the dependency recipe (changes only when Cargo.toml / Cargo.lock change) -----
-FROM chef AS planner
+FROM vendor AS planner
 COPY . .
 RUN cargo chef prepare --recipe-path recipe.json
 
 # ---- builder: dependencies in their own cached layer, then the crate ----------------------
-FROM chef AS builder
+FROM vendor AS builder
 COPY --from=planner /app/recipe.json recipe.json
+# Cargo.toml's [patch] points h2 at vendor/h2 in the tree; not a workspace member, so the
+# recipe does not carry it, and cook needs it.
+COPY vendor/h2 vendor/h2
 # (cook always builds from the recipe's Cargo.lock; it has no --locked flag)
 RUN cargo chef cook --release --recipe-path recipe.json --bin tollgate
 COPY . .
