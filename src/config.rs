@@ -481,23 +481,7 @@ impl GatewayConfig {
         // A missing salt must never silently mean "no salt": a pod without the Secret would
         // build different keys from the rest of the fleet and split every counter.
         let key_salt = match &s.key_salt_env {
-            Some(name) => match std::env::var(&name.value) {
-                Ok(v) if !v.is_empty() => v,
-                Ok(_) => {
-                    return Err(ConfigError::at(
-                        f,
-                        &name.referenced,
-                        format!("store.key_salt_env: the environment variable {} is empty", name.value),
-                    ))
-                }
-                Err(_) => {
-                    return Err(ConfigError::at(
-                        f,
-                        &name.referenced,
-                        format!("store.key_salt_env: the environment variable {} is not set", name.value),
-                    ))
-                }
-            },
+            Some(name) => crate::yaml::required_env(f, name, "store.key_salt_env")?,
             None => String::new(),
         };
         let auth = net::store_auth(f, dir, s, if kind == StoreKind::Memory { &[] } else { &urls })?;

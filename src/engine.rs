@@ -120,7 +120,7 @@ impl Engine<'_> {
         if plan.checks.is_empty() {
             return Decision::Unmatched;
         }
-        let pairs = || plan.checks.iter().zip(&verdict.outcomes);
+        let pairs = || plan.with_outcomes(verdict);
         if let Some(check) = pairs().position(|(c, (_, s))| !c.check.shadow && *s == Source::FailClosed) {
             return Decision::Unavailable { check };
         }

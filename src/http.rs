@@ -5,17 +5,14 @@
 //! buffers ([`idle`]), JSON answers for the request heads hyper's parser refuses
 //! ([`parse_reply`]) and the coarse deadlines of the request path ([`coarse_timer`]).
 
-pub mod coarse_timer;
 pub mod forward;
 pub mod headers;
-pub mod idle;
 pub mod parse_reply;
 pub mod request_id;
 pub mod respond;
 pub mod tls;
 pub mod trace;
 pub mod upstream;
-pub mod value_buf;
 
 use std::pin::Pin;
 use std::task::{Context, Poll};

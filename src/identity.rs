@@ -302,8 +302,8 @@ impl std::fmt::Debug for IdText {
     }
 }
 
-/// Append `ip` as text. IPv4 (the common case) skips `core::fmt`, which costs ~2,000
-/// instructions per address; IPv6 uses `Display` (RFC 5952 form).
+/// Append `ip` as text. IPv4 (the common case) skips `core::fmt` (its cost per address is in
+/// docs/performance.md); IPv6 uses `Display` (RFC 5952 form).
 pub fn write_ip(out: &mut impl std::fmt::Write, ip: IpAddr) {
     match ip {
         IpAddr::V4(v4) => {

@@ -29,6 +29,7 @@
 //! | [`metrics`] | Prometheus metrics with handles resolved at rule load |
 //! | [`clock`] | injectable time ([`clock::FakeClock`] for tests) |
 //! | [`demo`] | `tollgate demo`: an echo upstream plus the gateway on the memory store |
+//! | [`rt`] | runtime plumbing apart from the domain code: coarse timers, idle parking of keep-alive connections, per-thread header-value chunks, stop signals; each with its measured gain (see its index) |
 //! | [`log_throttle`] | rate-limited logging of errors that repeat during an outage |
 //! | [`describe`] | plain-language descriptions of the loaded config for `check` and the admin API |
 #![forbid(unsafe_code)]
@@ -48,6 +49,7 @@ pub mod limiter;
 pub mod log_throttle;
 pub mod metrics;
 pub mod proxy;
+pub mod rt;
 pub mod rules;
 pub mod server;
 pub mod state;

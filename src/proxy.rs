@@ -45,12 +45,9 @@ fn binding_of<'a>(
 ) -> Binding<'a> {
     let (i, source) = (*i, *source);
     let p = &plan.checks[i];
-    let enforced = |c: &crate::engine::PlannedCheck| match (source, c.policy) {
-        (Source::Local, FailurePolicy::Local { share }) => {
-            let local = local_share(&c.check, share);
-            (local.quota, local.cost)
-        }
-        _ => (c.check.quota, c.check.cost),
+    let enforced = |c: &crate::engine::PlannedCheck| {
+        let e = c.enforced(source);
+        (e.quota, e.cost)
     };
     let (quota, cost) = enforced(p);
     let fixed = snap
@@ -425,9 +422,7 @@ impl State {
             // The store was down for a rule that lets requests through unchecked: say so, and
             // which rule, rather than "allowed" by no rule.
             if let Some(c) = plan
-                .checks
-                .iter()
-                .zip(&verdict.outcomes)
+                .with_outcomes(verdict)
                 .find(|(c, (_, s))| !c.check.shadow && *s == Source::FailOpen)
                 .map(|(c, _)| c)
             {

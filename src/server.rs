@@ -15,7 +15,6 @@ use crate::state::{StartError, State};
 mod conn;
 mod h2_idle;
 mod per_ip;
-mod stop;
 
 use conn::{accept_loop, bind, per_ip_of, spawn_worker, Worker};
 pub use conn::{serve, serve_with, H2_MAX_STREAMS, H2_PING_TIMEOUT};

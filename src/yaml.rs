@@ -219,3 +219,22 @@ impl std::fmt::Debug for Secret {
         f.write_str("Secret(***)")
     }
 }
+
+/// The value of the environment variable that `name` (the setting `field`) names. A variable
+/// that is unset, or empty or blank, is an error naming the setting's `file:line:col`: a
+/// secret that is missing must refuse to start, never silently mean "none".
+pub fn required_env(file: &Path, name: &Spanned<String>, field: &str) -> Result<String, ConfigError> {
+    match std::env::var(&name.value) {
+        Ok(v) if !v.trim().is_empty() => Ok(v),
+        Ok(_) => Err(ConfigError::at(
+            file,
+            &name.referenced,
+            format!("{field}: the environment variable {} is empty", name.value),
+        )),
+        Err(_) => Err(ConfigError::at(
+            file,
+            &name.referenced,
+            format!("{field}: the environment variable {} is not set", name.value),
+        )),
+    }
+}

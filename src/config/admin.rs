@@ -161,23 +161,10 @@ pub fn compile(
     notes: &mut Vec<String>,
 ) -> Result<AdminConfig, ConfigError> {
     let (token, token_env) = match &raw.token_env {
-        Some(name) => match std::env::var(&name.value) {
-            Ok(v) if !v.trim().is_empty() => (Some(AdminToken::new(v.trim())), Some(name.value.clone())),
-            Ok(_) => {
-                return Err(ConfigError::at(
-                    file,
-                    &name.referenced,
-                    format!("admin.token_env: the environment variable {} is empty", name.value),
-                ))
-            }
-            Err(_) => {
-                return Err(ConfigError::at(
-                    file,
-                    &name.referenced,
-                    format!("admin.token_env: the environment variable {} is not set", name.value),
-                ))
-            }
-        },
+        Some(name) => {
+            let v = crate::yaml::required_env(file, name, "admin.token_env")?;
+            (Some(AdminToken::new(v.trim())), Some(name.value.clone()))
+        }
         None => (None, None),
     };
     let token_file = match &raw.token_file {

@@ -343,23 +343,7 @@ fn protocol(f: &Path, raw: &Option<Spanned<String>>, targets: &[Target]) -> Resu
 /// start: a fleet member without the Secret must not talk to Redis unauthenticated.
 pub fn store_auth(f: &Path, dir: &Path, s: &RawStore, urls: &[String]) -> Result<StoreAuth, ConfigError> {
     let password = match &s.password_env {
-        Some(name) => match std::env::var(&name.value) {
-            Ok(v) if !v.is_empty() => Some(Secret(v)),
-            Ok(_) => {
-                return Err(ConfigError::at(
-                    f,
-                    &name.referenced,
-                    format!("store.password_env: the environment variable {} is empty", name.value),
-                ))
-            }
-            Err(_) => {
-                return Err(ConfigError::at(
-                    f,
-                    &name.referenced,
-                    format!("store.password_env: the environment variable {} is not set", name.value),
-                ))
-            }
-        },
+        Some(name) => Some(Secret(crate::yaml::required_env(f, name, "store.password_env")?)),
         None => None,
     };
     if let Some(t) = &s.tls {

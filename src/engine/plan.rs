@@ -12,7 +12,7 @@ use http::{header, HeaderMap, Method, Uri};
 use crate::identity::IdentityConfig;
 use crate::identity::{identify_checked, CredentialProblem, Identity, IdentityKind};
 use crate::limiter::keys::KeyBuilder;
-use crate::limiter::{FailurePolicy, LimitCheck, PolicedCheck};
+use crate::limiter::{local_share, FailurePolicy, LimitCheck, Outcome, PolicedCheck, Source, Verdict};
 use crate::rules::runtime::RuntimeOverrides;
 use crate::rules::{key_value, method_override, normalize, KeyValue, RequestInfo};
 use crate::state::Snapshot;
@@ -75,6 +75,28 @@ pub struct RequestPlan {
     /// The request's credentials are refused: it is answered with this, checked against no
     /// limit and never forwarded.
     pub refused: Option<CredentialProblem>,
+}
+
+impl PlannedCheck {
+    /// The limit as it was enforced from `source`: this node's share of it when the rule's
+    /// local fallback decided (`failure: local` while the store was down), else the limit
+    /// itself.
+    pub fn enforced(&self, source: Source) -> std::borrow::Cow<'_, LimitCheck> {
+        match (source, self.policy) {
+            (Source::Local, FailurePolicy::Local { share }) => std::borrow::Cow::Owned(local_share(&self.check, share)),
+            _ => std::borrow::Cow::Borrowed(&self.check),
+        }
+    }
+}
+
+impl RequestPlan {
+    /// Each planned check with its outcome in `verdict` (one per check, in order).
+    pub fn with_outcomes<'a>(
+        &'a self,
+        verdict: &'a Verdict,
+    ) -> impl Iterator<Item = (&'a PlannedCheck, &'a (Outcome, Source))> + 'a {
+        self.checks.iter().zip(&verdict.outcomes)
+    }
 }
 
 /// A request's planned checks, inline up to two (no allocation for the usual one or two

@@ -3,7 +3,7 @@
 
 use std::net::IpAddr;
 
-use super::value_buf::ValueBuf;
+use crate::rt::value_buf::ValueBuf;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{PathAndQuery, Uri};
 
@@ -139,7 +139,7 @@ pub fn add_forwarded_proto(h: &mut HeaderMap, peer: IpAddr, host: Option<&Header
         }
     }
     // `Forwarded`: the earlier hops, then this one, written piece by piece (`write!` would run
-    // `core::fmt`, about a thousand instructions a call).
+    // `core::fmt`, the costliest step of this function when it did).
     if had[3] {
         join_existing(h, &FORWARDED, &mut buf);
     }

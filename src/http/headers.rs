@@ -22,7 +22,7 @@
 //! lists, and tollgate's members follow the upstream's as further field lines (the draft asks
 //! intermediaries not to remove them). The single-valued `X-RateLimit-*` fields are replaced.
 
-use super::value_buf::ValueBuf;
+use crate::rt::value_buf::ValueBuf;
 use http::header::{HeaderMap, HeaderName, HeaderValue};
 
 use crate::limiter::{Outcome, Quota};

@@ -7,7 +7,7 @@ use http::{header, HeaderValue, Response, StatusCode};
 use serde_json::json;
 
 use super::headers::{self, Binding};
-use super::value_buf::{Text, ValueBuf};
+use crate::rt::value_buf::{Text, ValueBuf};
 use super::{full, ProxyBody};
 
 /// Why the proxy ends a request without (or instead of) the upstream's response. Each becomes

@@ -263,8 +263,7 @@ impl JwtVerifier {
                     "secret_env needs HS* algorithms",
                 ));
             }
-            let secret = std::env::var(&env.value)
-                .map_err(|_| ConfigError::at(file, &env.referenced, format!("env var {} is not set", env.value)))?;
+            let secret = crate::yaml::required_env(file, env, "identity.jwt.secret_env")?;
             if secret.len() < 16 {
                 return Err(ConfigError::at(
                     file,

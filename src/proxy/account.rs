@@ -27,7 +27,7 @@ impl State {
             };
         }
         let mut last_rule = u32::MAX;
-        for (p, (o, src)) in plan.checks.iter().zip(&verdict.outcomes) {
+        for (p, (o, src)) in plan.with_outcomes(verdict) {
             let (c, ri) = (&p.check, &p.rule);
             // One count per rule: its first denying limit, else its first limit.
             let first_of_rule = *ri != last_rule;

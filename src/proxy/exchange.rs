@@ -130,7 +130,7 @@ impl State {
         let started = Instant::now();
         // A coarse deadline (`http::coarse_timer`): within a few ms, and cheaper than a
         // tokio timer registered and cancelled for every request.
-        let result = crate::http::coarse_timer::timeout(
+        let result = crate::rt::coarse_timer::timeout(
             self.config().upstream.request_timeout,
             self.upstream().send(req, retry),
         )

@@ -94,7 +94,7 @@ impl Facts {
     }
 }
 
-/// The request body's length as [`crate::http::idle::IdleIo`] follows it: `0` for none, `n`
+/// The request body's length as [`crate::rt::idle::IdleIo`] follows it: `0` for none, `n`
 /// for `Content-Length: n`; `None` for chunked bodies, upgrades, `CONNECT` and anything odd (the
 /// connection is then never parked). One pass over the fields, like [`Facts::of`] (which runs
 /// later, inside the request's future: carrying its facts from here cost more in moves).

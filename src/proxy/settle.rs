@@ -262,7 +262,7 @@ pub(super) fn reserved_by_response_rules(
     verdict: &Verdict,
 ) -> Vec<(u32, Reserved)> {
     let mut out: Vec<(u32, Reserved)> = Vec::new();
-    for (p, (o, src)) in plan.checks.iter().zip(&verdict.outcomes) {
+    for (p, (o, src)) in plan.with_outcomes(verdict) {
         let rule = &snap.rules.rules[p.rule as usize];
         // A `cost_from` rule's in-flight cap is a slot, held with the response, not settled.
         if (rule.count_when.is_none() && rule.cost_from.is_none())
@@ -273,10 +273,7 @@ pub(super) fn reserved_by_response_rules(
         {
             continue;
         }
-        let c = match (src, p.policy) {
-            (Source::Local, FailurePolicy::Local { share }) => local_share(&p.check, share),
-            _ => p.check.clone(),
-        };
+        let c = p.enforced(*src).into_owned();
         match out.last_mut() {
             Some((ri, v)) if *ri == p.rule => v.push((c, o.at_us, *src)),
             _ => out.push((p.rule, vec![(c, o.at_us, *src)])),

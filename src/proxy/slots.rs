@@ -64,13 +64,9 @@ impl State {
     ) -> Option<SlotGuard> {
         let mut held = Vec::new();
         let mut gauges = Vec::new();
-        for (p, (o, src)) in plan.checks.iter().zip(&verdict.outcomes) {
+        for (p, (o, src)) in plan.with_outcomes(verdict) {
             if p.check.is_slot() && o.allowed && matches!(src, Source::Store | Source::Local) {
-                let c = match (src, p.policy) {
-                    (Source::Local, FailurePolicy::Local { share }) => local_share(&p.check, share),
-                    _ => p.check.clone(),
-                };
-                held.push((c, *src));
+                held.push((p.enforced(*src).into_owned(), *src));
                 gauges.push(snap.rule_metrics[p.rule as usize].in_flight.clone());
             }
         }

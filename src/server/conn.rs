@@ -19,7 +19,7 @@ use tokio::sync::{watch, Semaphore};
 
 use super::h2_idle::{H2Streams, StreamBody};
 use super::per_ip::{Entry, PerIp};
-use super::stop::{Level, StopSignal, StopWatch};
+use crate::rt::stop::{Level, StopSignal, StopWatch};
 use crate::state::State;
 
 /// The HTTP/2 connection preface (RFC 9113 §3.4): a client speaking h2c with prior knowledge
@@ -52,8 +52,8 @@ async fn sniff_h2(stream: &tokio::net::TcpStream) -> Option<bool> {
 ///
 /// Each connection is sniffed once (`sniff_h2`, a peek) and then served by hyper's HTTP/1 or
 /// HTTP/2 connection directly. (hyper-util's `auto` connection did the same detection but kept
-/// a rewind wrapper in front of every read of the connection's life: about 2 % of the request
-/// path's instructions.) Shutdown: every connection task watches the loop's [`StopSignal`]
+/// a rewind wrapper in front of every read of the connection's life; its cost is in
+/// docs/performance.md.) Shutdown: every connection task watches the loop's [`StopSignal`]
 /// (raised when `stop` fires), asks its connection to finish gracefully, and holds a clone of
 /// `drained`; the loop waits until all are dropped.
 pub async fn serve(gw: Arc<State>, listener: TcpListener, stop: watch::Receiver<bool>) {
@@ -119,13 +119,13 @@ pub(super) async fn accept_loop(listener: TcpListener, w: Worker) {
     let mut h1 = hyper::server::conn::http1::Builder::new();
     // The header-read timeout is armed for every request head: a coarse deadline, not a
     // tokio timer (`http::coarse_timer`).
-    h1.timer(crate::http::coarse_timer::CoarseTimer)
+    h1.timer(crate::rt::coarse_timer::CoarseTimer)
         .header_read_timeout(sc.header_read_timeout)
         // Twice the configured size: within it tollgate checks the limit itself and answers a
         // JSON 431 (`respond.rs`); past it hyper's parser answers a bare one, which
         // `http::parse_reply` swaps for the same JSON 431. The field count is hyper's default
         // (100, `proxy::MAX_HEADERS`): any other value makes hyper fill a heap array of that
-        // many entries before every parse, ≈ 2,500 instructions and an allocation per request;
+        // many entries before every parse, an allocation per request (docs/performance.md);
         // past 100 fields hyper answers the 431 itself (made JSON the same way).
         .max_buf_size(sc.max_header_bytes.saturating_mul(2).max(8192))
         .keep_alive(true);
@@ -418,7 +418,7 @@ where
 }
 
 /// Serve a plain HTTP/1.1 connection, dropping hyper's connection (and its buffers) whenever
-/// the client is idle between requests (`crate::http::idle`): the idle connection is the
+/// the client is idle between requests (`crate::rt::idle`): the idle connection is the
 /// socket and this task's state only. It is closed when no request starts within
 /// `idle_timeout` (`server.header_read_timeout`, as hyper's header timer did for an idle
 /// connection) or once `stop` fires.
@@ -434,7 +434,7 @@ async fn serve_h1_parking(
         first_byte: idle_timeout,
         ..
     } = serve;
-    use crate::http::idle::{ConnShared, IdleIo, Tracked};
+    use crate::rt::idle::{ConnShared, IdleIo, Tracked};
     use crate::http::parse_reply::ParseReply;
     let shared = Arc::new(ConnShared::default());
     loop {

@@ -2,10 +2,10 @@
 //! request timeout, both far longer than a millisecond and almost always cancelled.
 //!
 //! A tokio timer costs each request a registration in the runtime's timer wheel, a lock of its
-//! driver on the way in and out and a fresh `Sleep` (hyper boxes one per request head): about
-//! 1,400 instructions for the two deadlines of a proxied request. Here a deadline is
+//! driver on the way in and out and a fresh `Sleep` (hyper boxes one per request head), for
+//! two deadlines per proxied request (measured: `src/rt.rs`). Here a deadline is
 //! an entry in a wheel of [`TICK`]-long buckets, each a doubly linked list in a slab, behind a
-//! `parking_lot` mutex held for a few dozen instructions (never across an `.await`):
+//! `parking_lot` mutex held for a link change (never across an `.await`):
 //! registering and cancelling are each a lock, a link change and an unlock, and a poll before
 //! the deadline is an atomic load. There is one wheel per core (a thread keeps to one), so
 //! thread-per-core workers never contend for a lock or share a cache line here. A thread of

@@ -285,8 +285,7 @@ fn head_end(matched: u8, data: &[u8]) -> Result<usize, u8> {
         // which the loop above has already tried.
     }
     // At every `\n`, look back for the rest of the blank line: a request head has a dozen
-    // line ends, and `memchr` finds each with SIMD (`memmem::find` built a searcher per call,
-    // several hundred instructions per request).
+    // line ends, and `memchr` finds each with SIMD (`memmem::find` built a searcher per call).
     for p in memchr::memchr_iter(b'\n', data) {
         if p >= 3 && &data[p - 3..=p] == BLANK {
             return Ok(p + 1);
