@@ -201,7 +201,11 @@ async fn a_burst_over_three_gateways_before_settlement_is_bounded_fleet_wide() {
         "{admitted} admitted: {} units against a capacity of 10,000 and a bound of {bound}",
         admitted * 5_000
     );
-    assert!(up.max() <= 2, "the upstream worked on {} at once (in-flight cap 2)", up.max());
+    assert!(
+        up.max() <= 2,
+        "the upstream worked on {} at once (in-flight cap 2)",
+        up.max()
+    );
     // Every debit landed: the key is spent.
     assert!(
         remaining_reaches(&c, &gws[2].admin, ip, 0, Duration::from_secs(3)).await,
@@ -325,9 +329,10 @@ const REPORTS: &[(&str, Option<u64>)] = &[
     ("X-Tokens-Used: 1e4\r\n", Some(100)),
     ("X-Tokens-Used:\r\n", Some(100)),
     ("X-Tokens-Used: 4999.5\r\n", None),
-    ("X-Tokens-Used: 1\r\nX-Tokens-Used: 5000\r\n", None),
-    ("X-Tokens-Used: 5000, 1\r\n", None),
-    ("X-Tokens-Used: 1, 5000\r\n", None),
+    ("X-Tokens-Used: 1\r\nX-Tokens-Used: 5000\r\n", Some(5000)),
+    ("X-Tokens-Used: 5000, 1\r\n", Some(5000)),
+    ("X-Tokens-Used: 1, 5000\r\n", Some(5000)),
+    ("X-Tokens-Used: +5000\r\n", Some(5000)),
 ];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
