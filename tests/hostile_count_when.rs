@@ -411,3 +411,48 @@ async fn spellings_of_a_failed_login_are_charged_to_the_same_key() {
     }
     assert_eq!(up.attempts_of(ip), 3, "{got:?}");
 }
+
+/// Three successful logins reserved, then `DELETE /keys` while they run (1.9 s each); a failure
+/// right after the reset starts the fresh count. When the successes end, their refunds belong
+/// to the count the reset deleted: the fresh count still allows exactly 3 failures.
+async fn a_reset_mid_flight_gives_no_refund_to_the_fresh_count(store: &str) {
+    let up = LoginUpstream::start().await;
+    let gw = binary(&up.url(), store, LOGINS);
+    let a = addr_of(&gw.url);
+    let c = client();
+    let ip = "10.32.5.1";
+    let ok: Vec<_> = (0..3)
+        .map(|_| tokio::spawn(async move { status(a, &login("/login/200/1900", ip)).await }))
+        .collect();
+    assert!(
+        eventually(Duration::from_secs(2), || async { up.attempts_of(ip) == 3 }).await,
+        "the three logins never reached the upstream"
+    );
+    let r = c.delete(format!("{}/keys/{ip}", gw.admin)).send().await.unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    let mut fails = usize::from(status(a, &login("/login/401/0", ip)).await == 401);
+    for t in ok {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    for _ in 0..6 {
+        fails += usize::from(status(a, &login("/login/401/0", ip)).await == 401);
+    }
+    assert_eq!(
+        fails, 3,
+        "the fresh count allowed {fails} failures (limit 3): refunds of reservations taken before the reset landed in it"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_a_reset_mid_flight_gives_no_refund_to_the_fresh_count() {
+    a_reset_mid_flight_gives_no_refund_to_the_fresh_count(&store_yaml("memory", &[])).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_reset_mid_flight_gives_no_refund_to_the_fresh_count() {
+    let server = RedisServer::start();
+    // A store deadline of 50 ms: the reset marker lives 2 × 250 ms + 2 × 50 ms + 1 s, less than
+    // the 1.9 s the logins run after it.
+    let store = store_yaml("redis", &[server.url()]).replace("timeout: 300ms", "timeout: 50ms");
+    a_reset_mid_flight_gives_no_refund_to_the_fresh_count(&store).await;
+}
