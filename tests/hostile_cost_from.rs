@@ -16,6 +16,7 @@
 //! | straddle a sliding window | the same: the current count takes the debit | the same |
 //! | a reported cost above `max` (also beyond 64 bits) | charged `max` | `reported_costs_above_max_and_garbage_never_cost_less_than_the_estimate` |
 //! | a garbage report (`abc`, `-5000`, `0x1388`, `1e4`, empty), one sent twice, or a list | never less than the estimate: an unreadable report keeps it, several reports charge the largest | the same |
+//! | `DELETE /keys/{ip}` while requests are in flight, their estimates refunded into the fresh count | the same path as `count_when`'s refunds (`Limiter::refund`) | `hostile_count_when.rs`: `*_a_reset_mid_flight_gives_no_refund_to_the_fresh_count` (FAILS: an open finding) |
 //! | a debit far above the quota, locking a key (or an org) out for days | at most one quota below zero | `by_response.rs`: `*_a_debit_stops_one_capacity_below_zero` |
 
 mod support;
