@@ -16,7 +16,7 @@
 //! | a reload (the rule's limit changed) mid-penalty | the penalty key is the limit key's, kept across reloads | `a_reload_keeps_a_penalty_and_a_reset_lifts_it_on_every_gateway` |
 //! | `DELETE /keys/{ip}`: lifted on one gateway, still cached on the others | every node's deny cache drops a lifted penalty within a second | the same |
 //! | ask during the penalty to be escalated less | each request reaching the store doubles it up to `max` | `concurrency_penalty.rs`: `penalties_escalate_and_an_admin_lifts_them` |
-//! | flood the memory store with fresh keys to evict the penalised one | a penalised entry is never evicted | `limiter::memory` unit tests (`make_room`) |
+//! | flood the memory store with fresh keys to evict the penalised one | a penalised entry is never evicted (`make_room`) | `flooding_the_memory_store_never_evicts_a_penalty` |
 
 mod support;
 
@@ -392,4 +392,65 @@ async fn a_reload_keeps_a_penalty_and_a_reset_lifts_it_on_every_gateway() {
         );
     }
     assert!(lifted.elapsed() < Duration::from_secs(3));
+}
+
+/// The memory store bounded to 640 keys: a client in its penalty (its 1 s window long reset)
+/// floods the store with 2,100 fresh keys (a header rule, a new `X-Junk` each). Its penalised
+/// entry is never evicted, so it stays denied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flooding_the_memory_store_never_evicts_a_penalty() {
+    let up = counting_upstream().await;
+    let rules = r#"rules:
+  - { name: login, match: { path: /login }, key: ip, algorithm: fixed_window, limit: 1, window: 1s, penalty: 1h }
+  - { name: junk, match: { path: "/junk" }, key: "header:X-Junk", algorithm: fixed_window, limit: 1, window: 24h }
+"#;
+    let extra = store_yaml("memory", &[], "").replace(
+        "store:\n  kind: memory\n",
+        "store:\n  kind: memory\n  memory_max_keys: 640\n",
+    );
+    let gw = binary(&up.url(), &extra, rules);
+    let a = addr_of(&gw.url);
+    let ip = "10.35.4.1";
+    let req = format!("GET /login HTTP/1.1\r\nHost: api.example\r\nX-Forwarded-For: {ip}\r\nConnection: close\r\n\r\n");
+    let breached = breach(a, &req, 10).await;
+    past(breached, Duration::from_millis(1200)).await;
+    let c = client();
+    let next = Arc::new(AtomicUsize::new(0));
+    let tasks: Vec<_> = (0..8)
+        .map(|_| {
+            let (c, url, next) = (c.clone(), format!("{}/junk", gw.url), next.clone());
+            tokio::spawn(async move {
+                loop {
+                    let n = next.fetch_add(1, Ordering::Relaxed);
+                    if n >= 2100 {
+                        break;
+                    }
+                    let r = c
+                        .get(&url)
+                        .header("x-forwarded-for", "10.35.4.2")
+                        .header("x-junk", format!("junk-{n}"))
+                        .send()
+                        .await
+                        .unwrap();
+                    let _ = r.bytes().await;
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let evicted = metric_value(&c, &gw.admin, "tollgate_memory_evictions_total{kind=\"live\"}").await
+        + metric_value(&c, &gw.admin, "tollgate_memory_evictions_total{kind=\"refused\"}").await;
+    assert!(
+        evicted > 0.0,
+        "the flood never filled the store: {}",
+        get_text(&c, format!("{}/metrics", gw.admin))
+            .await
+            .lines()
+            .filter(|l| l.contains("memory"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    assert_eq!(raw_status(a, &req).await, 429, "the flood evicted the penalised key");
 }
