@@ -304,7 +304,12 @@ async fn a_penalty_reaches_every_gateway_at_once_with_leases_on() {
         seen.len(),
         after.len()
     );
-    assert!(admitted <= 300, "{admitted} admitted (limit 300)");
+    // The run may start late in a window that never reaches the limit: at most two windows'
+    // worth before the breach (the breach then holds for the rest of the run).
+    assert!(
+        admitted <= 600,
+        "{admitted} admitted (limit 300 in each of at most two windows)"
+    );
     assert!(
         after.is_empty(),
         "{} admitted after the breach was answered",
