@@ -116,8 +116,30 @@ pub struct CostFrom {
 impl CostFrom {
     /// The cost a header value reports, capped at `max`; `None` when it is not a whole number.
     pub fn parse(&self, v: &http::HeaderValue) -> Option<u64> {
-        let n: u64 = v.to_str().ok()?.trim().parse().ok()?;
-        Some(n.min(self.max))
+        self.parse_all(std::iter::once(v))
+    }
+
+    /// The cost every field line of the header reports (lines and comma-separated elements are
+    /// one list), capped at `max`: the largest element, so a report sent twice never costs less
+    /// than either; a whole number too large for 64 bits is above `max`. `None` when there is
+    /// no element, or one is not a whole number (the estimate then stays spent).
+    pub fn parse_all<'a>(&self, values: impl IntoIterator<Item = &'a http::HeaderValue>) -> Option<u64> {
+        let mut cost: Option<u64> = None;
+        for v in values {
+            for e in v.to_str().ok()?.split(',') {
+                let e = e.trim();
+                if e.is_empty() {
+                    continue;
+                }
+                let digits = e.strip_prefix('+').unwrap_or(e);
+                if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+                    return None;
+                }
+                let n = digits.parse::<u64>().unwrap_or(u64::MAX).min(self.max);
+                cost = Some(cost.map_or(n, |c| c.max(n)));
+            }
+        }
+        cost
     }
 }
 

@@ -76,7 +76,11 @@ impl Hold {
     /// estimate (the upstream answered, and reported nothing).
     fn trailers(&mut self, trailers: &HeaderMap) {
         for (cf, spent) in std::mem::take(&mut self.waiting) {
-            match trailers.get(&cf.header).and_then(|v| cf.parse(v)) {
+            let reported = trailers
+                .contains_key(&cf.header)
+                .then(|| cf.parse_all(trailers.get_all(&cf.header)))
+                .flatten();
+            match reported {
                 Some(actual) => self.settling.push(spawn_settle(&self.gw, spent, actual)),
                 None => {
                     tracing::debug!(header = %cf.header, "no usable cost in the trailers; the estimate stays spent")
@@ -225,14 +229,15 @@ impl State {
             let (Some(cf), Ok(resp)) = (&rule.cost_from, &result) else {
                 continue;
             };
-            match resp.headers().get(&cf.header) {
-                Some(v) => match cf.parse(v) {
-                    Some(actual) => settling.push(spawn_settle(self, spent, actual)),
-                    None => {
-                        tracing::debug!(rule = %rule.name, header = %cf.header, "unusable cost header; the estimate stays spent")
-                    }
-                },
-                None => waiting.push((cf.clone(), spent)),
+            if !resp.headers().contains_key(&cf.header) {
+                waiting.push((cf.clone(), spent));
+                continue;
+            }
+            match cf.parse_all(resp.headers().get_all(&cf.header)) {
+                Some(actual) => settling.push(spawn_settle(self, spent, actual)),
+                None => {
+                    tracing::debug!(rule = %rule.name, header = %cf.header, "unusable cost header; the estimate stays spent")
+                }
             }
         }
         let resp = result?;

@@ -319,3 +319,23 @@ fn cost_from_caps_requests_in_flight() {
     }
     assert_eq!(cap(3), None, "max = cost: nothing to debit, no cap");
 }
+
+/// A reported cost: the largest of every field line and list element, capped at `max` (also
+/// when it does not fit 64 bits); `None` when an element is not a whole number.
+#[test]
+fn a_reported_cost_is_the_largest_value_capped_at_max() {
+    let cf = CostFrom {
+        header: http::HeaderName::from_static("x-cost"),
+        max: 5000,
+        in_flight: None,
+    };
+    let v = HeaderValue::from_static;
+    assert_eq!(cf.parse(&v("7")), Some(7));
+    assert_eq!(cf.parse(&v(" +42 ")), Some(42));
+    assert_eq!(cf.parse(&v("99999999999999999999999")), Some(5000));
+    assert_eq!(cf.parse(&v("5000, 1")), Some(5000));
+    assert_eq!(cf.parse_all([&v("1"), &v("4000")]), Some(4000));
+    for bad in ["", "abc", "-5", "0x10", "1e4", "4.5", "1, x", "+"] {
+        assert_eq!(cf.parse(&v(bad)), None, "{bad:?}");
+    }
+}
