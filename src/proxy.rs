@@ -16,7 +16,7 @@ use crate::http::headers::{self, Binding};
 use crate::http::request_id::X_REQUEST_ID;
 use crate::http::respond::{self, GatewayError, LocalAnswer};
 use crate::http::ProxyBody;
-use crate::limiter::{local_share, FailurePolicy, Source, Verdict};
+use crate::limiter::{Source, Verdict};
 use crate::rules::caller;
 use crate::state::State;
 

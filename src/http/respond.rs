@@ -7,8 +7,8 @@ use http::{header, HeaderValue, Response, StatusCode};
 use serde_json::json;
 
 use super::headers::{self, Binding};
-use crate::rt::value_buf::{Text, ValueBuf};
 use super::{full, ProxyBody};
+use crate::rt::value_buf::{Text, ValueBuf};
 
 /// Why the proxy ends a request without (or instead of) the upstream's response. Each becomes
 /// one [`LocalAnswer`]; the admin API's own reasons are `admin::AdminError`.

@@ -130,11 +130,9 @@ impl State {
         let started = Instant::now();
         // A coarse deadline (`http::coarse_timer`): within a few ms, and cheaper than a
         // tokio timer registered and cancelled for every request.
-        let result = crate::rt::coarse_timer::timeout(
-            self.config().upstream.request_timeout,
-            self.upstream().send(req, retry),
-        )
-        .await;
+        let result =
+            crate::rt::coarse_timer::timeout(self.config().upstream.request_timeout, self.upstream().send(req, retry))
+                .await;
         let waited = started.elapsed();
         self.metrics().upstream_latency.observe(waited.as_secs_f64());
         if let Some(arrived) = arrived {

@@ -28,7 +28,7 @@ use tokio::task::JoinHandle;
 
 use crate::http::respond::GatewayError;
 use crate::http::{BoxError, ProxyBody};
-use crate::limiter::{local_share, FailurePolicy, LimitCheck, Source, Verdict};
+use crate::limiter::{LimitCheck, Source, Verdict};
 use crate::rules::CostFrom;
 use crate::state::State;
 

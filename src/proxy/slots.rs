@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use prometheus_client::metrics::gauge::Gauge;
 
-use crate::limiter::{local_share, FailurePolicy, Source, Verdict};
+use crate::limiter::{Source, Verdict};
 use crate::state::State;
 
 use crate::engine::plan::RequestPlan;

@@ -434,8 +434,8 @@ async fn serve_h1_parking(
         first_byte: idle_timeout,
         ..
     } = serve;
-    use crate::rt::idle::{ConnShared, IdleIo, Tracked};
     use crate::http::parse_reply::ParseReply;
+    use crate::rt::idle::{ConnShared, IdleIo, Tracked};
     let shared = Arc::new(ConnShared::default());
     loop {
         // hyper's own answers to request heads it cannot parse become JSON (`http::parse_reply`).
