@@ -1107,7 +1107,7 @@ async fn read_until(s: &mut TcpStream, needles: &[&str], wait: Duration) -> Stri
 }
 
 /// Between two requests a plain HTTP/1.1 connection gives up hyper's connection and buffers
-/// (`src/http/idle.rs`): requests after a pause, pipelined requests (whole or split), bodies
+/// (`src/rt/idle.rs`): requests after a pause, pipelined requests (whole or split), bodies
 /// split across writes, pipelined after a body, and chunked bodies are all still served, in
 /// order, on the same connection.
 #[tokio::test]
