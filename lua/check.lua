@@ -29,12 +29,15 @@
 --     max(tat, now + life) + g * interval, and g is also capped so that this fits the capacity
 --     now (tb_lease; see src/limiter/lease.rs). The reply's allowed code is then 5 and its delay
 --     slot carries g. No grant when g < 1.
--- Reset marker ("<key>:r", a string: the Redis instant of the key's last reset, living a few
---   lease lives; written by reset mode, see src/limiter/redis.rs, reset_settled). While it
---   exists a check grants no lease of the key, and a refund whose now (the instant its units
---   were spent) is at or before it gives nothing back: those units belong to the count the
---   reset deletes, and a lease return must not mint them into the new one. Concurrency
---   releases are never dropped (slots survive a reset).
+-- Reset marker ("<key>:r", a string "<at_us>:<leases_from_us>": the Redis instant of the key's
+--   last reset, and when leases of it may be granted again; written by reset mode, see
+--   src/limiter/redis.rs, reset_settled). Until leases_from a check grants no lease of the
+--   key; while the marker lives (long after: requests in flight at the reset settle late), a
+--   refund whose now (the instant its units were spent) is at or before at gives nothing
+--   back: those units belong to the count the reset deletes, and neither a lease return nor
+--   a settlement may mint them into the new one. A marker of the older form ("<at_us>")
+--   blocks leases for its whole life. Concurrency releases are never dropped (slots survive
+--   a reset).
 -- Penalty box (flag 2): a string at the penalty key, "<until_us>:<len_us>", expiring at until.
 --   While until > now the limit denies without being evaluated (allowed code 3) and, when
 --   max > base, each such request doubles the penalty from now (len = min(2 len, max)). A
@@ -77,8 +80,8 @@
 --   on every key (see each algorithm's *_refund; a concurrency slot is released). Reply:
 --   { now }, packed.
 -- renew: pushes each concurrency slot still held out to now + time to live. Reply: { now }.
--- reset: ARGV = reset, "", life_ms; sets every key of KEYS (marker keys) to now (Redis TIME),
---   expiring in life_ms. Reply: { now }.
+-- reset: ARGV = reset, "", life_ms, lease_ms; sets every key of KEYS (marker keys) to
+--   "<now>:<now + lease_ms>" (Redis TIME), expiring in life_ms. Reply: { now }.
 -- debit: ARGV[2] = now ("" for Redis TIME: the instant the real cost is known, not the check's);
 --   spends `cost` more on every key at now without checking (a bucket's tat moves on from
 --   max(tat, now); a window's count grows in now's window, the check's while it lasts), so a
@@ -118,6 +121,26 @@ local CALU, CALO = {}, {}
 -- Lease wanted by limit i and its life in us (nil without flag 8).
 local LWANT, LLIFE = {}, {}
 local nlimits, nkeys = 0, 0
+
+-- Limit i's reset marker: the instant of its last reset and when leases may be granted again
+-- (nil, nil without one; the older form "<at>" blocks leases while it lives).
+local function reset_marker(i)
+  local v = redis.call('GET', KEYS[MKEY[i]])
+  if not v then
+    return nil, nil
+  end
+  local a, u = string.match(v, '^(%d+):(%d+)$')
+  if a then
+    return tonumber(a), tonumber(u)
+  end
+  return tonumber(v), math.huge
+end
+
+-- True when limit i may take a lease now: no reset is settling on it.
+local function leases_open(i)
+  local _, from = reset_marker(i)
+  return from == nil or now >= from
+end
 
 -- Parse the limit whose arguments start after ARGV[b]; returns the index after its last
 -- argument, or nil unless every number is whole and within the bounds (common.lua), the flags
@@ -305,7 +328,7 @@ if mode == 'check' then
           tg_cal(CALU[i], CALO[i])
           local key = KEYS[KEY[i]]
           ALGO[i].spend(key, now, LIMIT[i], INTERVAL[i], COST[i], MEMBER[i])
-          if LWANT[i] and redis.call('EXISTS', KEYS[MKEY[i]]) == 0 then
+          if LWANT[i] and leases_open(i) then
             -- The lease (none while a reset settles): at most half of what the request left,
             -- spent now so no other gateway can spend it.
             local g
@@ -331,11 +354,11 @@ if mode == 'check' then
 end
 
 if mode == 'reset' then
-  local life = tonumber(ARGV[3])
-  if #ARGV ~= 3 or not tg_whole(life, 1, TG_MAX_SPAN) then
-    return redis.error_reply('ERR tollgate: bad arguments (want reset, now, life_ms)')
+  local life, lease = tonumber(ARGV[3]), tonumber(ARGV[4])
+  if #ARGV ~= 4 or not tg_whole(life, 1, TG_MAX_SPAN) or not tg_whole(lease, 0, TG_MAX_SPAN) then
+    return redis.error_reply('ERR tollgate: bad arguments (want reset, now, life_ms, lease_ms)')
   end
-  local at = string.format('%d', now)
+  local at = string.format('%d:%d', now, now + lease * 1000)
   for i = 1, #KEYS do
     redis.call('SET', KEYS[i], at, 'PX', string.format('%d', life))
   end
@@ -345,7 +368,7 @@ end
 -- True when limit i was reset at or after `now` (its marker says so): a refund of units spent
 -- at `now` belongs to the count the reset deleted.
 local function reset_since(i)
-  local m = tonumber(redis.call('GET', KEYS[MKEY[i]]))
+  local m = reset_marker(i)
   return m ~= nil and now <= m
 end
 

@@ -55,16 +55,21 @@ struct Entry {
     expires_at: u64,
     /// The penalty box: (until, length of the penalty being served), microseconds.
     penalty: Option<(u64, u64)>,
+    /// When this entry was made: a refund of units spent before it (at the count a reset
+    /// deleted or that expired) is dropped, so nothing spent in an old count reaches the new
+    /// one (ARCHITECTURE.md, "A refund undoes exactly what its check spent").
+    born: u64,
 }
 
 impl Entry {
-    /// A new entry for `q`, holding nothing.
-    fn empty(q: Quota) -> Self {
+    /// A new entry for `q` made at `now`, holding nothing.
+    fn empty(q: Quota, now: u64) -> Self {
         Entry {
             state: None,
             quota: q,
             expires_at: 0,
             penalty: None,
+            born: now,
         }
     }
 
@@ -212,7 +217,7 @@ impl MemoryStore {
         for ((c, o), &shard) in checks.iter().map(AsRef::as_ref).zip(outcomes.iter_mut()).zip(&shard_of) {
             if let (Some(p), false) = (c.penalty, o.allowed) {
                 let map = guard_for(&mut guards, shard);
-                let Some(e) = entry_for(map, c) else { continue };
+                let Some(e) = entry_for(map, c, now) else { continue };
                 let len = match e.penalty {
                     Some((_, len)) if o.penalty_us > 0 && p.escalates() => p.escalated(len),
                     Some(_) if o.penalty_us > 0 => continue,
@@ -263,7 +268,7 @@ impl MemoryStore {
                 continue; // a denied shadow limit spends nothing
             }
             let map = guard_for(&mut guards, shard);
-            let Some(e) = entry_for(map, c) else { continue };
+            let Some(e) = entry_for(map, c, now) else { continue };
             if c.is_slot() {
                 if c.cost > 0 {
                     concurrency::take(&c.quota, &mut e.state, c.holder, now);
@@ -290,7 +295,7 @@ impl MemoryStore {
             if let Some(e) = map.get_mut(c.key.as_str()) {
                 if c.is_slot() {
                     concurrency::release(&mut e.state, c.holder);
-                } else if e.quota.same_shape(&c.quota) {
+                } else if e.quota.same_shape(&c.quota) && *at >= e.born {
                     algorithm::refund(&c.quota, &mut e.state, *at, c.cost);
                 }
             }
@@ -311,7 +316,7 @@ impl MemoryStore {
             let mut shard = self.shards[self.shard_of(c.key.as_str())].lock();
             let e = shard
                 .entry(Box::from(c.key.as_str()))
-                .or_insert_with(|| Entry::empty(c.quota));
+                .or_insert_with(|| Entry::empty(c.quota, now));
             e.convert_to(&c.quota, now);
             algorithm::debit(&c.quota, &mut e.state, now, c.cost);
             e.refresh_expiry(&c.quota);
@@ -377,13 +382,13 @@ fn refused(now: u64) -> Outcome {
 /// `c`'s entry in `map`, made empty if it has none; the key is copied only then (`entry`
 /// wants an owned key, which would allocate on every hit, and the hit is what every request
 /// of a known caller takes). Always `Some`: the `Option` only spares a panic path.
-fn entry_for<'a>(map: &'a mut Shard, c: &LimitCheck) -> Option<&'a mut Entry> {
+fn entry_for<'a>(map: &'a mut Shard, c: &LimitCheck, now: u64) -> Option<&'a mut Entry> {
     if map.contains_key(c.key.as_str()) {
         map.get_mut(c.key.as_str())
     } else {
         Some(
             map.entry(Box::from(c.key.as_str()))
-                .or_insert_with(|| Entry::empty(c.quota)),
+                .or_insert_with(|| Entry::empty(c.quota, now)),
         )
     }
 }

@@ -82,6 +82,11 @@ use conn::{open, path_of, Inner, Target};
 use protocol::{keyless_peek, peeked, Mode};
 use slots::group_by_tag;
 
+/// How long a reset's marker lives: a refund of units spent before a reset is dropped while
+/// it does, so a request in flight at `DELETE /keys` that settles within this time gives
+/// nothing to the new count.
+pub const RESET_MARKER_LIFE: Duration = Duration::from_secs(3600);
+
 /// The key [`Store::probe`] checks (a cost-0 token-bucket check: it admits nothing and expires
 /// within a millisecond). Outside any key prefix so it can never collide with a limit.
 pub const PROBE_KEY: &str = "tollgate:probe:{tollgate-probe}";
@@ -351,8 +356,11 @@ impl RedisStore {
     ///    still decides.
     /// 3. Delete the counters and penalty keys: the new count starts at zero.
     ///
-    /// The marker outlives the return of every lease taken before it (returned at most
-    /// 1.5 × ttl after it was taken, within twice the store deadline).
+    /// Leases of the key are granted again once every lease taken before the marker has been
+    /// returned (at most 1.5 × ttl after it was taken, within twice the store deadline). The
+    /// marker itself lives [`RESET_MARKER_LIFE`], so a request in flight at the reset whose
+    /// response settles later (a `count_when` refund, a `cost_from` settlement) gives nothing
+    /// to the new count either, if it settles within that time.
     pub async fn reset_settled(
         &self,
         counters: &[StoreKey],
@@ -361,12 +369,15 @@ impl RedisStore {
     ) -> Result<(), StoreError> {
         let inner = &self.inner;
         if !counters.is_empty() {
-            let life = hold.saturating_mul(2) + inner.timeout.saturating_mul(2) + Duration::from_secs(1);
-            let life_ms = u64::try_from(life.as_millis()).unwrap_or(u64::MAX);
+            let settling = hold.saturating_mul(2) + inner.timeout.saturating_mul(2) + Duration::from_secs(1);
+            let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+            let (life_ms, lease_ms) = (ms(settling.max(RESET_MARKER_LIFE)), ms(settling));
             let groups = group_by_tag(counters.iter());
             let marks = groups.iter().map(|g| {
                 let keys = g.iter().map(|&i| &counters[i]);
-                inner.script(true, move |how| protocol::reset_cmd(how, keys.clone(), life_ms))
+                inner.script(true, move |how| {
+                    protocol::reset_cmd(how, keys.clone(), life_ms, lease_ms)
+                })
             });
             for r in futures_util::future::join_all(marks).await {
                 r?;

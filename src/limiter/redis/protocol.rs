@@ -219,13 +219,18 @@ pub(super) fn script_cmd<'c>(
 
 /// The `reset` call for `keys` (all on one slot): writes each key's reset marker
 /// ([`LimitCheck::reset_key`]) holding Redis' now, living `life_ms`.
-pub(super) fn reset_cmd<'k>(how: Invoke<'_>, keys: impl Iterator<Item = &'k StoreKey> + Clone, life_ms: u64) -> Cmd {
+pub(super) fn reset_cmd<'k>(
+    how: Invoke<'_>,
+    keys: impl Iterator<Item = &'k StoreKey> + Clone,
+    life_ms: u64,
+    lease_ms: u64,
+) -> Cmd {
     let mut cmd = script_head(how);
     cmd.arg(keys.clone().count());
     for k in keys {
         cmd.arg(LimitCheck::reset_key(k));
     }
-    cmd.arg(Mode::Reset.as_str()).arg("").arg(life_ms);
+    cmd.arg(Mode::Reset.as_str()).arg("").arg(life_ms).arg(lease_ms);
     cmd
 }
 
