@@ -10,14 +10,14 @@
 //!
 //! | way around the charge | defence | test |
 //! |---|---|---|
-//! | leave before the head, or before the trailer: FIN, RST, HTTP/2 stream reset | the exchange runs on and its body is drained; the reported cost is charged | `leaving_before_the_cost_is_reported_is_charged_the_reported_cost` (FIN before the trailer, and `max` when no report comes within `request_timeout`: `by_response.rs`: `*_leaving_before_the_trailer_is_charged`) |
-//! | a burst before any request settles, over three gateways on the cluster | the fleet-wide in-flight cap (`cost_from.in_flight`): overspend ≤ `in_flight × (max − cost)` | `a_burst_over_three_gateways_before_settlement_is_bounded_fleet_wide` (one gateway: `by_response.rs`: `*_a_burst_before_settlement_is_bounded`) |
-//! | straddle a fixed window: checked in one, answered in the next | the debit lands in the window it is answered in | `a_debit_straddling_a_window_lands_on_the_cluster_and_in_a_sliding_window` (memory, Redis: `by_response.rs`: `*_a_debit_across_a_window_boundary_lands`) |
+//! | leave before the head, or before the trailer: FIN, RST, HTTP/2 stream reset | the exchange runs on and its body is drained; the reported cost is charged | `leaving_before_the_cost_is_reported_is_charged_the_reported_cost` (FIN before the trailer, and `max` when no report comes within `request_timeout`: `settlement.rs`: `*_leaving_before_the_trailer_is_charged`) |
+//! | a burst before any request settles, over three gateways on the cluster | the fleet-wide in-flight cap (`cost_from.in_flight`): overspend ≤ `in_flight × (max − cost)` | `a_burst_over_three_gateways_before_settlement_is_bounded_fleet_wide` (one gateway: `settlement.rs`: `*_a_burst_before_settlement_is_bounded`) |
+//! | straddle a fixed window: checked in one, answered in the next | the debit lands in the window it is answered in | `a_debit_straddling_a_window_lands_on_the_cluster_and_in_a_sliding_window` (memory, Redis: `settlement.rs`: `*_a_debit_across_a_window_boundary_lands`) |
 //! | straddle a sliding window | the same: the current count takes the debit | the same |
 //! | a reported cost above `max` (also beyond 64 bits) | charged `max` | `reported_costs_above_max_and_garbage_never_cost_less_than_the_estimate` |
 //! | a garbage report (`abc`, `-5000`, `0x1388`, `1e4`, empty), one sent twice, or a list | never less than the estimate: an unreadable report keeps it, several reports charge the largest | the same |
 //! | `DELETE /keys/{ip}` while requests are in flight, their estimates refunded into the fresh count | the same path as `count_when`'s refunds (`Limiter::refund`) | `hostile_count_when.rs`: `*_a_reset_mid_flight_gives_no_refund_to_the_fresh_count` (FAILS: an open finding) |
-//! | a debit far above the quota, locking a key (or an org) out for days | at most one quota below zero | `by_response.rs`: `*_a_debit_stops_one_capacity_below_zero` |
+//! | a debit far above the quota, locking a key (or an org) out for days | at most one quota below zero | `settlement.rs`: `*_a_debit_stops_one_capacity_below_zero` |
 
 mod support;
 

@@ -13,11 +13,11 @@
 //! | leave before the answer: FIN, RST, HTTP/2 stream reset | the exchange runs in its own task; the status is learned and charged whatever the client did | `leaving_before_the_answer_still_charges_the_failure` |
 //! | slow-loris request body (the password arrives byte by byte) | charged by the status the upstream gives once it has the body | `slow_loris_request_and_response_are_charged_by_their_status` |
 //! | slow-loris response (read the status, leave before the body) | charged at the head | the same |
-//! | a burst of failures before any settles, over three gateways on the cluster | each one reserves before it is forwarded, in one store call, fleet-wide | `a_burst_of_failures_over_three_gateways_reaches_the_upstream_at_most_limit_times` (one gateway, 50 at once: `by_response.rs`: `*_only_failed_logins_count`) |
+//! | a burst of failures before any settles, over three gateways on the cluster | each one reserves before it is forwarded, in one store call, fleet-wide | `a_burst_of_failures_over_three_gateways_reaches_the_upstream_at_most_limit_times` (one gateway, 50 at once: `settlement.rs`: `*_only_failed_logins_count`) |
 //! | straddle a window: reserve in one window, be refunded in the next | the refund carries its check's window: it never adds quota to the next one | `a_success_straddling_a_window_is_refunded_into_its_own_window` |
 //! | path spellings, letter case, `;params`, escapes, absolute-form, method override, `post` | one canonical path for rules and upstream, `ignore_case`, `method_override`; 400 for ambiguous spellings | `spellings_of_a_failed_login_are_charged_to_the_same_key` |
 //! | `DELETE /keys/{ip}` while reservations are in flight: their refunds land in the fresh count | refunds of units spent before the reset are dropped (the reset marker, on Redis while it lives) | `memory_…`, `redis_a_reset_mid_flight_gives_no_refund_to_the_fresh_count` (FAILS: an open finding, see ARCHITECTURE.md) |
-//! | a request refused on its way upstream (CONNECT) | settled like any response: refunded when it does not match | `by_response.rs`: `a_refused_connect_gives_back_its_count_when_reservation` |
+//! | a request refused on its way upstream (CONNECT) | settled like any response: refunded when it does not match | `settlement.rs`: `a_refused_connect_gives_back_its_count_when_reservation` |
 
 mod support;
 

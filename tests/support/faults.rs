@@ -1,4 +1,4 @@
-//! A fault-injecting TCP proxy for the reliability tests: it sits between the gateway and one
+//! A fault-injecting TCP proxy for the store-fault tests: it sits between the gateway and one
 //! Redis node and can add latency to what the node sends back, stop forwarding altogether
 //! (a black hole: connections stay open, nothing arrives), or reset connections at random.
 

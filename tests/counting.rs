@@ -1,5 +1,7 @@
-//! Regressions of limit correctness, end to end: each test failed before its fix. They run the real
-//! gateway against the real echo upstream and real Redis (standalone or a 6-node cluster).
+//! Exact counting, end to end: a frozen shard fails only its own limits, reloads never mint
+//! quota, windows keep their own counters, the deny cache, the binding limit, and `/explain` names
+//! the keys the proxy spends. The real gateway, the real echo upstream, real Redis (standalone or
+//! a 6-node cluster).
 
 mod support;
 
