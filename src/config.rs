@@ -372,316 +372,11 @@ impl GatewayConfig {
         let admin_listen = addr(f, &raw.admin_listen, "127.0.0.1:9090")?;
         let admin = admin::compile(f, &raw.admin, admin_listen, raw.admin_listen.as_ref(), &mut notes)?;
 
-        let u = &raw.upstream.value;
-        let net = net::upstream(f, dir, &raw.upstream, &mut notes)?;
-        let first = &net.targets[0].url;
-        let (Some(scheme), Some(authority)) = (first.scheme().cloned(), first.authority().cloned()) else {
-            return Err(ConfigError::at(
-                f,
-                &raw.upstream.referenced,
-                "upstream: a target has no scheme or host",
-            ));
-        };
-        let upstream = UpstreamConfig {
-            url: first.clone(),
-            scheme,
-            authority,
-            targets: net.targets,
-            protocol: net.protocol,
-            tls: net.tls,
-            eject_after: net.eject_after,
-            eject_for: net.eject_for,
-            health_check: net.health_check,
-            connect_timeout: positive_duration(
-                f,
-                &u.connect_timeout,
-                "upstream.connect_timeout",
-                Duration::from_secs(1),
-            )?,
-            request_timeout: positive_duration(
-                f,
-                &u.request_timeout,
-                "upstream.request_timeout",
-                Duration::from_secs(30),
-            )?,
-            pool_max_idle_per_host: u.pool_max_idle_per_host.unwrap_or(256),
-            max_connections_per_target: at_least(
-                f,
-                &u.max_connections_per_target,
-                "upstream.max_connections_per_target",
-                1,
-                DEFAULT_MAX_CONNECTIONS_PER_TARGET,
-            )?,
-        };
-
-        let s = &raw.store;
-        let kind = match s.kind.as_ref().map(|k| (k.value.as_str(), k)) {
-            None | Some(("memory", _)) => StoreKind::Memory,
-            Some(("redis", _)) => StoreKind::Redis,
-            Some(("redis_cluster", _)) => StoreKind::RedisCluster,
-            Some((other, k)) => {
-                return Err(ConfigError::at(
-                    f,
-                    &k.referenced,
-                    format!("unknown store kind {other:?} (memory | redis | redis_cluster)"),
-                ))
-            }
-        };
-        let mut urls = Vec::with_capacity(s.urls.len());
-        for u in &s.urls {
-            if kind != StoreKind::Memory {
-                check_redis_url(&u.value).map_err(|m| ConfigError::at(f, &u.referenced, format!("store.urls: {m}")))?;
-            }
-            urls.push(u.value.clone());
-        }
-        if let Some(list) = &env.redis_urls {
-            if kind == StoreKind::Memory {
-                notes.push(format!(
-                    "{} is set but ignored: store.kind is memory",
-                    env.redis_urls_var
-                ));
-            } else {
-                notes.push(format!(
-                    "{} replaces store.urls ({} url(s) in {})",
-                    env.redis_urls_var,
-                    s.urls.len(),
-                    f.display()
-                ));
-                urls = list
-                    .split(',')
-                    .map(|u| u.trim().to_string())
-                    .filter(|u| !u.is_empty())
-                    .collect();
-                for u in &urls {
-                    check_redis_url(u).map_err(|m| ConfigError::file(f, format!("{}: {m}", env.redis_urls_var)))?;
-                }
-            }
-        }
-        if kind != StoreKind::Memory && urls.is_empty() {
-            let at = s.kind.as_ref().map(|k| &k.referenced);
-            let msg = "store.urls: a redis store needs at least one url";
-            return Err(match at {
-                Some(loc) => ConfigError::at(f, loc, msg),
-                None => ConfigError::file(f, msg),
-            });
-        }
-        let key_prefix = match &s.key_prefix {
-            Some(p) => {
-                if p.value.is_empty() || !p.value.chars().all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c)) {
-                    return Err(ConfigError::at(
-                        f,
-                        &p.referenced,
-                        "key_prefix: use letters, digits, '_', '-', '.'",
-                    ));
-                }
-                p.value.clone()
-            }
-            None => "tl".to_string(),
-        };
-        // A missing salt must never silently mean "no salt": a pod without the Secret would
-        // build different keys from the rest of the fleet and split every counter.
-        let key_salt = match &s.key_salt_env {
-            Some(name) => crate::yaml::required_env(f, name, "store.key_salt_env")?,
-            None => String::new(),
-        };
-        let auth = net::store_auth(f, dir, s, if kind == StoreKind::Memory { &[] } else { &urls })?;
-        let store = StoreConfig {
-            leases: leases::leases(f, &s.leases, kind)?,
-            auth,
-            kind,
-            urls,
-            timeout: positive_duration(f, &s.timeout, "store.timeout", Duration::from_millis(20))?,
-            key_prefix,
-            key_salt,
-            memory_max_keys: at_least(f, &s.memory_max_keys, "store.memory_max_keys", 1, 1_000_000)?,
-            breaker_threshold: at_least(f, &s.breaker_threshold, "store.breaker_threshold", 1, 3)?,
-            probe_interval: positive_duration(
-                f,
-                &s.probe_interval,
-                "store.probe_interval",
-                Duration::from_millis(250),
-            )?,
-            concurrency_ttl: {
-                let ttl = positive_duration(f, &s.concurrency_ttl, "store.concurrency_ttl", Duration::from_secs(30))?;
-                if let (Some(at), true) = (&s.concurrency_ttl, ttl < Duration::from_secs(3)) {
-                    return Err(ConfigError::at(
-                        f,
-                        &at.referenced,
-                        "store.concurrency_ttl must be at least 3s (slots are renewed every third of it)",
-                    ));
-                }
-                ttl
-            },
-            replicated: match &s.durability {
-                None => false,
-                Some(d) if d.value == "none" => false,
-                Some(d) if d.value == "replicated" => {
-                    if kind == StoreKind::Memory {
-                        return Err(ConfigError::at(
-                            f,
-                            &d.referenced,
-                            "store.durability: replicated needs a Redis store (kind: redis or redis_cluster)",
-                        ));
-                    }
-                    true
-                }
-                Some(d) => {
-                    return Err(ConfigError::at(
-                        f,
-                        &d.referenced,
-                        format!("store.durability: unknown value {:?} (none | replicated)", d.value),
-                    ))
-                }
-            },
-            scripting: match &s.scripting {
-                None => Scripting::Auto,
-                Some(v) if kind == StoreKind::Memory => {
-                    return Err(ConfigError::at(
-                        f,
-                        &v.referenced,
-                        "store.scripting needs a Redis store (kind: redis or redis_cluster)",
-                    ))
-                }
-                Some(v) => match v.value.as_str() {
-                    "auto" => Scripting::Auto,
-                    "functions" => Scripting::Functions,
-                    "eval" => Scripting::Eval,
-                    other => {
-                        return Err(ConfigError::at(
-                            f,
-                            &v.referenced,
-                            format!("store.scripting: unknown value {other:?} (auto | functions | eval)"),
-                        ))
-                    }
-                },
-            },
-        };
-
-        let id = &raw.identity;
-        let api_key_header = match &id.api_key_header {
-            Some(h) => HeaderName::from_bytes(h.value.as_bytes())
-                .map_err(|_| ConfigError::at(f, &h.referenced, "invalid header name"))?,
-            None => HeaderName::from_static("x-api-key"),
-        };
-        let mut trusted_proxies = Vec::new();
-        for p in &id.trusted_proxies {
-            let net = p
-                .value
-                .parse::<IpNet>()
-                .or_else(|_| p.value.parse::<std::net::IpAddr>().map(IpNet::from))
-                .map_err(|_| ConfigError::at(f, &p.referenced, format!("invalid CIDR {:?}", p.value)))?;
-            trusted_proxies.push(net);
-        }
-        let ipv6_prefix = match &id.ipv6_prefix {
-            Some(p) if p.value > 128 || p.value == 0 => {
-                return Err(ConfigError::at(f, &p.referenced, "ipv6_prefix must be 1..=128"))
-            }
-            Some(p) => p.value,
-            None => 64,
-        };
-        let jwt = match &id.jwt {
-            Some(j) => Some(std::sync::Arc::new(JwtKeys::compile(f, dir, j)?)),
-            None => None,
-        };
-        let invalid_credentials = match &id.invalid_credentials {
-            None => crate::identity::InvalidCredentials::Reject,
-            Some(v) => match v.value.as_str() {
-                "reject" => crate::identity::InvalidCredentials::Reject,
-                "ip" => crate::identity::InvalidCredentials::Ip,
-                other => {
-                    return Err(ConfigError::at(
-                        f,
-                        &v.referenced,
-                        format!("identity.invalid_credentials: unknown value {other:?} (reject | ip)"),
-                    ))
-                }
-            },
-        };
-        let identity = IdentityConfig {
-            invalid_credentials,
-            api_key_header,
-            jwt,
-            trusted_proxies,
-            ipv6_prefix,
-            max_forwarded_entries: at_least(f, &id.max_forwarded_entries, "identity.max_forwarded_entries", 1, 32)?,
-        };
-
-        let l = &raw.limits;
-        let (mut ietf, mut legacy) = (true, true);
-        if let Some(h) = &l.headers {
-            ietf = false;
-            legacy = false;
-            for fam in &h.value {
-                match fam.as_str() {
-                    "ietf" => ietf = true,
-                    "x-ratelimit" => legacy = true,
-                    other => {
-                        return Err(ConfigError::at(
-                            f,
-                            &h.referenced,
-                            format!("unknown header family {other:?} (ietf | x-ratelimit)"),
-                        ))
-                    }
-                }
-            }
-        }
-        let limits = LimitsConfig {
-            ietf_headers: ietf,
-            legacy_headers: legacy,
-            deny_cache: l.deny_cache.unwrap_or(true),
-            deny_cache_max: at_least(f, &l.deny_cache_max, "limits.deny_cache_max", 1, 100_000)?,
-            shadow_log_sample: at_least(f, &l.shadow_log_sample, "limits.shadow_log_sample", 1, 100)?,
-            max_keys: at_least(
-                f,
-                &l.max_keys,
-                "limits.max_keys",
-                1,
-                crate::identity::keys::DEFAULT_MAX_KEYS,
-            )?,
-            max_rules: at_least(f, &l.max_rules, "limits.max_rules", 1, crate::rules::DEFAULT_MAX_RULES)?,
-        };
-
-        let sv = &raw.server;
-        let mut server = ServerConfig {
-            header_read_timeout: positive_duration(
-                f,
-                &sv.header_read_timeout,
-                "server.header_read_timeout",
-                Duration::from_secs(10),
-            )?,
-            idle_timeout: positive_duration(f, &sv.idle_timeout, "server.idle_timeout", Duration::from_secs(60))?,
-            max_connections: at_least(f, &sv.max_connections, "server.max_connections", 1, 10_000)?,
-            max_connections_per_ip: None,
-            max_body_bytes: sv.max_body_bytes.unwrap_or(64 * 1024 * 1024),
-            max_header_bytes: at_least(f, &sv.max_header_bytes, "server.max_header_bytes", 1024, 16 * 1024)?,
-            // By default in-flight requests get as long to finish as the upstream gets to answer.
-            shutdown_grace: opt_duration(f, &sv.shutdown_grace, upstream.request_timeout)?,
-            drain: opt_duration(f, &sv.drain, DEFAULT_DRAIN)?,
-            runtime: match sv.runtime {
-                None => Runtime::default(),
-                Some(raw::RawRuntime::WorkStealing) => Runtime::WorkStealing,
-                Some(raw::RawRuntime::ThreadPerCore) => Runtime::ThreadPerCore,
-            },
-            encoded_slashes: match sv.encoded_slashes {
-                None | Some(raw::RawEncodedSlashes::Reject) => crate::rules::EncodedSlashes::Reject,
-                Some(raw::RawEncodedSlashes::Keep) => crate::rules::EncodedSlashes::Keep,
-            },
-            upgrades: upgrades(f, &sv.upgrades)?,
-        };
-        // Default: 64, or a quarter of `max_connections` when that is less, so that one address
-        // never fills the gateway by itself; 0 turns the cap off.
-        server.max_connections_per_ip = match &sv.max_connections_per_ip {
-            Some(v) if v.value == 0 => None,
-            Some(v) => Some(v.value),
-            None => Some((server.max_connections / 4).clamp(1, DEFAULT_MAX_CONNECTIONS_PER_IP)),
-        };
-        if server.shutdown_grace < upstream.request_timeout {
-            notes.push(format!(
-                "server.shutdown_grace ({}) is shorter than upstream.request_timeout ({}): a slow request in flight at shutdown is cut off",
-                humantime::format_duration(server.shutdown_grace),
-                humantime::format_duration(upstream.request_timeout)
-            ));
-        }
+        let upstream = net::upstream(f, dir, &raw.upstream, &mut notes)?;
+        let store = store_section(f, dir, &raw.store, env, &mut notes)?;
+        let identity = identity_section(f, dir, &raw.identity)?;
+        let limits = limits_section(f, &raw.limits)?;
+        let server = server_section(f, &raw.server, upstream.request_timeout, &mut notes)?;
 
         let tls = match &raw.tls {
             Some(t) => Some(net::listener_tls(f, dir, t)?),
@@ -716,6 +411,293 @@ impl GatewayConfig {
             notes,
         })
     }
+}
+
+/// `store:`, with `TOLLGATE_REDIS_URLS` applied (noted in `notes`) and its secrets read from
+/// the environment.
+fn store_section(
+    f: &Path,
+    dir: &Path,
+    s: &raw::RawStore,
+    env: &EnvOverrides,
+    notes: &mut Vec<String>,
+) -> Result<StoreConfig, ConfigError> {
+    let kind = match s.kind.as_ref().map(|k| (k.value.as_str(), k)) {
+        None | Some(("memory", _)) => StoreKind::Memory,
+        Some(("redis", _)) => StoreKind::Redis,
+        Some(("redis_cluster", _)) => StoreKind::RedisCluster,
+        Some((other, k)) => {
+            return Err(ConfigError::at(
+                f,
+                &k.referenced,
+                format!("unknown store kind {other:?} (memory | redis | redis_cluster)"),
+            ))
+        }
+    };
+    let mut urls = Vec::with_capacity(s.urls.len());
+    for u in &s.urls {
+        if kind != StoreKind::Memory {
+            check_redis_url(&u.value).map_err(|m| ConfigError::at(f, &u.referenced, format!("store.urls: {m}")))?;
+        }
+        urls.push(u.value.clone());
+    }
+    if let Some(list) = &env.redis_urls {
+        if kind == StoreKind::Memory {
+            notes.push(format!(
+                "{} is set but ignored: store.kind is memory",
+                env.redis_urls_var
+            ));
+        } else {
+            notes.push(format!(
+                "{} replaces store.urls ({} url(s) in {})",
+                env.redis_urls_var,
+                s.urls.len(),
+                f.display()
+            ));
+            urls = list
+                .split(',')
+                .map(|u| u.trim().to_string())
+                .filter(|u| !u.is_empty())
+                .collect();
+            for u in &urls {
+                check_redis_url(u).map_err(|m| ConfigError::file(f, format!("{}: {m}", env.redis_urls_var)))?;
+            }
+        }
+    }
+    if kind != StoreKind::Memory && urls.is_empty() {
+        let at = s.kind.as_ref().map(|k| &k.referenced);
+        let msg = "store.urls: a redis store needs at least one url";
+        return Err(match at {
+            Some(loc) => ConfigError::at(f, loc, msg),
+            None => ConfigError::file(f, msg),
+        });
+    }
+    let key_prefix = match &s.key_prefix {
+        Some(p) => {
+            if p.value.is_empty() || !p.value.chars().all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c)) {
+                return Err(ConfigError::at(
+                    f,
+                    &p.referenced,
+                    "key_prefix: use letters, digits, '_', '-', '.'",
+                ));
+            }
+            p.value.clone()
+        }
+        None => "tl".to_string(),
+    };
+    // A missing salt must never silently mean "no salt": a pod without the Secret would
+    // build different keys from the rest of the fleet and split every counter.
+    let key_salt = match &s.key_salt_env {
+        Some(name) => crate::yaml::required_env(f, name, "store.key_salt_env")?,
+        None => String::new(),
+    };
+    let auth = net::store_auth(f, dir, s, if kind == StoreKind::Memory { &[] } else { &urls })?;
+    Ok(StoreConfig {
+        leases: leases::leases(f, &s.leases, kind)?,
+        auth,
+        kind,
+        urls,
+        timeout: positive_duration(f, &s.timeout, "store.timeout", Duration::from_millis(20))?,
+        key_prefix,
+        key_salt,
+        memory_max_keys: at_least(f, &s.memory_max_keys, "store.memory_max_keys", 1, 1_000_000)?,
+        breaker_threshold: at_least(f, &s.breaker_threshold, "store.breaker_threshold", 1, 3)?,
+        probe_interval: positive_duration(f, &s.probe_interval, "store.probe_interval", Duration::from_millis(250))?,
+        concurrency_ttl: {
+            let ttl = positive_duration(f, &s.concurrency_ttl, "store.concurrency_ttl", Duration::from_secs(30))?;
+            if let (Some(at), true) = (&s.concurrency_ttl, ttl < Duration::from_secs(3)) {
+                return Err(ConfigError::at(
+                    f,
+                    &at.referenced,
+                    "store.concurrency_ttl must be at least 3s (slots are renewed every third of it)",
+                ));
+            }
+            ttl
+        },
+        replicated: match &s.durability {
+            None => false,
+            Some(d) if d.value == "none" => false,
+            Some(d) if d.value == "replicated" => {
+                if kind == StoreKind::Memory {
+                    return Err(ConfigError::at(
+                        f,
+                        &d.referenced,
+                        "store.durability: replicated needs a Redis store (kind: redis or redis_cluster)",
+                    ));
+                }
+                true
+            }
+            Some(d) => {
+                return Err(ConfigError::at(
+                    f,
+                    &d.referenced,
+                    format!("store.durability: unknown value {:?} (none | replicated)", d.value),
+                ))
+            }
+        },
+        scripting: match &s.scripting {
+            None => Scripting::Auto,
+            Some(v) if kind == StoreKind::Memory => {
+                return Err(ConfigError::at(
+                    f,
+                    &v.referenced,
+                    "store.scripting needs a Redis store (kind: redis or redis_cluster)",
+                ))
+            }
+            Some(v) => match v.value.as_str() {
+                "auto" => Scripting::Auto,
+                "functions" => Scripting::Functions,
+                "eval" => Scripting::Eval,
+                other => {
+                    return Err(ConfigError::at(
+                        f,
+                        &v.referenced,
+                        format!("store.scripting: unknown value {other:?} (auto | functions | eval)"),
+                    ))
+                }
+            },
+        },
+    })
+}
+
+/// `identity:`: the API key header, trusted proxies, the IPv6 prefix, JWT keys, and what an
+/// invalid credential gets.
+fn identity_section(f: &Path, dir: &Path, id: &raw::RawIdentity) -> Result<IdentityConfig, ConfigError> {
+    let api_key_header = match &id.api_key_header {
+        Some(h) => HeaderName::from_bytes(h.value.as_bytes())
+            .map_err(|_| ConfigError::at(f, &h.referenced, "invalid header name"))?,
+        None => HeaderName::from_static("x-api-key"),
+    };
+    let mut trusted_proxies = Vec::new();
+    for p in &id.trusted_proxies {
+        let net = p
+            .value
+            .parse::<IpNet>()
+            .or_else(|_| p.value.parse::<std::net::IpAddr>().map(IpNet::from))
+            .map_err(|_| ConfigError::at(f, &p.referenced, format!("invalid CIDR {:?}", p.value)))?;
+        trusted_proxies.push(net);
+    }
+    let ipv6_prefix = match &id.ipv6_prefix {
+        Some(p) if p.value > 128 || p.value == 0 => {
+            return Err(ConfigError::at(f, &p.referenced, "ipv6_prefix must be 1..=128"))
+        }
+        Some(p) => p.value,
+        None => 64,
+    };
+    let jwt = match &id.jwt {
+        Some(j) => Some(std::sync::Arc::new(JwtKeys::compile(f, dir, j)?)),
+        None => None,
+    };
+    let invalid_credentials = match &id.invalid_credentials {
+        None => crate::identity::InvalidCredentials::Reject,
+        Some(v) => match v.value.as_str() {
+            "reject" => crate::identity::InvalidCredentials::Reject,
+            "ip" => crate::identity::InvalidCredentials::Ip,
+            other => {
+                return Err(ConfigError::at(
+                    f,
+                    &v.referenced,
+                    format!("identity.invalid_credentials: unknown value {other:?} (reject | ip)"),
+                ))
+            }
+        },
+    };
+    Ok(IdentityConfig {
+        invalid_credentials,
+        api_key_header,
+        jwt,
+        trusted_proxies,
+        ipv6_prefix,
+        max_forwarded_entries: at_least(f, &id.max_forwarded_entries, "identity.max_forwarded_entries", 1, 32)?,
+    })
+}
+
+/// `limits:`: header families, the deny cache, and the sizes of the rules and keys files.
+fn limits_section(f: &Path, l: &raw::RawLimits) -> Result<LimitsConfig, ConfigError> {
+    let (mut ietf, mut legacy) = (true, true);
+    if let Some(h) = &l.headers {
+        ietf = false;
+        legacy = false;
+        for fam in &h.value {
+            match fam.as_str() {
+                "ietf" => ietf = true,
+                "x-ratelimit" => legacy = true,
+                other => {
+                    return Err(ConfigError::at(
+                        f,
+                        &h.referenced,
+                        format!("unknown header family {other:?} (ietf | x-ratelimit)"),
+                    ))
+                }
+            }
+        }
+    }
+    Ok(LimitsConfig {
+        ietf_headers: ietf,
+        legacy_headers: legacy,
+        deny_cache: l.deny_cache.unwrap_or(true),
+        deny_cache_max: at_least(f, &l.deny_cache_max, "limits.deny_cache_max", 1, 100_000)?,
+        shadow_log_sample: at_least(f, &l.shadow_log_sample, "limits.shadow_log_sample", 1, 100)?,
+        max_keys: at_least(
+            f,
+            &l.max_keys,
+            "limits.max_keys",
+            1,
+            crate::identity::keys::DEFAULT_MAX_KEYS,
+        )?,
+        max_rules: at_least(f, &l.max_rules, "limits.max_rules", 1, crate::rules::DEFAULT_MAX_RULES)?,
+    })
+}
+
+/// `server:`: timeouts, caps, drain and the runtime. `request_timeout` (the upstream's) is the
+/// default shutdown grace; a shorter grace is noted.
+fn server_section(
+    f: &Path,
+    sv: &raw::RawServer,
+    request_timeout: Duration,
+    notes: &mut Vec<String>,
+) -> Result<ServerConfig, ConfigError> {
+    let mut server = ServerConfig {
+        header_read_timeout: positive_duration(
+            f,
+            &sv.header_read_timeout,
+            "server.header_read_timeout",
+            Duration::from_secs(10),
+        )?,
+        idle_timeout: positive_duration(f, &sv.idle_timeout, "server.idle_timeout", Duration::from_secs(60))?,
+        max_connections: at_least(f, &sv.max_connections, "server.max_connections", 1, 10_000)?,
+        max_connections_per_ip: None,
+        max_body_bytes: sv.max_body_bytes.unwrap_or(64 * 1024 * 1024),
+        max_header_bytes: at_least(f, &sv.max_header_bytes, "server.max_header_bytes", 1024, 16 * 1024)?,
+        // By default in-flight requests get as long to finish as the upstream gets to answer.
+        shutdown_grace: opt_duration(f, &sv.shutdown_grace, request_timeout)?,
+        drain: opt_duration(f, &sv.drain, DEFAULT_DRAIN)?,
+        runtime: match sv.runtime {
+            None => Runtime::default(),
+            Some(raw::RawRuntime::WorkStealing) => Runtime::WorkStealing,
+            Some(raw::RawRuntime::ThreadPerCore) => Runtime::ThreadPerCore,
+        },
+        encoded_slashes: match sv.encoded_slashes {
+            None | Some(raw::RawEncodedSlashes::Reject) => crate::rules::EncodedSlashes::Reject,
+            Some(raw::RawEncodedSlashes::Keep) => crate::rules::EncodedSlashes::Keep,
+        },
+        upgrades: upgrades(f, &sv.upgrades)?,
+    };
+    // Default: 64, or a quarter of `max_connections` when that is less, so that one address
+    // never fills the gateway by itself; 0 turns the cap off.
+    server.max_connections_per_ip = match &sv.max_connections_per_ip {
+        Some(v) if v.value == 0 => None,
+        Some(v) => Some(v.value),
+        None => Some((server.max_connections / 4).clamp(1, DEFAULT_MAX_CONNECTIONS_PER_IP)),
+    };
+    if server.shutdown_grace < request_timeout {
+        notes.push(format!(
+            "server.shutdown_grace ({}) is shorter than request_timeout ({}): a slow request in flight at shutdown is cut off",
+            humantime::format_duration(server.shutdown_grace),
+            humantime::format_duration(request_timeout)
+        ));
+    }
+    Ok(server)
 }
 
 #[cfg(test)]

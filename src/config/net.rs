@@ -11,7 +11,7 @@ use serde_saphyr::Spanned;
 use super::raw::{RawAccessLog, RawStore, RawTls, RawUpstream};
 use super::{at_least, positive_duration, ConfigError};
 use crate::http::tls::{self, ClientAuth, ListenerTls, UpstreamTls};
-use crate::http::upstream::settings::{HealthCheck, Target, UpstreamProtocol};
+use crate::http::upstream::settings::{HealthCheck, Target, UpstreamConfig, UpstreamProtocol};
 use crate::yaml::Secret;
 
 /// `access_log:`.
@@ -155,29 +155,14 @@ fn target(f: &Path, s: &Spanned<String>) -> Result<Target, ConfigError> {
     Ok(Target { url, tls, host, addr })
 }
 
-/// The upstream's targets, protocol, TLS, ejection and health check.
-pub struct UpstreamNet {
-    /// At least one.
-    pub targets: Vec<Target>,
-    /// What the connections speak.
-    pub protocol: UpstreamProtocol,
-    /// TLS settings for `https://` targets.
-    pub tls: UpstreamTls,
-    /// Consecutive failures that eject a target.
-    pub eject_after: u32,
-    /// First ejection period.
-    pub eject_for: Duration,
-    /// Optional active health check.
-    pub health_check: Option<HealthCheck>,
-}
-
-/// Validate `upstream:` (everything but the timeouts and the pool size).
+/// Validate `upstream:`: the targets, their protocol and TLS, ejection, the health check, the
+/// timeouts and caps.
 pub fn upstream(
     f: &Path,
     dir: &Path,
     raw: &Spanned<RawUpstream>,
     notes: &mut Vec<String>,
-) -> Result<UpstreamNet, ConfigError> {
+) -> Result<UpstreamConfig, ConfigError> {
     let u = &raw.value;
     let targets = match (&u.url, &u.targets) {
         (Some(url), None) => vec![target(f, url)?],
@@ -289,12 +274,43 @@ pub fn upstream(
         }
         None => None,
     };
-    Ok(UpstreamNet {
+    let first = &targets[0].url;
+    let (Some(scheme), Some(authority)) = (first.scheme().cloned(), first.authority().cloned()) else {
+        return Err(ConfigError::at(
+            f,
+            &raw.referenced,
+            "upstream: a target has no scheme or host",
+        ));
+    };
+    Ok(UpstreamConfig {
+        url: first.clone(),
+        scheme,
+        authority,
+        eject_after: at_least(f, &u.eject_after, "upstream.eject_after", 1, 3)?,
+        eject_for: positive_duration(f, &u.eject_for, "upstream.eject_for", Duration::from_secs(10))?,
+        connect_timeout: positive_duration(
+            f,
+            &u.connect_timeout,
+            "upstream.connect_timeout",
+            Duration::from_secs(1),
+        )?,
+        request_timeout: positive_duration(
+            f,
+            &u.request_timeout,
+            "upstream.request_timeout",
+            Duration::from_secs(30),
+        )?,
+        pool_max_idle_per_host: u.pool_max_idle_per_host.unwrap_or(256),
+        max_connections_per_target: at_least(
+            f,
+            &u.max_connections_per_target,
+            "upstream.max_connections_per_target",
+            1,
+            super::DEFAULT_MAX_CONNECTIONS_PER_TARGET,
+        )?,
         targets,
         protocol,
         tls,
-        eject_after: at_least(f, &u.eject_after, "upstream.eject_after", 1, 3)?,
-        eject_for: positive_duration(f, &u.eject_for, "upstream.eject_for", Duration::from_secs(10))?,
         health_check,
     })
 }
