@@ -27,6 +27,8 @@ pub(crate) mod facts;
 mod settle;
 mod slots;
 mod target;
+mod validate;
+pub use validate::MAX_HEADERS;
 
 pub use crate::engine::plan::host_for_matching;
 use crate::engine::plan::{RequestParts, RequestPlan};
@@ -94,68 +96,6 @@ impl Peer {
 /// Header fields tollgate may add to a request on its way upstream: `X-Request-Id`,
 /// `traceparent`, `TE`, `X-Forwarded-For`, `-Proto`, `-Host` and `Forwarded`, and `Host` again.
 const FORWARD_ROOM: usize = 8;
-
-/// Refuses requests a proxy must not pass on, and bodies over `max_body_bytes` by their
-/// `Content-Length`.
-fn validate<B>(req: &Request<B>, f: &Facts, max_body_bytes: u64) -> Result<(), GatewayError> {
-    // Before any limit is spent: tollgate forwards no CONNECT.
-    if req.method() == http::Method::CONNECT {
-        return Err(GatewayError::BadRequest("CONNECT is not supported"));
-    }
-    if method_case_variant(req.method()) {
-        return Err(GatewayError::BadRequest(
-            "method names are case-sensitive: a standard method must be upper case",
-        ));
-    }
-    if f.other_coding {
-        return Err(GatewayError::NotImplemented("a transfer coding other than chunked"));
-    }
-    if f.transfer_encoding && f.content_lengths > 0 {
-        return Err(GatewayError::BadRequest("both Content-Length and Transfer-Encoding"));
-    }
-    if f.content_lengths > 1 {
-        return Err(GatewayError::BadRequest("more than one Content-Length"));
-    }
-    if f.hosts > 1 {
-        return Err(GatewayError::BadRequest("more than one Host header"));
-    }
-    if f.hosts == 0 && req.version() == Version::HTTP_11 {
-        return Err(GatewayError::BadRequest("HTTP/1.1 request without Host"));
-    }
-    match f.content_length {
-        Some(Err(())) => Err(GatewayError::BadRequest("invalid Content-Length")),
-        Some(Ok(len)) if len > max_body_bytes => Err(GatewayError::PayloadTooLarge),
-        _ => Ok(()),
-    }
-}
-
-/// A standard method spelled in another case (`post`, `Get`): the methods are case-sensitive
-/// (RFC 9110 §9.1), and an upstream that upper-cases them (Django, Flask) would run the method
-/// a `methods` condition names while the rule did not match.
-fn method_case_variant(m: &http::Method) -> bool {
-    const STANDARD: [&str; 9] = [
-        "GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH",
-    ];
-    let m = m.as_str();
-    m.bytes().any(|b| b.is_ascii_lowercase()) && STANDARD.iter().any(|s| s.eq_ignore_ascii_case(m))
-}
-
-/// Most header fields a request may carry: hyper's own parser's default limit (a request with
-/// more gets hyper's 431, made JSON by `http::parse_reply`); within it, and within twice
-/// `max_header_bytes`, tollgate checks the limits itself and answers the 431 with a JSON body.
-pub const MAX_HEADERS: usize = 100;
-
-/// The header section within `server.max_header_bytes` and [`MAX_HEADERS`] fields.
-fn headers_within<B>(req: &Request<B>, f: &Facts, max_bytes: usize) -> Result<(), GatewayError> {
-    if f.fields > MAX_HEADERS {
-        return Err(GatewayError::HeadersTooLarge);
-    }
-    let size = req.uri().path_and_query().map_or(1, |p| p.as_str().len()) + 16 + f.bytes;
-    if size > max_bytes {
-        return Err(GatewayError::HeadersTooLarge);
-    }
-    Ok(())
-}
 
 impl State {
     /// Serve one request; never fails (errors become responses in `crate::http::respond`).
@@ -264,8 +204,7 @@ impl State {
         mut note: Option<&mut access::Note>,
     ) -> Result<Response<ProxyBody>, GatewayError> {
         let sc = &self.config().server;
-        validate(&req, facts, sc.max_body_bytes)?;
-        headers_within(&req, facts, sc.max_header_bytes)?;
+        validate::request(&req, facts, sc)?;
         target::settle(&mut req, facts, sc.encoded_slashes)?;
         // An owned handle, not a guard: the snapshot stays alive across the awaits below
         // (store check, leaky-bucket wait, upstream exchange) without pinning an arc-swap slot.
