@@ -462,6 +462,31 @@ async fn a_dead_cluster_master_without_a_replica_keeps_its_breaker_open() {
     gw.stop().await;
 }
 
+/// A gateway on `redis` with one `failure: closed` sliding-log rule (3 a minute per `X-Who`)
+/// under `/log/`, and a `store.timeout` of `timeout`.
+async fn log_gateway(redis: &RedisServer, timeout: &str) -> TestGateway {
+    let up = echo().await;
+    let rules = r#"
+rules:
+  - { name: log, match: { path: "/log/**" }, key: header:X-Who, algorithm: sliding_log, limit: 3, window: 1m, failure: closed }
+"#;
+    let store = format!(
+        "store:\n  kind: redis\n  urls: [\"{}\"]\n  timeout: {timeout}\n  probe_interval: 100ms\n",
+        redis.url()
+    );
+    gateway(&format!("http://{up}"), &store, rules, None).await
+}
+
+/// The status `url` answers caller `who` (0 when the request fails).
+async fn log_status(c: &reqwest::Client, url: &str, who: &str) -> u16 {
+    c.get(url)
+        .header("x-who", who)
+        .send()
+        .await
+        .map(|r| r.status().as_u16())
+        .unwrap_or(0)
+}
+
 /// A check that timed out never spends later. Redis is frozen (SIGSTOP) while a `failure:
 /// closed` sliding-log rule (3 a minute) answers five requests 503 by timeout; their script
 /// calls wait in the server's socket and run when it resumes (SIGCONT). Each carries its
@@ -469,29 +494,10 @@ async fn a_dead_cluster_master_without_a_replica_keeps_its_breaker_open() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_check_that_timed_out_spends_nothing_when_redis_resumes() {
     let redis = RedisServer::start();
-    let up = echo().await;
-    let rules = r#"
-rules:
-  - { name: log, match: { path: "/log/**" }, key: header:X-Who, algorithm: sliding_log, limit: 3, window: 1m, failure: closed }
-"#;
-    let store = format!(
-        "store:\n  kind: redis\n  urls: [\"{}\"]\n  timeout: 100ms\n  probe_interval: 100ms\n",
-        redis.url()
-    );
-    let gw = gateway(&format!("http://{up}"), &store, rules, None).await;
+    let gw = log_gateway(&redis, "100ms").await;
     let c = client();
-    let get = |who: &'static str| {
-        let c = c.clone();
-        let url = format!("{}/log/x", gw.url);
-        async move {
-            c.get(url)
-                .header("x-who", who)
-                .send()
-                .await
-                .map(|r| r.status().as_u16())
-                .unwrap_or(0)
-        }
-    };
+    let url = format!("{}/log/x", gw.url);
+    let get = |who: &'static str| log_status(&c, &url, who);
     assert_eq!(get("warm-up").await, 200, "the script path works");
     redis.stop();
     let mut codes = Vec::new();
@@ -523,29 +529,10 @@ rules:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_check_whose_client_left_mid_flight_is_refunded() {
     let redis = RedisServer::start();
-    let up = echo().await;
-    let rules = r#"
-rules:
-  - { name: log, match: { path: "/log/**" }, key: header:X-Who, algorithm: sliding_log, limit: 3, window: 1m, failure: closed }
-"#;
-    let store = format!(
-        "store:\n  kind: redis\n  urls: [\"{}\"]\n  timeout: 2s\n  probe_interval: 100ms\n",
-        redis.url()
-    );
-    let gw = gateway(&format!("http://{up}"), &store, rules, None).await;
+    let gw = log_gateway(&redis, "2s").await;
     let c = client();
     let url = format!("{}/log/x", gw.url);
-    let get = |who: &'static str| {
-        let (c, url) = (c.clone(), url.clone());
-        async move {
-            c.get(url)
-                .header("x-who", who)
-                .send()
-                .await
-                .map(|r| r.status().as_u16())
-                .unwrap_or(0)
-        }
-    };
+    let get = |who: &'static str| log_status(&c, &url, who);
     assert_eq!(get("warm-up").await, 200, "the script path works");
     redis.stop();
     let quitter = reqwest::Client::builder()

@@ -31,16 +31,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 fn store_yaml(kind: &str, urls: &[String]) -> String {
-    let store = if kind == "memory" {
-        "store:\n  kind: memory\n".to_owned()
-    } else {
-        let list: Vec<String> = urls.iter().map(|u| format!("\"{u}\"")).collect();
-        format!(
-            "store:\n  kind: {kind}\n  urls: [{}]\n  timeout: 300ms\n  probe_interval: 100ms\n",
-            list.join(", ")
-        )
-    };
-    format!("{store}identity:\n  trusted_proxies: [127.0.0.1/32]\n")
+    trusting_store_yaml(kind, urls, "")
 }
 
 /// One concurrency rule on every path, per client address, failing closed (a check past the

@@ -32,16 +32,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 fn store_yaml(kind: &str, urls: &[String], extra: &str) -> String {
-    let store = if kind == "memory" {
-        "store:\n  kind: memory\n".to_owned()
-    } else {
-        let list: Vec<String> = urls.iter().map(|u| format!("\"{u}\"")).collect();
-        format!(
-            "store:\n  kind: {kind}\n  urls: [{}]\n  timeout: 300ms\n  probe_interval: 100ms\n{extra}",
-            list.join(", ")
-        )
-    };
-    format!("{store}identity:\n  trusted_proxies: [127.0.0.1/32]\n")
+    trusting_store_yaml(kind, urls, extra)
 }
 
 fn addr_of(url: &str) -> SocketAddr {

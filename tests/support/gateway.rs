@@ -198,3 +198,19 @@ pub fn binary_env(upstream: &str, extra: &str, rules: &str, env: &[(&str, &str)]
     gw.dir = Some(dir);
     gw
 }
+
+/// The `store:` section for `kind` on `urls` (a 300 ms timeout and a 100 ms probe, then `extra`,
+/// for Redis kinds), and an `identity:` that believes X-Forwarded-For from loopback: what the
+/// hostile-client tests run, so each client can be its own address.
+pub fn trusting_store_yaml(kind: &str, urls: &[String], extra: &str) -> String {
+    let store = if kind == "memory" {
+        "store:\n  kind: memory\n".to_owned()
+    } else {
+        let list: Vec<String> = urls.iter().map(|u| format!("\"{u}\"")).collect();
+        format!(
+            "store:\n  kind: {kind}\n  urls: [{}]\n  timeout: 300ms\n  probe_interval: 100ms\n{extra}",
+            list.join(", ")
+        )
+    };
+    format!("{store}identity:\n  trusted_proxies: [127.0.0.1/32]\n")
+}
