@@ -376,6 +376,7 @@ fn ready(gw: &State) -> Response<ProxyBody> {
 /// `GET /status`: the store, the rules and keys in force, and the last reload.
 async fn status(gw: &State) -> Response<ProxyBody> {
     let store = gw.store_ready().await;
+    gw.refresh_breaker_gauges();
     let snap = gw.snapshot().load();
     respond::json_ok(&json!({
         "ready": true,

@@ -411,21 +411,8 @@ fn spawn_probe(gw: &Arc<State>, stop: watch::Receiver<bool>) {
     spawn_every(gw.config().store.probe_interval, stop, move || {
         let gw = gw.clone();
         async move {
-            let open = gw.limiter().heal().await;
-            gw.metrics()
-                .store
-                .breaker_open
-                .set(i64::try_from(open).unwrap_or(i64::MAX));
-            if let crate::limiter::Backend::Redis(r) = gw.limiter().store() {
-                for (shard, is_open, _) in r.shard_states() {
-                    let g = gw
-                        .metrics()
-                        .store
-                        .shard_breaker_open
-                        .get_or_create(&crate::metrics::ShardLabels { shard });
-                    g.set(i64::from(is_open));
-                }
-            }
+            gw.limiter().heal().await;
+            gw.refresh_breaker_gauges();
         }
     });
 }

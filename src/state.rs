@@ -385,9 +385,12 @@ impl State {
         Ok(existed)
     }
 
-    /// Refresh the gauges that are read rather than counted (memory store size, process memory
-    /// and descriptors); `/metrics` calls this before encoding.
+    /// Refresh the gauges that are read rather than counted (memory store size, the store's
+    /// breakers, process memory and descriptors); `/metrics` calls this before encoding, so a
+    /// scrape sees a breaker the moment it opens, not when the probe task next runs (a probe
+    /// waiting on a cut-off shard can take longer than a scrape interval).
     pub fn refresh_gauges(&self) {
+        self.refresh_breaker_gauges();
         let mem = match self.limiter.store() {
             Backend::Memory(m) => m,
             Backend::Redis(_) => self.limiter.local(),
@@ -397,6 +400,28 @@ impl State {
             .memory_keys
             .set(i64::try_from(mem.len()).unwrap_or(i64::MAX));
         self.metrics.process.refresh();
+    }
+
+    /// `tollgate_store_breaker_open` (shards whose breaker is open) and the per-shard
+    /// `tollgate_store_shard_breaker_open{shard}`, from the breakers as they are now.
+    pub fn refresh_breaker_gauges(&self) {
+        let Backend::Redis(r) = self.limiter.store() else {
+            return;
+        };
+        let shards = r.shard_states();
+        let open = shards.iter().filter(|(_, is_open, _)| *is_open).count();
+        self.metrics
+            .store
+            .breaker_open
+            .set(i64::try_from(open).unwrap_or(i64::MAX));
+        for (shard, is_open, _) in shards {
+            let g = self
+                .metrics
+                .store
+                .shard_breaker_open
+                .get_or_create(&crate::metrics::ShardLabels { shard });
+            g.set(i64::from(is_open));
+        }
     }
 
     /// Compare the gateway config file with the one read at start. Its settings are not applied
