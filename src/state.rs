@@ -66,7 +66,7 @@ pub struct State {
     overrides_key: String,
     /// The limiter (store, local fallback, deny cache, breaker).
     limiter: Limiter,
-    /// Metrics.
+    /// Every counter, gauge and histogram `/metrics` exposes (shared with the upstream pool).
     metrics: Arc<Metrics>,
     /// Builds store keys.
     keys: KeyBuilder,

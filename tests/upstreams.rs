@@ -88,14 +88,7 @@ async fn two_targets_one_killed_under_load_no_get_fails_and_failed_posts_are_502
     assert!(per("tollgate_upstream_target_responses_total", &au, Some("failed")) >= 1.0);
     assert!(per("tollgate_upstream_target_responses_total", &bu, Some("2xx")) >= 300.0);
     // The dashboard lists the ejection: the killed target, with why and for how long.
-    let d: serde_json::Value = c
-        .get(format!("{}/dashboard.json", gw.admin))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let d = get_json(&c, format!("{}/dashboard.json", gw.admin)).await;
     let recent = d["recent_ejections"].as_array().unwrap_or_else(|| panic!("{d}"));
     assert!(!recent.is_empty(), "{d}");
     assert!(

@@ -213,7 +213,7 @@ pub enum Retry<'a> {
 
 /// What the caller keeps of a request so it can be sent again (idempotent, empty body).
 pub struct Replay {
-    /// Method.
+    /// The method, to send again (only an idempotent one is replayed).
     pub method: Method,
     /// Origin-form URI.
     pub uri: Uri,

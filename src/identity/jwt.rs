@@ -35,7 +35,7 @@ pub struct JwtClaims {
 struct KeySpec {
     /// `kid` from a JWKS, if any.
     kid: Option<String>,
-    /// The key.
+    /// The verifying key, of one family only (HMAC, RSA, EC or EdDSA).
     key: DecodingKey,
     /// Algorithms of the key's family that the config allows.
     algorithms: Vec<Algorithm>,
