@@ -219,6 +219,24 @@ pub struct Outcome {
     pub leased: u64,
 }
 
+impl Outcome {
+    /// A decision at `now` with no wait, penalty or lease: what an algorithm's arithmetic
+    /// returns before the leaky-bucket wait, the penalty box and leases look at it.
+    fn decided(now: u64, allowed: bool, remaining: u64, reset_us: u64, retry_after_us: u64) -> Self {
+        Outcome {
+            allowed,
+            remaining,
+            reset_us,
+            retry_after_us,
+            delay_us: 0,
+            at_us: now,
+            penalty_us: 0,
+            penalty_started: false,
+            leased: 0,
+        }
+    }
+}
+
 /// The state one limit keeps in the memory store.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum State {
@@ -355,32 +373,21 @@ fn bucket_eval(q: &Quota, state: &Option<State>, now: u64, cost: u64) -> Outcome
     let new_tat = base.saturating_add(cost.saturating_mul(t));
     if new_tat - now <= cap {
         Outcome {
-            allowed: true,
-            remaining: (cap - (new_tat - now)) / t,
-            reset_us: new_tat - now,
-            retry_after_us: 0,
             delay_us: if q.algorithm == Algorithm::LeakyBucket {
                 base - now
             } else {
                 0
             },
-            at_us: now,
-            penalty_us: 0,
-            penalty_started: false,
-            leased: 0,
+            ..Outcome::decided(now, true, (cap - (new_tat - now)) / t, new_tat - now, 0)
         }
     } else {
-        Outcome {
-            allowed: false,
-            remaining: (cap.saturating_sub(base - now)) / t,
-            reset_us: base - now,
-            retry_after_us: new_tat - cap - now,
-            delay_us: 0,
-            at_us: now,
-            penalty_us: 0,
-            penalty_started: false,
-            leased: 0,
-        }
+        Outcome::decided(
+            now,
+            false,
+            (cap.saturating_sub(base - now)) / t,
+            base - now,
+            new_tat - cap - now,
+        )
     }
 }
 
@@ -393,29 +400,9 @@ fn fixed_eval(q: &Quota, state: &Option<State>, now: u64, cost: u64) -> Outcome 
     };
     let reset = calendar::start(q, index + 1) - now;
     if count + cost <= limit {
-        Outcome {
-            allowed: true,
-            remaining: limit - count - cost,
-            reset_us: reset,
-            retry_after_us: 0,
-            delay_us: 0,
-            at_us: now,
-            penalty_us: 0,
-            penalty_started: false,
-            leased: 0,
-        }
+        Outcome::decided(now, true, limit - count - cost, reset, 0)
     } else {
-        Outcome {
-            allowed: false,
-            remaining: limit.saturating_sub(count),
-            reset_us: reset,
-            retry_after_us: reset,
-            delay_us: 0,
-            at_us: now,
-            penalty_us: 0,
-            penalty_started: false,
-            leased: 0,
-        }
+        Outcome::decided(now, false, limit.saturating_sub(count), reset, reset)
     }
 }
 
@@ -438,32 +425,18 @@ fn log_eval(q: &Quota, state: &Option<State>, now: u64, cost: u64) -> Outcome {
     let count = count as u64;
     let oldest = nth(0);
     if count + cost <= limit {
-        Outcome {
-            allowed: true,
-            remaining: limit - count - cost,
-            reset_us: oldest.unwrap_or(now) + w - now,
-            retry_after_us: 0,
-            delay_us: 0,
-            at_us: now,
-            penalty_us: 0,
-            penalty_started: false,
-            leased: 0,
-        }
+        Outcome::decided(now, true, limit - count - cost, oldest.unwrap_or(now) + w - now, 0)
     } else {
         // The (count + cost - limit)-th oldest entry must leave the window first.
         let k = (count + cost - limit) as usize;
         let tk = nth(k - 1).unwrap_or(now);
-        Outcome {
-            allowed: false,
-            remaining: limit.saturating_sub(count),
-            reset_us: oldest.unwrap_or(now) + w - now,
-            retry_after_us: tk + w - now,
-            delay_us: 0,
-            at_us: now,
-            penalty_us: 0,
-            penalty_started: false,
-            leased: 0,
-        }
+        Outcome::decided(
+            now,
+            false,
+            limit.saturating_sub(count),
+            oldest.unwrap_or(now) + w - now,
+            tk + w - now,
+        )
     }
 }
 
@@ -505,17 +478,7 @@ fn sliding_eval(q: &Quota, state: &mut Option<State>, now: u64, cost: u64) -> Ou
     let estimate = pf * (wf - elapsed as f64) / wf + cf;
     if estimate + costf <= lf {
         let reset = if curr + cost > 0 { next_end - now } else { end - now };
-        Outcome {
-            allowed: true,
-            remaining: (lf - estimate - costf).floor().max(0.0) as u64,
-            reset_us: reset,
-            retry_after_us: 0,
-            delay_us: 0,
-            at_us: now,
-            penalty_us: 0,
-            penalty_started: false,
-            leased: 0,
-        }
+        Outcome::decided(now, true, (lf - estimate - costf).floor().max(0.0) as u64, reset, 0)
     } else {
         let retry = if curr + cost <= limit {
             // Wait inside this window for the previous window's weight to decay.
@@ -528,17 +491,7 @@ fn sliding_eval(q: &Quota, state: &mut Option<State>, now: u64, cost: u64) -> Ou
             (wf - elapsed as f64) + e
         };
         let reset = if curr > 0 { next_end - now } else { end - now };
-        Outcome {
-            allowed: false,
-            remaining: (lf - estimate).floor().max(0.0) as u64,
-            reset_us: reset,
-            retry_after_us: retry as u64,
-            delay_us: 0,
-            at_us: now,
-            penalty_us: 0,
-            penalty_started: false,
-            leased: 0,
-        }
+        Outcome::decided(now, false, (lf - estimate).floor().max(0.0) as u64, reset, retry as u64)
     }
 }
 
