@@ -53,4 +53,5 @@ pub mod rt;
 pub mod rules;
 pub mod server;
 pub mod state;
+pub mod telemetry;
 pub mod yaml;

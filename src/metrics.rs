@@ -175,6 +175,17 @@ pub struct RuleMetrics {
     pub penalty_lifted: Counter,
 }
 
+/// The OTLP exporter's counters (`tollgate_otlp_spans_total{result}`).
+#[derive(Debug, Clone, Default)]
+pub struct OtlpCounters {
+    /// Spans the collector accepted.
+    pub exported: Counter,
+    /// Spans dropped because the export queue was full.
+    pub dropped: Counter,
+    /// Spans of exports that failed.
+    pub failed: Counter,
+}
+
 /// Every metric of the process.
 pub struct Metrics {
     /// The registry `/metrics` encodes.
@@ -274,6 +285,9 @@ pub struct Metrics {
     pub tls_reload_error: Counter,
     /// Upstream requests sent a second time after their first attempt failed.
     pub upstream_retries: Counter,
+    /// `tollgate_otlp_spans_total{result}`: request spans exported, dropped on a full queue,
+    /// or lost in a failed export (`crate::telemetry`).
+    pub otlp: OtlpCounters,
     /// Upstream targets taken out (passive ejection or a failed health check).
     pub upstream_ejections: Counter,
 }
@@ -430,6 +444,18 @@ impl Metrics {
         let tls_reload_error = tls_reloads
             .get_or_create(&ResultLabels { result: "error".into() })
             .clone();
+        let otlp_spans = Family::<ResultLabels, Counter>::default();
+        registry.register(
+            "otlp_spans",
+            "Request spans for OTLP export by result: exported, dropped (the export queue was full), failed (the collector refused or was unreachable)",
+            otlp_spans.clone(),
+        );
+        let otlp_result = |r: &str| otlp_spans.get_or_create(&ResultLabels { result: r.into() }).clone();
+        let otlp = OtlpCounters {
+            exported: otlp_result("exported"),
+            dropped: otlp_result("dropped"),
+            failed: otlp_result("failed"),
+        };
         let upstream_retries = Counter::default();
         registry.register(
             "upstream_retries",
@@ -614,6 +640,7 @@ impl Metrics {
             tls_reload_ok,
             tls_reload_error,
             upstream_retries,
+            otlp,
             upstream_ejections,
         })
     }

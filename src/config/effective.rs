@@ -22,7 +22,7 @@ pub struct Setting {
 }
 
 /// Where a raw value came from: its position in `file`, or `default` when it was not written.
-fn at<T>(file: &Path, v: Option<&Spanned<T>>) -> String {
+pub(super) fn at<T>(file: &Path, v: Option<&Spanned<T>>) -> String {
     match v {
         Some(s) => format!("{}:{}:{}", file.display(), s.referenced.line(), s.referenced.column()),
         None => "default".to_string(),
@@ -176,6 +176,7 @@ pub fn settings(file: &Path, raw: &RawGateway, cfg: &GatewayConfig, env: &EnvOve
         cfg.limits.max_keys.to_string(),
         at(file, l.max_keys.as_ref()),
     );
+    super::otlp::settings(file, &raw.tracing, cfg.otlp.as_ref(), &mut out);
     out
 }
 

@@ -42,6 +42,9 @@ pub struct RawGateway {
     /// Listener limits and timeouts.
     #[serde(default)]
     pub server: RawServer,
+    /// Span export (`tracing.otlp`).
+    #[serde(default)]
+    pub tracing: super::otlp::RawTracing,
 }
 
 /// `tls:` (the proxy listener).
