@@ -92,9 +92,9 @@ const DEFAULT_LOG_FILTER: &str = "info,rustls=error,redis=error";
 /// Logs to standard error; with `otlp`, tollgate's own background work (rules reloads) is also
 /// exported as spans through `tracing-opentelemetry` (`telemetry::ops_layer`).
 fn init_logs(format: Option<LogFormat>, otlp: Option<&tollgate::config::otlp::OtlpConfig>) {
+    use std::io::IsTerminal;
     use tracing_subscriber::layer::SubscriberExt as _;
     use tracing_subscriber::util::SubscriberInitExt as _;
-    use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG_FILTER));
     let json = match format {
@@ -102,12 +102,13 @@ fn init_logs(format: Option<LogFormat>, otlp: Option<&tollgate::config::otlp::Ot
         Some(LogFormat::Human) => false,
         None => !std::io::stderr().is_terminal(),
     };
-    let b = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+    // A registry with the filter and the fmt layer (what `tracing_subscriber::fmt()` builds),
+    // so the OTLP layer can carry a filter of its own.
+    let registry = tracing_subscriber::registry().with(filter);
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
     let mut failed = None;
     let done = if json {
-        let sub = b.json().flatten_event(true).finish();
+        let sub = registry.with(fmt.json().flatten_event(true));
         let layer = otlp.map(tollgate::telemetry::ops_layer).transpose();
         let layer = layer.unwrap_or_else(|e| {
             failed = Some(e);
@@ -115,7 +116,7 @@ fn init_logs(format: Option<LogFormat>, otlp: Option<&tollgate::config::otlp::Ot
         });
         sub.with(layer).try_init()
     } else {
-        let sub = b.finish();
+        let sub = registry.with(fmt);
         let layer = otlp.map(tollgate::telemetry::ops_layer).transpose();
         let layer = layer.unwrap_or_else(|e| {
             failed = Some(e);

@@ -143,7 +143,10 @@ impl Exporter {
             || status >= 500
             || fail_open
             || aborted
-            || matches!(decision, "limited" | "unavailable" | "fail_open" | "error" | "client_aborted")
+            || matches!(
+                decision,
+                "limited" | "unavailable" | "fail_open" | "error" | "client_aborted"
+            )
     }
 
     /// Queue `f` for export; a full queue drops it (counted). Never blocks.

@@ -106,7 +106,10 @@ pub fn compile(f: &Path, raw: &RawTracing) -> Result<Option<OtlpConfig>, ConfigE
     let timeout = positive_duration(f, &o.timeout, "tracing.otlp.timeout", Duration::from_secs(5))?;
     let queue_size = match &o.queue_size {
         Some(q) if q.value == 0 => {
-            return Err(bad(&q.referenced, "tracing.otlp.queue_size: 0; it must be at least 1".into()));
+            return Err(bad(
+                &q.referenced,
+                "tracing.otlp.queue_size: 0; it must be at least 1".into(),
+            ));
         }
         Some(q) => q.value,
         None => DEFAULT_QUEUE_SIZE,
@@ -157,7 +160,11 @@ pub fn settings(file: &Path, raw: &RawTracing, cfg: Option<&OtlpConfig>, out: &m
         return;
     };
     let mut push = |name: &'static str, value: String, source: String| out.push(Setting { name, value, source });
-    push("tracing.otlp.endpoint", c.endpoint.to_string(), at(file, Some(&r.endpoint)));
+    push(
+        "tracing.otlp.endpoint",
+        c.endpoint.to_string(),
+        at(file, Some(&r.endpoint)),
+    );
     push(
         "tracing.otlp.sample_ratio",
         c.sample_ratio.to_string(),
@@ -190,7 +197,11 @@ pub fn settings(file: &Path, raw: &RawTracing, cfg: Option<&OtlpConfig>, out: &m
     let headers: Vec<String> = c.headers_from.iter().map(|(n, v)| format!("{n} from ${v}")).collect();
     push(
         "tracing.otlp.headers_env",
-        if headers.is_empty() { "none".to_string() } else { headers.join(", ") },
+        if headers.is_empty() {
+            "none".to_string()
+        } else {
+            headers.join(", ")
+        },
         at(file, r.headers_env.values().next()),
     );
 }
