@@ -123,7 +123,7 @@ impl State {
                 id: id.clone(),
                 started: arrived,
                 method: req.method().clone(),
-                path: req.uri().path().to_owned(),
+                uri: req.uri().clone(),
                 client: peer,
                 tls: from.tls,
                 protocol: match req.version() {
@@ -131,12 +131,16 @@ impl State {
                     Version::HTTP_2 => "HTTP/2",
                     _ => "HTTP/1.1",
                 },
-                host: req
-                    .uri()
-                    .authority()
-                    .and_then(|a| http::HeaderValue::from_str(a.as_str()).ok())
-                    .or_else(|| req.headers().get(header::HOST).cloned()),
-                user_agent: req.headers().get(header::USER_AGENT).cloned(),
+                // Fields only the line shows: not copied for a request only exported.
+                host: logged
+                    .then(|| {
+                        req.uri()
+                            .authority()
+                            .and_then(|a| http::HeaderValue::from_str(a.as_str()).ok())
+                            .or_else(|| req.headers().get(header::HOST).cloned())
+                    })
+                    .flatten(),
+                user_agent: logged.then(|| req.headers().get(header::USER_AGENT).cloned()).flatten(),
                 bytes_in: facts.content_length.and_then(Result::ok),
                 trace_id: trace.trace_id_hex(),
                 note: access::Note {

@@ -93,12 +93,8 @@ pub struct Finished {
 pub struct Exporter {
     /// Into the export thread.
     tx: SyncSender<Finished>,
-    /// An allowed request is exported when its trace id's low 64 bits are below this.
-    threshold: u64,
-    /// `sample_ratio` is 1.
-    all: bool,
-    /// Follow an incoming sampled flag.
-    parent_based: bool,
+    /// Which allowed requests are exported.
+    sampling: Sampling,
     /// Dropped spans are counted here.
     dropped: prometheus_client::metrics::counter::Counter,
 }
@@ -117,10 +113,7 @@ impl Exporter {
             .map_err(|e| format!("cannot start the OTLP export thread: {e}"))?;
         Ok(Arc::new(Exporter {
             tx,
-            // `ratio * 2^64`, saturating at 1.
-            threshold: (cfg.sample_ratio * 18_446_744_073_709_551_616.0) as u64,
-            all: cfg.sample_ratio >= 1.0,
-            parent_based: cfg.parent_based,
+            sampling: Sampling::new(cfg.sample_ratio, cfg.parent_based),
             dropped: counters.dropped.clone(),
         }))
     }
@@ -128,12 +121,7 @@ impl Exporter {
     /// Is an allowed request of trace `t` exported (the ratio, or the incoming sampled flag)?
     /// Decided when it arrives, so a trace started here goes upstream marked sampled.
     pub fn head_sampled(&self, t: &TraceContext) -> bool {
-        if self.parent_based && t.parent_id.is_some() {
-            return t.flags & 1 == 1;
-        }
-        let mut low = [0u8; 8];
-        low.copy_from_slice(&t.trace_id[8..]);
-        self.all || u64::from_be_bytes(low) < self.threshold
+        self.sampling.picks(t)
     }
 
     /// Is a request that ended so exported whatever the ratio says (denied, failed open, a
@@ -154,6 +142,37 @@ impl Exporter {
         if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) = self.tx.try_send(f) {
             self.dropped.inc();
         }
+    }
+}
+
+/// Which allowed requests are exported.
+#[derive(Debug, Clone, Copy)]
+struct Sampling {
+    /// A trace is picked when its id's low 64 bits are below this.
+    threshold: u64,
+    /// `sample_ratio` is 1.
+    all: bool,
+    /// Follow an incoming sampled flag.
+    parent_based: bool,
+}
+
+impl Sampling {
+    fn new(ratio: f64, parent_based: bool) -> Sampling {
+        Sampling {
+            // `ratio * 2^64` (the cast saturates).
+            threshold: (ratio * 18_446_744_073_709_551_616.0) as u64,
+            all: ratio >= 1.0,
+            parent_based,
+        }
+    }
+
+    fn picks(&self, t: &TraceContext) -> bool {
+        if self.parent_based && t.parent_id.is_some() {
+            return t.flags & 1 == 1;
+        }
+        let mut low = [0u8; 8];
+        low.copy_from_slice(&t.trace_id[8..]);
+        self.all || u64::from_be_bytes(low) < self.threshold
     }
 }
 
@@ -307,7 +326,9 @@ fn clamp(v: u64) -> i64 {
 /// request path's workers.
 #[derive(Clone)]
 pub struct Transport {
-    /// The transport runtime.
+    /// The transport runtime (alive while a clone of this transport is).
+    runtime: Arc<tokio::runtime::Runtime>,
+    /// Its handle.
     handle: tokio::runtime::Handle,
     /// Pooled HTTP/1.1 connections to the collector.
     client: hyper_util::client::legacy::Client<
@@ -320,12 +341,15 @@ pub struct Transport {
 
 impl std::fmt::Debug for Transport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Transport").field("timeout", &self.timeout).finish()
+        f.debug_struct("Transport")
+            .field("workers", &self.runtime.metrics().num_workers())
+            .field("timeout", &self.timeout)
+            .finish()
     }
 }
 
 impl Transport {
-    /// Start the runtime (its thread runs until the process ends).
+    /// Start the runtime (its thread runs while a clone of the transport is alive).
     fn start(timeout: Duration) -> Result<Transport, String> {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
@@ -334,8 +358,6 @@ impl Transport {
             .build()
             .map_err(|e| format!("cannot start the OTLP runtime: {e}"))?;
         let handle = rt.handle().clone();
-        // The runtime lives as long as the process: its worker serves every export.
-        std::mem::forget(rt);
         let client = {
             let _in = handle.enter();
             hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
@@ -343,6 +365,7 @@ impl Transport {
                 .build_http()
         };
         Ok(Transport {
+            runtime: Arc::new(rt),
             handle,
             client,
             timeout,
@@ -398,4 +421,92 @@ where
         .with_tracer(tracer)
         .with_tracked_inactivity(false)
         .with_filter(filter))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn trace(n: u64, parent: bool, flags: u8) -> TraceContext {
+        let mut trace_id = [7u8; 16];
+        trace_id[8..].copy_from_slice(&n.to_be_bytes());
+        TraceContext {
+            trace_id,
+            span_id: [1; 8],
+            parent_id: parent.then_some([2; 8]),
+            flags,
+        }
+    }
+
+    #[test]
+    fn the_ratio_picks_that_share_of_trace_ids() {
+        let spread = |r: f64| {
+            let s = Sampling::new(r, false);
+            (0..10_000u64)
+                .filter(|i| s.picks(&trace(i.wrapping_mul(0x9E37_79B9_7F4A_7C15), false, 0)))
+                .count()
+        };
+        assert_eq!(spread(0.0), 0);
+        assert_eq!(spread(1.0), 10_000);
+        let tenth = spread(0.1);
+        assert!((800..1200).contains(&tenth), "{tenth}");
+    }
+
+    #[test]
+    fn parent_based_follows_the_incoming_flag_and_only_with_a_parent() {
+        let s = Sampling::new(0.0, true);
+        assert!(s.picks(&trace(1, true, 1)));
+        assert!(!s.picks(&trace(1, true, 0)));
+        assert!(!s.picks(&trace(1, false, 1)), "no parent: the ratio decides");
+        let s = Sampling::new(0.0, false);
+        assert!(!s.picks(&trace(1, true, 1)), "the flag is ignored by default");
+    }
+
+    #[test]
+    fn denials_fail_opens_errors_and_aborts_are_always_exported() {
+        assert!(Exporter::always("limited", 429, false, false));
+        assert!(Exporter::always("fail_open", 200, true, false));
+        assert!(Exporter::always("allowed", 502, false, false));
+        assert!(Exporter::always("client_aborted", 499, false, true));
+        assert!(Exporter::always("allowed", 200, false, true), "aborted mid-body");
+        assert!(!Exporter::always("allowed", 200, false, false));
+        assert!(!Exporter::always("unmatched", 404, false, false));
+    }
+
+    #[test]
+    fn a_span_has_the_request_ids_and_times() {
+        let start = SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+        let f = Finished {
+            trace: trace(5, true, 0),
+            start,
+            end: start + Duration::from_millis(3),
+            method: http::Method::POST,
+            path: "/x".into(),
+            status: 429,
+            decision: "limited",
+            rule: Some("r".into()),
+            binding: Some(BindingLimit {
+                limit: 5,
+                window_ms: 1000,
+                remaining: 0,
+            }),
+            fail_open: false,
+            store_us: None,
+            target: None,
+            attempts: 0,
+            upstream_us: 0,
+            client_aborted: false,
+        };
+        let d = span_data(f, &InstrumentationScope::builder("t").build());
+        assert_eq!(d.span_context.span_id(), SpanId::from_bytes([1; 8]));
+        assert_eq!(d.parent_span_id, SpanId::from_bytes([2; 8]));
+        assert!(d.parent_span_is_remote && d.span_context.is_sampled());
+        assert_eq!(
+            d.end_time.duration_since(d.start_time).ok(),
+            Some(Duration::from_millis(3))
+        );
+        assert_eq!(d.name, "POST");
+        let has = |k: &str| d.attributes.iter().any(|kv| kv.key.as_str() == k);
+        assert!(has("tollgate.binding.limit") && has("tollgate.rule") && !has("tollgate.upstream.target"));
+    }
 }

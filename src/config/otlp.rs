@@ -4,46 +4,13 @@
 use std::path::Path;
 use std::time::Duration;
 
-use serde::Deserialize;
-use serde_saphyr::Spanned;
-
-use super::effective::{at, Setting};
+use super::raw::RawTracing;
 use super::{positive_duration, ConfigError, Secret};
 
 /// `sample_ratio` when unset: one allowed request in a hundred.
 pub const DEFAULT_SAMPLE_RATIO: f64 = 0.01;
 /// `queue_size` when unset.
 pub const DEFAULT_QUEUE_SIZE: usize = 2048;
-
-/// `tracing:`.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RawTracing {
-    /// Span export over OTLP/HTTP.
-    pub otlp: Option<Spanned<RawOtlp>>,
-}
-
-/// `tracing.otlp:`.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RawOtlp {
-    /// The collector's traces URL, `http://host:port/v1/traces`.
-    pub endpoint: Spanned<String>,
-    /// The fraction of allowed requests exported, in [0, 1].
-    pub sample_ratio: Option<Spanned<f64>>,
-    /// Follow the incoming `traceparent`'s sampled flag for allowed requests.
-    pub parent_based: Option<bool>,
-    /// `service.name` of the exported resource.
-    pub service_name: Option<Spanned<String>>,
-    /// Deadline of one export request.
-    pub timeout: Option<Spanned<String>>,
-    /// Finished spans waiting for export at most; more are dropped (and counted).
-    pub queue_size: Option<Spanned<usize>>,
-    /// Request headers sent to the collector, each value read from the environment variable
-    /// named here (`authorization: OTLP_AUTH`): a credential never sits in the file.
-    #[serde(default)]
-    pub headers_env: std::collections::BTreeMap<String, Spanned<String>>,
-}
 
 /// The validated `tracing.otlp:`.
 #[derive(Debug, Clone)]
@@ -146,62 +113,4 @@ pub fn compile(f: &Path, raw: &RawTracing) -> Result<Option<OtlpConfig>, ConfigE
         headers,
         headers_from,
     }))
-}
-
-/// The `tracing.otlp.*` lines of `tollgate config` (header values never shown: only the
-/// variables they are read from).
-pub fn settings(file: &Path, raw: &RawTracing, cfg: Option<&OtlpConfig>, out: &mut Vec<Setting>) {
-    let (Some(r), Some(c)) = (raw.otlp.as_ref().map(|o| &o.value), cfg) else {
-        out.push(Setting {
-            name: "tracing.otlp",
-            value: "off".to_string(),
-            source: at(file, raw.otlp.as_ref()),
-        });
-        return;
-    };
-    let mut push = |name: &'static str, value: String, source: String| out.push(Setting { name, value, source });
-    push(
-        "tracing.otlp.endpoint",
-        c.endpoint.to_string(),
-        at(file, Some(&r.endpoint)),
-    );
-    push(
-        "tracing.otlp.sample_ratio",
-        c.sample_ratio.to_string(),
-        at(file, r.sample_ratio.as_ref()),
-    );
-    push(
-        "tracing.otlp.parent_based",
-        c.parent_based.to_string(),
-        if r.parent_based.is_some() {
-            format!("{} (tracing.otlp.parent_based)", file.display())
-        } else {
-            "default".to_string()
-        },
-    );
-    push(
-        "tracing.otlp.service_name",
-        c.service_name.clone(),
-        at(file, r.service_name.as_ref()),
-    );
-    push(
-        "tracing.otlp.timeout",
-        humantime::format_duration(c.timeout).to_string(),
-        at(file, r.timeout.as_ref()),
-    );
-    push(
-        "tracing.otlp.queue_size",
-        c.queue_size.to_string(),
-        at(file, r.queue_size.as_ref()),
-    );
-    let headers: Vec<String> = c.headers_from.iter().map(|(n, v)| format!("{n} from ${v}")).collect();
-    push(
-        "tracing.otlp.headers_env",
-        if headers.is_empty() {
-            "none".to_string()
-        } else {
-            headers.join(", ")
-        },
-        at(file, r.headers_env.values().next()),
-    );
 }

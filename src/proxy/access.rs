@@ -122,8 +122,9 @@ pub struct Line {
     pub started: Instant,
     /// Its method.
     pub method: http::Method,
-    /// Its path, without the query.
-    pub path: String,
+    /// Its URI (a reference count, not a copy): the line and the span show its path, never
+    /// its query.
+    pub uri: http::Uri,
     /// The client's address (the connection's peer).
     pub client: std::net::SocketAddr,
     /// `HTTP/1.0`, `HTTP/1.1` or `HTTP/2`.
@@ -166,7 +167,7 @@ impl Line {
             start: s.wall,
             end: s.wall + self.started.elapsed(),
             method: self.method,
-            path: self.path,
+            path: self.uri.path().to_owned(),
             status,
             decision: n.decision,
             rule: n.rule,
@@ -194,7 +195,7 @@ impl Line {
             tls = self.tls.unwrap_or("-"),
             host = text(self.host.as_ref()),
             method = self.method.as_str(),
-            path = self.path.as_str(),
+            path = self.uri.path(),
             user_agent = text(self.user_agent.as_ref()),
             status,
             decision = note.decision,
