@@ -464,7 +464,7 @@ fn tracing_otlp_is_off_by_default_and_validates_with_positions() {
             "gateway.yaml:5:35:",
             "is not set",
         ),
-        ("    sample_ratio: 0.5\n", "gateway.yaml:3:", "endpoint"),
+        ("    sample_ratio: 0.5\n", "gateway.yaml:4:", "missing field `endpoint`"),
     ] {
         let text = format!("upstream: {{ url: http://h:1 }}\ntracing:\n  otlp:\n{yaml}");
         let e = compile(&text, &env)
