@@ -11,6 +11,7 @@ use support::*;
 const RULES: &str = "rules:
   - { name: capped, match: { path: \"/limited/**\" }, key: global, algorithm: fixed_window, limit: 5, window: 1h }
   - { name: roomy, match: { path: \"/free/**\" }, key: global, algorithm: fixed_window, limit: 1000000000, window: 1h, failure: open }
+  - { name: slowpoke, match: { path: \"/slow/**\" }, key: global, algorithm: fixed_window, limit: 1000000000, window: 1h }
 ";
 
 /// The gateway file's store and tracing sections: Redis without leases (every check asks it),
@@ -146,8 +147,9 @@ fn gw_rules(gw: &BinaryGateway, rules: &str) {
     atomic_write(&gw.config_dir().join("rules.yaml"), rules);
 }
 
-/// At ratio 0 no allowed request is exported, while every denial and every request that
-/// failed open is; the exported count is in `tollgate_otlp_spans_total`.
+/// At ratio 0 no allowed request is exported, while every denial, every request that failed
+/// open and a request whose client left (status 499, span status error, ended when it left)
+/// is; the exported count is in `tollgate_otlp_spans_total`.
 #[tokio::test]
 async fn denials_and_fail_opens_are_always_exported_allowed_ones_follow_the_ratio() {
     let mut redis = RedisServer::start();
@@ -181,6 +183,15 @@ async fn denials_and_fail_opens_are_always_exported_allowed_ones_follow_the_rati
         }
     }
     assert_eq!(denied.len(), 5, "the limit is 5");
+    // A client that gives up before the (slow) upstream answers.
+    let (tp, aborted, aborted_parent) = traceparent(400);
+    let gave_up = c
+        .get(format!("{}/slow/1500", gw.url))
+        .header("traceparent", tp)
+        .timeout(Duration::from_millis(200))
+        .send()
+        .await;
+    assert!(gave_up.is_err(), "the client timed out");
     redis.kill();
     let mut failed_open = Vec::new();
     for i in 0..3 {
@@ -191,7 +202,7 @@ async fn denials_and_fail_opens_are_always_exported_allowed_ones_follow_the_rati
 
     let spans = eventually_some(Duration::from_secs(10), || {
         let s = request_spans(&rx);
-        async move { (s.len() >= 8).then_some(s) }
+        async move { (s.len() >= 9).then_some(s) }
     })
     .await
     .unwrap_or_else(|| panic!("spans: {:?}\n{}", request_spans(&rx), gw.log()));
@@ -218,15 +229,30 @@ async fn denials_and_fail_opens_are_always_exported_allowed_ones_follow_the_rati
         assert_eq!(a["tollgate.rule"], "roomy");
         assert_eq!(a["tollgate.upstream.target"], format!("http://{up}"));
     }
+    let s = span_of(&spans, &aborted).unwrap_or_else(|| panic!("aborted request not exported: {spans:?}"));
+    assert_eq!(s["parent_span_id"], aborted_parent.as_str());
+    assert_eq!(s["attributes"]["http.response.status_code"], 499, "{s}");
+    assert_eq!(s["attributes"]["tollgate.decision"], "client_aborted");
+    assert_eq!(s["attributes"]["tollgate.client_aborted"], true);
+    assert_eq!(
+        (s["status_code"].as_i64(), s["status_message"].as_str()),
+        (Some(2), Some("client aborted")),
+        "{s}"
+    );
+    let took_ms = (s["end_ns"].as_u64().unwrap() - s["start_ns"].as_u64().unwrap()) / 1_000_000;
+    assert!(
+        (150..1500).contains(&took_ms),
+        "it ends when the client left: {took_ms} ms"
+    );
     for trace in &allowed {
         assert!(span_of(&spans, trace).is_none(), "allowed {trace} exported at ratio 0");
     }
-    assert_eq!(spans.len(), 8, "{spans:?}");
+    assert_eq!(spans.len(), 9, "{spans:?}");
     // Counted once the collector has answered.
     let counted = eventually(Duration::from_secs(10), || {
         let (c, admin) = (c.clone(), gw.admin.clone());
-        async move { metric_value(&c, &admin, "tollgate_otlp_spans_total{result=\"exported\"}").await == 8.0 }
+        async move { metric_value(&c, &admin, "tollgate_otlp_spans_total{result=\"exported\"}").await == 9.0 }
     })
     .await;
-    assert!(counted, "tollgate_otlp_spans_total{{result=\"exported\"}} is not 8");
+    assert!(counted, "tollgate_otlp_spans_total{{result=\"exported\"}} is not 9");
 }
