@@ -327,7 +327,7 @@ fn clamp(v: u64) -> i64 {
 #[derive(Clone)]
 pub struct Transport {
     /// The transport runtime (alive while a clone of this transport is).
-    runtime: Arc<tokio::runtime::Runtime>,
+    runtime: Arc<OwnedRuntime>,
     /// Its handle.
     handle: tokio::runtime::Handle,
     /// Pooled HTTP/1.1 connections to the collector.
@@ -342,9 +342,21 @@ pub struct Transport {
 impl std::fmt::Debug for Transport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Transport")
-            .field("workers", &self.runtime.metrics().num_workers())
+            .field("workers", &self.runtime.0.as_ref().map(|r| r.metrics().num_workers()))
             .field("timeout", &self.timeout)
             .finish()
+    }
+}
+
+/// A runtime shut down without waiting when the last transport goes: dropping a tokio runtime
+/// blocks, which panics when that happens inside another runtime's task.
+struct OwnedRuntime(Option<tokio::runtime::Runtime>);
+
+impl Drop for OwnedRuntime {
+    fn drop(&mut self) {
+        if let Some(rt) = self.0.take() {
+            rt.shutdown_background();
+        }
     }
 }
 
@@ -365,7 +377,7 @@ impl Transport {
                 .build_http()
         };
         Ok(Transport {
-            runtime: Arc::new(rt),
+            runtime: Arc::new(OwnedRuntime(Some(rt))),
             handle,
             client,
             timeout,
