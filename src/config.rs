@@ -7,6 +7,7 @@ pub mod admin;
 pub mod effective;
 pub mod leases;
 pub mod net;
+pub mod otlp;
 pub mod raw;
 pub mod reload;
 
@@ -276,6 +277,8 @@ pub struct GatewayConfig {
     pub limits: LimitsConfig,
     /// Listener limits.
     pub server: ServerConfig,
+    /// Span export over OTLP (`None`: off).
+    pub otlp: Option<otlp::OtlpConfig>,
     /// Things an operator should know that are not errors (an ignored environment override, a
     /// risky combination). `check` prints them; `run` logs each as a warning at start.
     pub notes: Vec<String>,
@@ -386,6 +389,7 @@ impl GatewayConfig {
             notes.push(note);
         }
         let access_log = net::access_log(f, &raw.access_log)?;
+        let otlp = otlp::compile(f, &raw.tracing)?;
         Ok(GatewayConfig {
             path: path.to_path_buf(),
             listen,
@@ -408,6 +412,7 @@ impl GatewayConfig {
             identity,
             limits,
             server,
+            otlp,
             notes,
         })
     }

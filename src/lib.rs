@@ -30,6 +30,7 @@
 //! | [`clock`] | injectable time ([`clock::FakeClock`] for tests) |
 //! | [`demo`] | `tollgate demo`: an echo upstream plus the gateway on the memory store |
 //! | [`rt`] | runtime plumbing apart from the domain code: coarse timers, idle parking of keep-alive connections, per-thread header-value chunks, stop signals; each with its measured gain (see its index) |
+//! | [`telemetry`] | OTLP span export (`tracing.otlp`): the request span handed over by `proxy::access`, a bounded queue, the export thread, `tracing-opentelemetry` for background spans |
 //! | [`log_throttle`] | rate-limited logging of errors that repeat during an outage |
 //! | [`describe`] | plain-language descriptions of the loaded config for `check` and the admin API |
 #![forbid(unsafe_code)]
@@ -53,4 +54,5 @@ pub mod rt;
 pub mod rules;
 pub mod server;
 pub mod state;
+pub mod telemetry;
 pub mod yaml;

@@ -89,8 +89,12 @@ enum Command {
 /// tollgate logs the store's failures itself (throttled, with the shard).
 const DEFAULT_LOG_FILTER: &str = "info,rustls=error,redis=error";
 
-fn init_logs(format: Option<LogFormat>) {
+/// Logs to standard error; with `otlp`, tollgate's own background work (rules reloads) is also
+/// exported as spans through `tracing-opentelemetry` (`telemetry::ops_layer`).
+fn init_logs(format: Option<LogFormat>, otlp: Option<&tollgate::config::otlp::OtlpConfig>) {
     use std::io::IsTerminal;
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG_FILTER));
     let json = match format {
@@ -98,13 +102,33 @@ fn init_logs(format: Option<LogFormat>) {
         Some(LogFormat::Human) => false,
         None => !std::io::stderr().is_terminal(),
     };
-    let b = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    if json {
-        b.json().flatten_event(true).init();
+    // A registry with the filter and the fmt layer (what `tracing_subscriber::fmt()` builds),
+    // so the OTLP layer can carry a filter of its own.
+    let registry = tracing_subscriber::registry().with(filter);
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let mut failed = None;
+    let done = if json {
+        let sub = registry.with(fmt.json().flatten_event(true));
+        let layer = otlp.map(tollgate::telemetry::ops_layer).transpose();
+        let layer = layer.unwrap_or_else(|e| {
+            failed = Some(e);
+            None
+        });
+        sub.with(layer).try_init()
     } else {
-        b.init();
+        let sub = registry.with(fmt);
+        let layer = otlp.map(tollgate::telemetry::ops_layer).transpose();
+        let layer = layer.unwrap_or_else(|e| {
+            failed = Some(e);
+            None
+        });
+        sub.with(layer).try_init()
+    };
+    if let Err(e) = done {
+        eprintln!("tollgate: cannot set up logging: {e}");
+    }
+    if let Some(e) = failed {
+        tracing::warn!(error = %e, "tracing.otlp: background spans are not exported");
     }
 }
 
@@ -123,8 +147,9 @@ fn main() -> ExitCode {
             ip,
         } => explain(&config, &method, &path, &headers, ip),
         Command::Run => {
-            init_logs(cli.log_format);
-            let cfg = match GatewayConfig::load(&config, &EnvOverrides::from_env()) {
+            let loaded = GatewayConfig::load(&config, &EnvOverrides::from_env());
+            init_logs(cli.log_format, loaded.as_ref().ok().and_then(|c| c.otlp.as_ref()));
+            let cfg = match loaded {
                 Ok(cfg) => cfg,
                 Err(e) => {
                     // A log line, so it is JSON when the logs are (a crash-looping pod's reason
@@ -143,7 +168,7 @@ fn main() -> ExitCode {
             })
         }
         Command::Demo { listen, admin_listen } => {
-            init_logs(cli.log_format.or(Some(LogFormat::Human)));
+            init_logs(cli.log_format.or(Some(LogFormat::Human)), None);
             runtime(async move {
                 tollgate::demo::run(given.as_deref(), listen, admin_listen)
                     .await

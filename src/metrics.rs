@@ -9,12 +9,14 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
+mod otlp;
 mod process;
 mod reload;
 mod store;
 mod traffic;
 mod upstream;
 
+pub use otlp::OtlpCounters;
 pub use process::Process;
 pub use reload::{Reload, Tls};
 pub use store::{ShardLabels, Store};
@@ -67,6 +69,9 @@ pub struct Metrics {
     pub tls: Tls,
     /// `process_*`, under the standard names.
     pub process: Process,
+    /// `tollgate_otlp_spans_total{result}`: request spans exported, dropped on a full queue,
+    /// or lost in a failed export (`crate::telemetry`).
+    pub otlp: OtlpCounters,
 }
 
 impl Metrics {
@@ -78,6 +83,7 @@ impl Metrics {
         let upstream = Upstream::register(&mut registry);
         let tls = Tls::register(&mut registry);
         let reload = Reload::register(&mut registry);
+        let otlp = OtlpCounters::register(&mut registry);
         Arc::new(Metrics {
             registry,
             traffic,
@@ -86,6 +92,7 @@ impl Metrics {
             reload,
             tls,
             process: Process::register(),
+            otlp,
         })
     }
 

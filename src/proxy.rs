@@ -112,16 +112,18 @@ impl State {
         let id = facts::ensure_request_id(req.headers_mut(), &facts);
         let grpc = facts.grpc;
         let http1 = req.version() < Version::HTTP_2;
-        let line = self.access_sampler().take().then(|| {
-            // The trace context now, for the line; a request not logged gets it only when it is
-            // forwarded (`outbound`), so a 429 costs nothing for it.
-            let trace = crate::http::trace::ensure(req.headers_mut(), false);
+        let logged = self.access_sampler().take();
+        let line = (logged || self.exporter().is_some()).then(|| {
+            // The trace context now, for the line and the span; a request neither logged nor
+            // exported gets it only when it is forwarded (`outbound`), so a 429 costs nothing
+            // for it.
+            let (trace, span) = access::trace(req.headers_mut(), self.exporter());
             facts.traced = true;
             access::Line {
                 id: id.clone(),
                 started: arrived,
                 method: req.method().clone(),
-                path: req.uri().path().to_owned(),
+                uri: req.uri().clone(),
                 client: peer,
                 tls: from.tls,
                 protocol: match req.version() {
@@ -129,15 +131,23 @@ impl State {
                     Version::HTTP_2 => "HTTP/2",
                     _ => "HTTP/1.1",
                 },
-                host: req
-                    .uri()
-                    .authority()
-                    .and_then(|a| http::HeaderValue::from_str(a.as_str()).ok())
-                    .or_else(|| req.headers().get(header::HOST).cloned()),
-                user_agent: req.headers().get(header::USER_AGENT).cloned(),
+                // Fields only the line shows: not copied for a request only exported.
+                host: logged
+                    .then(|| {
+                        req.uri()
+                            .authority()
+                            .and_then(|a| http::HeaderValue::from_str(a.as_str()).ok())
+                            .or_else(|| req.headers().get(header::HOST).cloned())
+                    })
+                    .flatten(),
+                user_agent: logged.then(|| req.headers().get(header::USER_AGENT).cloned()).flatten(),
                 bytes_in: facts.content_length.and_then(Result::ok),
                 trace_id: trace.trace_id_hex(),
-                note: access::Note::default(),
+                note: access::Note {
+                    logged,
+                    ..access::Note::default()
+                },
+                span,
             }
         });
         // Dropped with this future if the client leaves before the response: counted and logged.
@@ -229,7 +239,9 @@ impl State {
         if let Some(n) = note.as_deref_mut() {
             let ident = &plan.identity;
             n.identity_kind = ident.kind.as_str();
-            n.identity = caller(ident).tag(self.keys(), "").to_string();
+            if n.logged {
+                n.identity = caller(ident).tag(self.keys(), "").to_string();
+            }
             n.decision = if plan.checks.is_empty() { "unmatched" } else { "allowed" };
         }
 
@@ -240,6 +252,9 @@ impl State {
             let checked = engine.check(&mut plan, now_us).await;
             if let Some(waited) = checked.store_wait {
                 self.metrics().store.check_latency.observe(waited.as_secs_f64());
+                if let Some(n) = note.as_deref_mut() {
+                    n.store_us = Some(u64::try_from(waited.as_micros()).unwrap_or(u64::MAX));
+                }
             }
             let decided = Decided {
                 verdict: &checked.verdict,
@@ -366,6 +381,7 @@ impl State {
                 .map(|(c, _)| c)
             {
                 n.decision = "fail_open";
+                n.fail_open = true;
                 n.rule = Some(snap.rules.rules[c.rule as usize].name.clone());
             }
         }
@@ -376,6 +392,12 @@ impl State {
                 if !o.allowed || n.decision != "fail_open" {
                     n.rule = Some(snap.rules.rules[plan.checks[i].rule as usize].name.clone());
                 }
+                let q = plan.checks[i].enforced(src).quota;
+                n.binding = Some(crate::telemetry::BindingLimit {
+                    limit: q.limit.get(),
+                    window_ms: q.window_us.get() / 1000,
+                    remaining: o.remaining,
+                });
             }
             if !o.allowed {
                 if let Some(n) = note {

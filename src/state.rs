@@ -92,6 +92,8 @@ pub struct State {
     drain: tokio::sync::watch::Sender<bool>,
     /// Requests answered during the drain window.
     drained_requests: AtomicU64,
+    /// Span export over OTLP (`tracing.otlp`; `None`: off).
+    exporter: Option<Arc<crate::telemetry::Exporter>>,
 }
 
 /// Seconds since the Unix epoch (0 before it).
@@ -172,6 +174,9 @@ pub enum StartError {
     /// The upstream (its TLS client config) could not be set up.
     #[error("upstream: {0}")]
     Upstream(#[from] crate::http::upstream::UpstreamError),
+    /// The OTLP exporter could not be started.
+    #[error("tracing.otlp: {0}")]
+    Telemetry(String),
     /// The listener's TLS could not be set up.
     #[error("tls: {0}")]
     Tls(#[from] crate::http::tls::TlsError),
@@ -216,7 +221,12 @@ impl State {
         &self.upstream
     }
 
-    /// Decides which requests the access log writes.
+    /// The OTLP span exporter, when `tracing.otlp` is on.
+    pub fn exporter(&self) -> Option<&Arc<crate::telemetry::Exporter>> {
+        self.exporter.as_ref()
+    }
+
+    /// Which requests the access log writes.
     pub fn access_sampler(&self) -> &crate::proxy::access::Sampler {
         &self.access
     }
@@ -313,6 +323,10 @@ impl State {
             keys: None,
             error: None,
         });
+        let exporter = match &config.otlp {
+            Some(c) => Some(crate::telemetry::Exporter::start(c, &metrics.otlp).map_err(StartError::Telemetry)?),
+            None => None,
+        };
         let overrides_key = format!("{{{}:overrides}}", config.store.key_prefix);
         let gw = Arc::new(State {
             snapshot: ArcSwap::from_pointee(snap),
@@ -333,6 +347,7 @@ impl State {
             store_permission: parking_lot::Mutex::new(None),
             drain: tokio::sync::watch::channel(false).0,
             drained_requests: AtomicU64::new(0),
+            exporter,
         });
         Ok(gw)
     }

@@ -178,6 +178,7 @@ pub fn settings(file: &Path, raw: &RawGateway, cfg: &GatewayConfig, env: &EnvOve
     );
     identity(file, raw, cfg, &mut out);
     tls(file, raw, cfg, &mut out);
+    otlp_settings(file, &raw.tracing, cfg.otlp.as_ref(), &mut out);
     out
 }
 
@@ -336,6 +337,69 @@ fn tls(file: &Path, raw: &RawGateway, cfg: &GatewayConfig, out: &mut Vec<Setting
             None => "system roots for rediss:// URLs".to_string(),
         },
         at(file, st.tls.as_ref()),
+    );
+}
+
+/// The `tracing.otlp.*` lines of `tollgate config` (header values never shown: only the
+/// variables they are read from).
+fn otlp_settings(
+    file: &Path,
+    raw: &super::raw::RawTracing,
+    cfg: Option<&super::otlp::OtlpConfig>,
+    out: &mut Vec<Setting>,
+) {
+    let (Some(r), Some(c)) = (raw.otlp.as_ref().map(|o| &o.value), cfg) else {
+        out.push(Setting {
+            name: "tracing.otlp",
+            value: "off".to_string(),
+            source: at(file, raw.otlp.as_ref()),
+        });
+        return;
+    };
+    let mut push = |name: &'static str, value: String, source: String| out.push(Setting { name, value, source });
+    push(
+        "tracing.otlp.endpoint",
+        c.endpoint.to_string(),
+        at(file, Some(&r.endpoint)),
+    );
+    push(
+        "tracing.otlp.sample_ratio",
+        c.sample_ratio.to_string(),
+        at(file, r.sample_ratio.as_ref()),
+    );
+    push(
+        "tracing.otlp.parent_based",
+        c.parent_based.to_string(),
+        if r.parent_based.is_some() {
+            format!("{} (tracing.otlp.parent_based)", file.display())
+        } else {
+            "default".to_string()
+        },
+    );
+    push(
+        "tracing.otlp.service_name",
+        c.service_name.clone(),
+        at(file, r.service_name.as_ref()),
+    );
+    push(
+        "tracing.otlp.timeout",
+        humantime::format_duration(c.timeout).to_string(),
+        at(file, r.timeout.as_ref()),
+    );
+    push(
+        "tracing.otlp.queue_size",
+        c.queue_size.to_string(),
+        at(file, r.queue_size.as_ref()),
+    );
+    let headers: Vec<String> = c.headers_from.iter().map(|(n, v)| format!("{n} from ${v}")).collect();
+    push(
+        "tracing.otlp.headers_env",
+        if headers.is_empty() {
+            "none".to_string()
+        } else {
+            headers.join(", ")
+        },
+        at(file, r.headers_env.values().next()),
     );
 }
 

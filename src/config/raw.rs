@@ -42,6 +42,9 @@ pub struct RawGateway {
     /// Listener limits and timeouts.
     #[serde(default)]
     pub server: RawServer,
+    /// Span export (`tracing.otlp`).
+    #[serde(default)]
+    pub tracing: RawTracing,
 }
 
 /// `tls:` (the proxy listener).
@@ -279,4 +282,34 @@ pub struct RawAdmin {
     pub token_file: Option<Spanned<String>>,
     /// Allow a non-loopback `admin_listen` without a token.
     pub insecure: Option<Spanned<bool>>,
+}
+
+/// `tracing:`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTracing {
+    /// Span export over OTLP/HTTP.
+    pub otlp: Option<Spanned<RawOtlp>>,
+}
+
+/// `tracing.otlp:`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawOtlp {
+    /// The collector's traces URL, `http://host:port/v1/traces`.
+    pub endpoint: Spanned<String>,
+    /// The fraction of allowed requests exported, in [0, 1].
+    pub sample_ratio: Option<Spanned<f64>>,
+    /// Follow the incoming `traceparent`'s sampled flag for allowed requests.
+    pub parent_based: Option<bool>,
+    /// `service.name` of the exported resource.
+    pub service_name: Option<Spanned<String>>,
+    /// Deadline of one export request.
+    pub timeout: Option<Spanned<String>>,
+    /// Finished spans waiting for export at most; more are dropped (and counted).
+    pub queue_size: Option<Spanned<usize>>,
+    /// Request headers sent to the collector, each value read from the environment variable
+    /// named here (`authorization: OTLP_AUTH`): a credential never sits in the file.
+    #[serde(default)]
+    pub headers_env: std::collections::BTreeMap<String, Spanned<String>>,
 }

@@ -427,3 +427,50 @@ fn store_scripting_is_auto_by_default_and_takes_three_values() {
         .to_string();
     assert!(e.contains("store.scripting needs a Redis store"), "{e}");
 }
+
+#[test]
+fn tracing_otlp_is_off_by_default_and_validates_with_positions() {
+    let env = EnvOverrides::default();
+    let c = compile("upstream: { url: http://h:1 }\n", &env).unwrap();
+    assert!(c.otlp.is_none(), "span export is off unless configured");
+    let c = compile(
+        "upstream: { url: http://h:1 }\ntracing:\n  otlp:\n    endpoint: http://127.0.0.1:4318/v1/traces\n",
+        &env,
+    )
+    .unwrap();
+    let o = c.otlp.unwrap();
+    assert_eq!(o.sample_ratio, otlp::DEFAULT_SAMPLE_RATIO);
+    assert_eq!((o.service_name.as_str(), o.parent_based), ("tollgate", false));
+    assert_eq!(o.queue_size, otlp::DEFAULT_QUEUE_SIZE);
+    for (yaml, at, says) in [
+        (
+            "    endpoint: https://c:4318/v1/traces\n",
+            "gateway.yaml:4:15:",
+            "http://",
+        ),
+        ("    endpoint: \"not a url\"\n", "gateway.yaml:4:15:", "not a URL"),
+        (
+            "    endpoint: http://c:4318/v1/traces\n    sample_ratio: 1.5\n",
+            "gateway.yaml:5:19:",
+            "[0, 1]",
+        ),
+        (
+            "    endpoint: http://c:4318/v1/traces\n    queue_size: 0\n",
+            "gateway.yaml:5:17:",
+            "at least 1",
+        ),
+        (
+            "    endpoint: http://c:4318/v1/traces\n    headers_env: { authorization: TOLLGATE_TEST_UNSET_OTLP_VAR }\n",
+            "gateway.yaml:5:35:",
+            "is not set",
+        ),
+        ("    sample_ratio: 0.5\n", "gateway.yaml:4:", "missing field `endpoint`"),
+    ] {
+        let text = format!("upstream: {{ url: http://h:1 }}\ntracing:\n  otlp:\n{yaml}");
+        let e = compile(&text, &env)
+            .err()
+            .unwrap_or_else(|| panic!("accepted: {text}"))
+            .to_string();
+        assert!(e.contains(at) && e.contains(says), "{text}\n→ {e}");
+    }
+}

@@ -20,9 +20,12 @@ use std::time::Instant;
 
 use crate::config::AccessLog;
 
-/// What the request path learned about one request, filled only when it is logged.
+/// What the request path learned about one request, filled only when it is logged or its span
+/// may be exported.
 #[derive(Debug, Default)]
 pub struct Note {
+    /// Its access line is written (the caller's hash is worked out only then).
+    pub logged: bool,
     /// `allowed`, `limited`, `unavailable`, `fail_open`, `unmatched`, `error` (see the module
     /// docs).
     pub decision: &'static str,
@@ -38,6 +41,48 @@ pub struct Note {
     pub attempts: u8,
     /// Time spent waiting for the upstream's response head, microseconds.
     pub upstream_us: u64,
+    /// The binding limit (the one in the response's headers, or the one that denied).
+    pub binding: Option<crate::telemetry::BindingLimit>,
+    /// A rule let the request through unchecked: its store was down.
+    pub fail_open: bool,
+    /// Time waiting for the store, microseconds (`None`: decided locally).
+    pub store_us: Option<u64>,
+}
+
+/// The start of a request's span, when spans are exported (`crate::telemetry`).
+#[derive(Debug)]
+pub struct SpanStart {
+    /// Where it goes.
+    pub exporter: Arc<crate::telemetry::Exporter>,
+    /// Its wall-clock start.
+    pub wall: std::time::SystemTime,
+    /// Its trace context.
+    pub trace: crate::http::trace::TraceContext,
+    /// The ratio (or the incoming sampled flag) picked it: exported however it ends.
+    pub head: bool,
+}
+
+/// Continue or start the request's trace (`crate::http::trace::ensure`), and begin its span
+/// when `exporter` is on. A trace started here that the ratio picks goes upstream sampled.
+pub fn trace(
+    h: &mut http::HeaderMap,
+    exporter: Option<&Arc<crate::telemetry::Exporter>>,
+) -> (crate::http::trace::TraceContext, Option<SpanStart>) {
+    let mut trace = crate::http::trace::ensure(h, false);
+    let span = exporter.map(|e| {
+        let head = e.head_sampled(&trace);
+        if head && trace.parent_id.is_none() {
+            trace.flags |= 1;
+            h.insert(crate::http::trace::TRACEPARENT.clone(), trace.traceparent());
+        }
+        SpanStart {
+            exporter: e.clone(),
+            wall: std::time::SystemTime::now(),
+            trace,
+            head,
+        }
+    });
+    (trace, span)
 }
 
 /// Decides which requests are logged.
@@ -77,8 +122,9 @@ pub struct Line {
     pub started: Instant,
     /// Its method.
     pub method: http::Method,
-    /// Its path, without the query.
-    pub path: String,
+    /// Its URI (a reference count, not a copy): the line and the span show its path, never
+    /// its query.
+    pub uri: http::Uri,
     /// The client's address (the connection's peer).
     pub client: std::net::SocketAddr,
     /// `HTTP/1.0`, `HTTP/1.1` or `HTTP/2`.
@@ -95,6 +141,8 @@ pub struct Line {
     pub trace_id: [u8; 32],
     /// What the request path learned.
     pub note: Note,
+    /// Its span, when spans are exported.
+    pub span: Option<SpanStart>,
 }
 
 /// A header value for a log field: `-` when absent or not printable text.
@@ -103,9 +151,39 @@ fn text(v: Option<&http::HeaderValue>) -> &str {
 }
 
 impl Line {
+    /// The request has ended with `status`, `bytes_out` body bytes sent, and the client gone
+    /// before the end or not: write its line (when logged), export its span (when sampled).
+    pub fn finish(self, status: u16, bytes_out: u64, client_aborted: bool) {
+        if self.note.logged {
+            self.write(status, bytes_out, client_aborted);
+        }
+        let Some(s) = self.span else { return };
+        let n = self.note;
+        if !(s.head || crate::telemetry::Exporter::always(n.decision, status, n.fail_open, client_aborted)) {
+            return;
+        }
+        s.exporter.offer(crate::telemetry::Finished {
+            trace: s.trace,
+            start: s.wall,
+            end: s.wall + self.started.elapsed(),
+            method: self.method,
+            path: self.uri.path().to_owned(),
+            status,
+            decision: n.decision,
+            rule: n.rule,
+            binding: n.binding,
+            fail_open: n.fail_open,
+            store_us: n.store_us,
+            target: n.target,
+            attempts: n.attempts,
+            upstream_us: n.upstream_us,
+            client_aborted,
+        });
+    }
+
     /// Write the line: the response's `status`, the body bytes sent, and whether the client
     /// left before the end.
-    pub fn write(&self, status: u16, bytes_out: u64, client_aborted: bool) {
+    fn write(&self, status: u16, bytes_out: u64, client_aborted: bool) {
         let total_us = u64::try_from(self.started.elapsed().as_micros()).unwrap_or(u64::MAX);
         let note = &self.note;
         tracing::info!(
@@ -117,7 +195,7 @@ impl Line {
             tls = self.tls.unwrap_or("-"),
             host = text(self.host.as_ref()),
             method = self.method.as_str(),
-            path = self.path.as_str(),
+            path = self.uri.path(),
             user_agent = text(self.user_agent.as_ref()),
             status,
             decision = note.decision,
@@ -173,7 +251,7 @@ impl Drop for Pending<'_> {
         self.metrics.traffic.client_abort();
         if let Some(mut l) = self.line.take() {
             l.note.decision = "client_aborted";
-            l.write(499, 0, true);
+            l.finish(499, 0, true);
         }
     }
 }
@@ -204,7 +282,7 @@ impl LoggedBody {
 
     fn finish(&mut self, aborted: bool) {
         if let Some(l) = self.line.take() {
-            l.write(self.status, self.bytes, aborted);
+            l.finish(self.status, self.bytes, aborted);
         }
     }
 }

@@ -80,6 +80,14 @@ impl State {
     /// and `tollgate_config_file_changed`) when the gateway config file itself was edited: its
     /// settings (listeners, store, identity) need a restart.
     pub async fn reload(&self, why: Trigger) -> Result<ReloadReport, ConfigError> {
+        // A span of its own: exported over OTLP when `tracing.otlp` is on (`telemetry::ops_layer`),
+        // with what the reload logs as its events.
+        let span = tracing::info_span!("tollgate.reload", trigger = why.as_str());
+        tracing::Instrument::instrument(self.reload_in_span(why), span).await
+    }
+
+    /// [`State::reload`], inside its span.
+    async fn reload_in_span(&self, why: Trigger) -> Result<ReloadReport, ConfigError> {
         let why = why.as_str();
         let _guard = self.reload_lock.lock().await;
         self.check_config_file();

@@ -161,6 +161,11 @@ impl BinaryGateway {
         gw
     }
 
+    /// The config dir the support code made (`binary`, `binary_env`).
+    pub fn config_dir(&self) -> PathBuf {
+        self.dir.as_ref().map(|d| d.path().to_path_buf()).unwrap_or_default()
+    }
+
     /// The log so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()

@@ -14,6 +14,8 @@
 //!   the real binary in front of the server;
 //! * [`tls`](self::tls): a test CA made with rcgen, an HTTPS echo upstream, Redis over TLS
 //!   with a password (standalone and cluster);
+//! * [`otlp`](self::otlp): a real OTLP/HTTP traces receiver (Python, `opentelemetry-proto`)
+//!   writing the spans it gets as JSON lines;
 //! * [`poll`](self::poll): [`eventually`] and friends, the only way tests wait for something.
 //!
 //! Nothing here mocks anything: if `redis-server` or `redis-cli` is missing the tests fail,
@@ -24,6 +26,7 @@ mod faults;
 mod gateway;
 mod grpc;
 mod http;
+mod otlp;
 mod poll;
 mod redis;
 mod tls;
@@ -33,6 +36,7 @@ pub use self::faults::{FaultProxy, Faults};
 pub use self::gateway::*;
 pub use self::grpc::{grpc_client, grpc_gateway, GrpcServer};
 pub use self::http::*;
+pub use self::otlp::OtlpReceiver;
 pub use self::poll::*;
 pub use self::redis::{command_calls, has_library, redis_cli, RedisCluster, RedisServer};
 pub use self::tls::*;

@@ -70,3 +70,44 @@ fn identity_jwt_tls_and_health_check_settings_are_listed_with_no_secret() {
     assert_eq!(get("store.password").value, "from $EFFECTIVE_TEST_REDIS_PASSWORD");
     assert!(s.iter().all(|x| !x.value.contains("s3cret")), "{s:?}");
 }
+
+#[test]
+fn tracing_otlp_settings_name_the_header_variables_never_their_values() {
+    let p = Path::new("/etc/tollgate/gateway.yaml");
+    // PATH is always set; its value must never show.
+    let text = "upstream: { url: \"http://127.0.0.1:8081\" }\ntracing:\n  otlp:\n    endpoint: http://127.0.0.1:4318/v1/traces\n    sample_ratio: 0.25\n    headers_env: { authorization: PATH }\n";
+    let raw: RawGateway = super::super::parse_str(p, text).unwrap_or_else(|e| panic!("{e}"));
+    let env = EnvOverrides::default();
+    let cfg = GatewayConfig::compile(
+        p,
+        super::super::parse_str(p, text).unwrap_or_else(|e| panic!("{e}")),
+        &env,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let s = settings(p, &raw, &cfg, &env);
+    let get = |n: &str| {
+        s.iter()
+            .find(|x| x.name == n)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {n}"))
+    };
+    assert_eq!(get("tracing.otlp.sample_ratio").value, "0.25");
+    assert_eq!(
+        get("tracing.otlp.sample_ratio").source,
+        "/etc/tollgate/gateway.yaml:5:19"
+    );
+    assert_eq!(get("tracing.otlp.service_name").source, "default");
+    assert_eq!(get("tracing.otlp.headers_env").value, "authorization from $PATH");
+    let path = std::env::var("PATH").unwrap_or_default();
+    assert!(s.iter().all(|x| !x.value.contains(&path)), "{s:?}");
+    let off = GatewayConfig::compile(
+        p,
+        super::super::parse_str(p, "upstream: { url: \"http://h:1\" }\n").unwrap_or_else(|e| panic!("{e}")),
+        &env,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let raw_off: RawGateway =
+        super::super::parse_str(p, "upstream: { url: \"http://h:1\" }\n").unwrap_or_else(|e| panic!("{e}"));
+    let s = settings(p, &raw_off, &off, &env);
+    assert!(s.iter().any(|x| x.name == "tracing.otlp" && x.value == "off"));
+}
