@@ -9,6 +9,7 @@ pub mod leases;
 pub mod net;
 pub mod raw;
 pub mod reload;
+pub mod rls;
 
 pub use crate::http::tls::{ClientAuth, ListenerTls, UpstreamTls};
 pub use crate::http::upstream::settings::{HealthCheck, Target, UpstreamConfig, UpstreamProtocol};
@@ -276,6 +277,8 @@ pub struct GatewayConfig {
     pub limits: LimitsConfig,
     /// Listener limits.
     pub server: ServerConfig,
+    /// The Envoy rate-limit service (`rls:`), when configured.
+    pub rls: Option<rls::RlsSettings>,
     /// Things an operator should know that are not errors (an ignored environment override, a
     /// risky combination). `check` prints them; `run` logs each as a warning at start.
     pub notes: Vec<String>,
@@ -386,7 +389,12 @@ impl GatewayConfig {
             notes.push(note);
         }
         let access_log = net::access_log(f, &raw.access_log)?;
+        let rls = match &raw.rls {
+            Some(r) => Some(rls::compile(f, dir, r)?),
+            None => None,
+        };
         Ok(GatewayConfig {
+            rls,
             path: path.to_path_buf(),
             listen,
             admin_listen,

@@ -50,6 +50,7 @@ pub mod log_throttle;
 pub mod metrics;
 pub mod proxy;
 pub mod rt;
+pub mod rls;
 pub mod rules;
 pub mod server;
 pub mod state;

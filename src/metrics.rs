@@ -52,6 +52,30 @@ struct KindLabels {
     kind: String,
 }
 
+/// The Envoy rate-limit service's labels: a configured domain (or `unknown`: bounded by the
+/// config files, never by request values) and what was answered.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RlsLabels {
+    /// The domain, when configured; `unknown` otherwise.
+    pub domain: String,
+    /// `ok`, `over_limit`, `shadow_over_limit`, `unlimited`, `no_limit`, `store_unavailable`
+    /// (descriptors); `ok`, `over_limit`, `invalid` (calls).
+    pub outcome: &'static str,
+}
+
+/// The Envoy rate-limit service's metrics.
+#[derive(Debug, Clone, Default)]
+pub struct RlsMetrics {
+    /// `tollgate_rls_descriptors_total{domain,outcome}`.
+    pub descriptors: Family<RlsLabels, Counter>,
+    /// `tollgate_rls_calls_total{domain,outcome}`.
+    pub calls: Family<RlsLabels, Counter>,
+    /// `tollgate_rls_config_reload_errors_total`: config directory reloads refused.
+    pub reload_errors: Counter,
+    /// `tollgate_rls_config_reloads_total`: config directory reloads that took effect.
+    pub reloads: Counter,
+}
+
 /// A store shard: its master's `host:port` (never a password).
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ShardLabels {
@@ -276,6 +300,8 @@ pub struct Metrics {
     pub upstream_retries: Counter,
     /// Upstream targets taken out (passive ejection or a failed health check).
     pub upstream_ejections: Counter,
+    /// The Envoy rate-limit service's.
+    pub rls: RlsMetrics,
 }
 
 /// One upstream target's counters (see [`Metrics::target_counters`]).
@@ -562,6 +588,27 @@ impl Metrics {
             "What tollgate adds to a forwarded request: its whole duration less the wait for the upstream's response head (limits, queueing, forwarding)",
             request_overhead.clone(),
         );
+        let rls = RlsMetrics::default();
+        registry.register(
+            "rls_descriptors",
+            "Envoy rate-limit service descriptors answered, by domain and outcome",
+            rls.descriptors.clone(),
+        );
+        registry.register(
+            "rls_calls",
+            "Envoy rate-limit service calls, by domain and overall answer",
+            rls.calls.clone(),
+        );
+        registry.register(
+            "rls_config_reload_errors",
+            "Envoy rate-limit config directory reloads refused (the previous config stays in force)",
+            rls.reload_errors.clone(),
+        );
+        registry.register(
+            "rls_config_reloads",
+            "Envoy rate-limit config directory reloads that took effect",
+            rls.reloads.clone(),
+        );
         process_start_time.set(
             i64::try_from(
                 SystemTime::now()
@@ -571,6 +618,7 @@ impl Metrics {
             .unwrap_or(0),
         );
         Arc::new(Metrics {
+            rls,
             registry,
             requests,
             in_flight,

@@ -31,6 +31,9 @@ pub struct Running {
     pub shutdown: watch::Sender<bool>,
     /// Resolves when the proxy has drained.
     pub done: tokio::task::JoinHandle<()>,
+    /// The Envoy rate-limit service's bound address, when it runs (`rls.listen`, or
+    /// `tollgate rls`).
+    pub rls_addr: Option<SocketAddr>,
 }
 
 impl Running {
@@ -107,11 +110,15 @@ pub async fn start_with(gw: Arc<State>) -> Result<Running, StartError> {
         spawn_cert_watcher(&gw, resolver.clone(), rx.clone());
     }
     spawn_health_check(&gw, rx.clone());
-    spawn_probe(&gw, rx.clone());
-    spawn_permission_check(&gw, rx.clone());
-    spawn_slot_renewal(&gw, rx.clone());
-    spawn_lease_sweep(&gw, rx.clone());
-    spawn_override_refresh(&gw, rx.clone());
+    spawn_store_tasks(&gw, &rx);
+    let rls = match gw.config().rls.clone() {
+        Some(settings) => match settings.listen {
+            Some(listen) => Some(start_rls(&gw, settings, listen, rx.clone()).await?),
+            None => None,
+        },
+        None => None,
+    };
+    let rls_addr = rls.as_ref().map(|r| r.addr);
     let mut files = vec![gw.config().rules_file.clone()];
     files.extend(gw.config().keys_file.clone());
     // The gateway file is watched too, not to apply it (that needs a restart) but to say that
@@ -164,6 +171,9 @@ pub async fn start_with(gw: Arc<State>) -> Result<Running, StartError> {
         for drained in others {
             let _ = drained.await;
         }
+        if let Some(r) = rls {
+            let _ = r.done.await;
+        }
         // Nothing is admitted any more: give every lease's unused units back to the fleet.
         gw_done.limiter().return_leases(true).await;
         let _ = release.send(true);
@@ -191,6 +201,126 @@ pub async fn start_with(gw: Arc<State>) -> Result<Running, StartError> {
         gateway: gw,
         shutdown: tx,
         done,
+        rls_addr,
+    })
+}
+
+/// The background work every mode needs while it decides with the store: the breaker probe,
+/// the permission check, slot renewal, the lease sweep, the runtime-override refresh.
+fn spawn_store_tasks(gw: &Arc<State>, rx: &watch::Receiver<bool>) {
+    spawn_probe(gw, rx.clone());
+    spawn_permission_check(gw, rx.clone());
+    spawn_slot_renewal(gw, rx.clone());
+    spawn_lease_sweep(gw, rx.clone());
+    spawn_override_refresh(gw, rx.clone());
+}
+
+/// The Envoy rate-limit service, serving.
+struct RlsRunning {
+    /// Its bound address.
+    addr: SocketAddr,
+    /// Ends once it has drained after the stop signal.
+    done: tokio::task::JoinHandle<()>,
+}
+
+/// How often the rate-limit config directory is looked at: an edit is in force within about
+/// this much (plus the compile).
+const RLS_CONFIG_POLL: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// Load the rate-limit config directory, bind `listen`, watch the directory (a broken file
+/// keeps the config in force), and serve until `stop` (ARCHITECTURE.md, "The Envoy rate-limit
+/// service").
+async fn start_rls(
+    gw: &Arc<State>,
+    settings: crate::config::rls::RlsSettings,
+    listen: SocketAddr,
+    stop: watch::Receiver<bool>,
+) -> Result<RlsRunning, StartError> {
+    let at = Some(settings.config_dir_at);
+    let rls = crate::rls::Rls::new(gw.clone(), settings)
+        .map_err(|e| e.named_in(&gw.config().path, "rls.config_dir", at))?;
+    let listener = TcpListener::bind(listen)
+        .await
+        .map_err(|source| StartError::Bind { addr: listen, source })?;
+    let addr = listener
+        .local_addr()
+        .map_err(|source| StartError::Bind { addr: listen, source })?;
+    let watched = rls.clone();
+    let mut seen = watched.fingerprint();
+    spawn_every(RLS_CONFIG_POLL, stop.clone(), move || {
+        let rls = watched.clone();
+        let now = rls.fingerprint();
+        let changed = now != seen;
+        seen = now;
+        async move {
+            if changed {
+                let r = rls.clone();
+                let _ = crate::background::run("rls reload", move || r.reload()).await;
+            }
+        }
+    });
+    let grace = gw.config().server.shutdown_grace;
+    let domains = rls.domains().by_name.len();
+    let done = tokio::spawn(crate::rls::serve::serve(rls, listener, stop, grace));
+    tracing::info!(%addr, domains, "envoy rate-limit service listening");
+    Ok(RlsRunning { addr, done })
+}
+
+/// `tollgate rls`: the Envoy rate-limit service (on `rls.listen`, default
+/// [`crate::config::rls::DEFAULT_RLS_LISTEN`]) and the admin listener, with no proxy listener.
+pub async fn start_rls_only(config: GatewayConfig) -> Result<Running, StartError> {
+    let Some(settings) = config.rls.clone() else {
+        return Err(StartError::Config(crate::yaml::ConfigError::file(
+            &config.path,
+            "tollgate rls needs an rls: section (rls.config_dir)",
+        )));
+    };
+    let gw = State::new(config).await?;
+    let listen = match settings.listen {
+        Some(l) => l,
+        None => crate::config::rls::DEFAULT_RLS_LISTEN
+            .parse()
+            .map_err(|_| StartError::Config(crate::yaml::ConfigError::file(&gw.config().path, "bad default rls address")))?,
+    };
+    let admin_listen = gw.config().admin_listen;
+    let admin = TcpListener::bind(admin_listen)
+        .await
+        .map_err(|source| StartError::Bind {
+            addr: admin_listen,
+            source,
+        })?;
+    let admin_addr = admin.local_addr().map_err(|source| StartError::Bind {
+        addr: admin_listen,
+        source,
+    })?;
+    let (tx, rx) = watch::channel(false);
+    spawn_store_tasks(&gw, &rx);
+    let rls = start_rls(&gw, settings, listen, rx).await?;
+    let (admin_stop, admin_rx) = watch::channel(false);
+    tokio::spawn(crate::admin::serve(gw.clone(), admin, admin_rx));
+    let gw_done = gw.clone();
+    let addr = rls.addr;
+    let done = tokio::spawn(async move {
+        let _ = rls.done.await;
+        gw_done.limiter().return_leases(true).await;
+        let _ = admin_stop.send(true);
+    });
+    tracing::info!(
+        %addr,
+        %admin_addr,
+        store = crate::describe::store_kind(gw.config().store.kind),
+        "tollgate rls: rate-limit service only (no proxy listener)"
+    );
+    for note in &gw.config().notes {
+        tracing::warn!("{note}");
+    }
+    Ok(Running {
+        addr,
+        admin_addr,
+        gateway: gw,
+        shutdown: tx,
+        done,
+        rls_addr: Some(addr),
     })
 }
 
