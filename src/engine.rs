@@ -162,7 +162,11 @@ impl Engine<'_> {
 /// whose limits do not come from the rules file (the Envoy rate-limit service's descriptors):
 /// the limiter's verdict and how long the store was waited for (`None`: decided locally). No
 /// concurrency slots: the checks hold none.
-pub async fn check_limits<P: PolicedCheck>(limiter: &Limiter, checks: &[P], now_us: u64) -> (Verdict, Option<Duration>) {
+pub async fn check_limits<P: PolicedCheck>(
+    limiter: &Limiter,
+    checks: &[P],
+    now_us: u64,
+) -> (Verdict, Option<Duration>) {
     match limiter.begin(checks, now_us) {
         Ok(v) => (v, None),
         Err(ask) => {

@@ -263,8 +263,10 @@ fn load_all(config: &std::path::Path) -> Result<(GatewayConfig, tollgate::state:
     let metrics = tollgate::metrics::Metrics::new();
     let snap = tollgate::state::load_snapshot(&cfg, &metrics).map_err(|e| e.to_string())?;
     if let Some(r) = &cfg.rls {
-        tollgate::rls::config::load_dir(&r.config_dir, r.failure)
-            .map_err(|e| e.named_in(&cfg.path, "rls.config_dir", Some(r.config_dir_at)).to_string())?;
+        tollgate::rls::config::load_dir(&r.config_dir, r.failure).map_err(|e| {
+            e.named_in(&cfg.path, "rls.config_dir", Some(r.config_dir_at))
+                .to_string()
+        })?;
     }
     Ok((cfg, snap))
 }
@@ -310,13 +312,21 @@ fn check(config: &std::path::Path) -> ExitCode {
                 None => println!("  keys: none"),
             }
             if let Some(r) = &cfg.rls {
-                let listen = r.listen.map_or_else(|| "off for run; tollgate rls: 0.0.0.0:8081".to_string(), |l| l.to_string());
+                let listen = r.listen.map_or_else(
+                    || "off for run; tollgate rls: 0.0.0.0:8081".to_string(),
+                    |l| l.to_string(),
+                );
                 println!("  rls {listen}, config {}", r.config_dir.display());
                 if let Ok(d) = tollgate::rls::config::load_dir(&r.config_dir, r.failure) {
                     let mut names: Vec<_> = d.by_name.values().collect();
                     names.sort_by(|a, b| a.name.cmp(&b.name));
                     for dom in names {
-                        println!("    domain {} ({} descriptors with limits, {})", dom.name, dom.limits, dom.file.display());
+                        println!(
+                            "    domain {} ({} descriptors with limits, {})",
+                            dom.name,
+                            dom.limits,
+                            dom.file.display()
+                        );
                     }
                 }
             }

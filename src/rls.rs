@@ -19,7 +19,6 @@ pub mod json;
 pub mod matcher;
 pub mod serve;
 
-
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -82,7 +81,12 @@ impl Rls {
             "unknown"
         };
         let m = self.metrics();
-        let count = |family: &prometheus_client::metrics::family::Family<RlsLabels, prometheus_client::metrics::counter::Counter>, outcome: &'static str, n: u64| {
+        let count = |family: &prometheus_client::metrics::family::Family<
+            RlsLabels,
+            prometheus_client::metrics::counter::Counter,
+        >,
+                     outcome: &'static str,
+                     n: u64| {
             if n > 0 {
                 family
                     .get_or_create(&RlsLabels {

@@ -237,8 +237,8 @@ async fn start_rls(
     stop: watch::Receiver<bool>,
 ) -> Result<RlsRunning, StartError> {
     let at = Some(settings.config_dir_at);
-    let rls = crate::rls::Rls::new(gw.clone(), settings)
-        .map_err(|e| e.named_in(&gw.config().path, "rls.config_dir", at))?;
+    let rls =
+        crate::rls::Rls::new(gw.clone(), settings).map_err(|e| e.named_in(&gw.config().path, "rls.config_dir", at))?;
     let listener = TcpListener::bind(listen)
         .await
         .map_err(|source| StartError::Bind { addr: listen, source })?;
@@ -278,9 +278,12 @@ pub async fn start_rls_only(config: GatewayConfig) -> Result<Running, StartError
     let gw = State::new(config).await?;
     let listen = match settings.listen {
         Some(l) => l,
-        None => crate::config::rls::DEFAULT_RLS_LISTEN
-            .parse()
-            .map_err(|_| StartError::Config(crate::yaml::ConfigError::file(&gw.config().path, "bad default rls address")))?,
+        None => crate::config::rls::DEFAULT_RLS_LISTEN.parse().map_err(|_| {
+            StartError::Config(crate::yaml::ConfigError::file(
+                &gw.config().path,
+                "bad default rls address",
+            ))
+        })?,
     };
     let admin_listen = gw.config().admin_listen;
     let admin = TcpListener::bind(admin_listen)

@@ -272,7 +272,9 @@ fn expect(r: &Value, i: usize, code: &str, limit: Option<(u64, &str)>, remaining
 
 /// `duration_until_reset` of status `i` is in `1..=max` seconds.
 fn expect_reset(r: &Value, i: usize, max: u64) {
-    let d = st(r, i)["reset"].as_u64().unwrap_or_else(|| panic!("status {i} has no reset: {r}"));
+    let d = st(r, i)["reset"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("status {i} has no reset: {r}"));
     assert!((1..=max).contains(&d), "status {i} reset {d} not in 1..={max}: {r}");
 }
 
@@ -293,7 +295,10 @@ fn readme_examples_1_to_11_on_redis() {
 
     // Example 2: nested 5/day per number for marketing, plus 100/day per number; a request
     // over the first is denied and (all or nothing) spends nothing on the second.
-    let both: [&[(&str, &str)]; 2] = [&[("message_type", "marketing"), ("to_number", "2061111111")], &[("to_number", "2061111111")]];
+    let both: [&[(&str, &str)]; 2] = [
+        &[("message_type", "marketing"), ("to_number", "2061111111")],
+        &[("to_number", "2061111111")],
+    ];
     for n in 1..=5u64 {
         let r = c.call(&a, "messaging", &both);
         assert_eq!(r["overall"], "OK", "call {n}: {r}");
@@ -308,7 +313,11 @@ fn readme_examples_1_to_11_on_redis() {
     let r = c.call(&a, "messaging", &[&[("to_number", "2061111111")]]);
     expect(&r, 0, "OK", Some((100, "DAY")), 94);
     // Another number has its own counters.
-    let r = c.call(&a, "messaging", &[&[("message_type", "marketing"), ("to_number", "2062222222")]]);
+    let r = c.call(
+        &a,
+        "messaging",
+        &[&[("message_type", "marketing"), ("to_number", "2062222222")]],
+    );
     expect(&r, 0, "OK", Some((5, "DAY")), 4);
 
     // Example 3: the most specific match wins: 50.0.0.5 is blocked (0/s), others get 10/s.
@@ -368,23 +377,50 @@ fn readme_examples_1_to_11_on_redis() {
     expect(&r, 0, "OK", Some((20, "MINUTE")), 19);
 
     // Example 9: trailing, middle and multiple wildcards; each value its own counter.
-    let r = c.call(&a, "example9", &[&[("key1", "value1")], &[("key1", "valueXYZ")], &[("key1", "other")]]);
+    let r = c.call(
+        &a,
+        "example9",
+        &[&[("key1", "value1")], &[("key1", "valueXYZ")], &[("key1", "other")]],
+    );
     expect(&r, 0, "OK", Some((20, "MINUTE")), 19);
     expect(&r, 1, "OK", Some((20, "MINUTE")), 19);
     expect(&r, 2, "OK", None, 0);
-    let r = c.call(&a, "example9", &[&[("path", "/api/123/action")], &[("path", "/api/123/other")]]);
+    let r = c.call(
+        &a,
+        "example9",
+        &[&[("path", "/api/123/action")], &[("path", "/api/123/other")]],
+    );
     expect(&r, 0, "OK", Some((20, "MINUTE")), 19);
     expect(&r, 1, "OK", None, 0);
-    let r = c.call(&a, "example9", &[&[("route", "/api/v1/resource/123/action")], &[("route", "/api/v1/other/123/action")]]);
+    let r = c.call(
+        &a,
+        "example9",
+        &[
+            &[("route", "/api/v1/resource/123/action")],
+            &[("route", "/api/v1/other/123/action")],
+        ],
+    );
     expect(&r, 0, "OK", Some((20, "MINUTE")), 19);
     expect(&r, 1, "OK", None, 0);
 
     // Example 10: value_to_metric changes metrics only; the limits match as usual.
-    let r = c.call(&a, "example10", &[&[("route", "api"), ("http_method", "GET"), ("subject_id", "123")]]);
+    let r = c.call(
+        &a,
+        "example10",
+        &[&[("route", "api"), ("http_method", "GET"), ("subject_id", "123")]],
+    );
     expect(&r, 0, "OK", Some((60, "MINUTE")), 59);
-    let r = c.call(&a, "example10_wildcard", &[&[("user", "alice"), ("action", "readfile"), ("resource", "documents")]]);
+    let r = c.call(
+        &a,
+        "example10_wildcard",
+        &[&[("user", "alice"), ("action", "readfile"), ("resource", "documents")]],
+    );
     expect(&r, 0, "OK", Some((100, "MINUTE")), 99);
-    let r = c.call(&a, "example10_wildcard", &[&[("user", "alice"), ("action", "write"), ("resource", "documents")]]);
+    let r = c.call(
+        &a,
+        "example10_wildcard",
+        &[&[("user", "alice"), ("action", "write"), ("resource", "documents")]],
+    );
     expect(&r, 0, "OK", None, 0);
 
     // Example 11: files/* share one threshold; files_no_share/* each have their own.
@@ -452,7 +488,11 @@ fn hits_addend_per_request_and_per_descriptor_and_zero_peeks() {
     let r = call(&mut c, 0, json!([{"entries": [["to_number", "1"]], "hits": 0}]));
     expect(&r, 0, "OK", Some((100, "DAY")), 89);
     // The same counter twice in one request counts twice, and both see the sum.
-    let r = call(&mut c, 1, json!([{"entries": [["to_number", "1"]]}, {"entries": [["to_number", "1"]]}]));
+    let r = call(
+        &mut c,
+        1,
+        json!([{"entries": [["to_number", "1"]]}, {"entries": [["to_number", "1"]]}]),
+    );
     expect(&r, 0, "OK", Some((100, "DAY")), 87);
     expect(&r, 1, "OK", Some((100, "DAY")), 87);
 }
@@ -477,7 +517,11 @@ fn bad_input_gets_a_grpc_error_and_moves_no_counter() {
         "empty domain",
     );
     assert_eq!(r["error"], "INVALID_ARGUMENT", "{r}");
-    let r = bad(&mut c, json!({"op": "call", "addr": a, "domain": "messaging", "descriptors": []}), "no descriptors");
+    let r = bad(
+        &mut c,
+        json!({"op": "call", "addr": a, "domain": "messaging", "descriptors": []}),
+        "no descriptors",
+    );
     assert_eq!(r["error"], "INVALID_ARGUMENT", "{r}");
     let r = bad(
         &mut c,
@@ -491,19 +535,36 @@ fn bad_input_gets_a_grpc_error_and_moves_no_counter() {
         "huge request hits_addend",
     );
     assert_eq!(r["error"], "INVALID_ARGUMENT", "{r}");
-    let many: Vec<Value> = (0..1000).map(|i| json!({"entries": [["to_number", i.to_string()]]})).collect();
-    let r = bad(&mut c, json!({"op": "call", "addr": a, "domain": "messaging", "descriptors": many}), "1000 descriptors");
+    let many: Vec<Value> = (0..1000)
+        .map(|i| json!({"entries": [["to_number", i.to_string()]]}))
+        .collect();
+    let r = bad(
+        &mut c,
+        json!({"op": "call", "addr": a, "domain": "messaging", "descriptors": many}),
+        "1000 descriptors",
+    );
     assert_eq!(r["error"], "INVALID_ARGUMENT", "{r}");
     // Not a protobuf message at all, and a message cut short.
-    let r = bad(&mut c, json!({"op": "raw", "addr": a, "hex": "ffffffffffffffffffff"}), "garbage frame");
+    let r = bad(
+        &mut c,
+        json!({"op": "raw", "addr": a, "hex": "ffffffffffffffffffff"}),
+        "garbage frame",
+    );
     assert_ne!(r["error"], "OK");
-    let r = bad(&mut c, json!({"op": "raw", "addr": a, "hex": "0a0f6d657373"}), "truncated message");
+    let r = bad(
+        &mut c,
+        json!({"op": "raw", "addr": a, "hex": "0a0f6d657373"}),
+        "truncated message",
+    );
     assert_ne!(r["error"], "OK");
     // Still serving, and no counter moved.
     let r = c.call(&a, "messaging", &[&[("to_number", "9")]]);
     expect(&r, 0, "OK", Some((100, "DAY")), 98);
     assert_eq!(redis.cli(&["DBSIZE"]), before, "bad input made no store key");
-    assert!(matches!(node.gw.child.try_wait(), Ok(None)), "the service is still running");
+    assert!(
+        matches!(node.gw.child.try_wait(), Ok(None)),
+        "the service is still running"
+    );
 }
 
 #[test]
@@ -525,10 +586,16 @@ descriptors:
     redis.kill();
     let open = c.send(json!({"op": "repeat", "addr": a, "n": 300, "domain": "failing", "descriptors": [{"entries": [["open", "x"]]}]}));
     assert_eq!(open["ok"], 300, "fail open (the default): every call OK: {open}");
-    assert!(open["p99_ms"].as_f64().unwrap_or(f64::MAX) < 25.0, "p99 under 25 ms with Redis down: {open}");
+    assert!(
+        open["p99_ms"].as_f64().unwrap_or(f64::MAX) < 25.0,
+        "p99 under 25 ms with Redis down: {open}"
+    );
     let closed = c.send(json!({"op": "repeat", "addr": a, "n": 300, "domain": "failing", "descriptors": [{"entries": [["closed", "x"]]}]}));
     assert_eq!(closed["over"], 300, "fail closed: every call OVER_LIMIT: {closed}");
-    assert!(closed["p99_ms"].as_f64().unwrap_or(f64::MAX) < 25.0, "p99 under 25 ms with Redis down: {closed}");
+    assert!(
+        closed["p99_ms"].as_f64().unwrap_or(f64::MAX) < 25.0,
+        "p99 under 25 ms with Redis down: {closed}"
+    );
 }
 
 #[test]
@@ -544,7 +611,9 @@ descriptors:
     rate_limit: { unit: hour, requests_per_unit: 150, algorithm: token_bucket }
 ";
     let store = redis_store(&redis, "  leases:\n    enabled: false\n");
-    let nodes: Vec<RlsNode> = (0..3).map(|_| rls_node(&store, "", &[("fleet.yaml", domain)])).collect();
+    let nodes: Vec<RlsNode> = (0..3)
+        .map(|_| rls_node(&store, "", &[("fleet.yaml", domain)]))
+        .collect();
     for key in ["tenant", "sliding", "bucket"] {
         let handles: Vec<_> = nodes
             .iter()
@@ -573,7 +642,9 @@ fn a_broken_file_keeps_the_config_and_check_names_its_line() {
     let r = c.call(&a, "internal", &[&[("azure", "y")]]);
     expect(&r, 0, "OK", Some((100, "MINUTE")), 99);
     node.write_domain("ex5.yaml", "domain: internal\ndescriptors:\n  - key: azure\n    rate_limit:\n      unit: fortnight\n      requests_per_unit: 3\n");
-    let refused = eventually_blocking(Duration::from_secs(2), || node.gw.log().contains("rls config reload refused"));
+    let refused = eventually_blocking(Duration::from_secs(2), || {
+        node.gw.log().contains("rls config reload refused")
+    });
     assert!(refused, "the broken file was refused: {}", node.gw.log());
     let r = c.call(&a, "internal", &[&[("azure", "y")]]);
     expect(&r, 0, "OK", Some((100, "MINUTE")), 98);
@@ -602,15 +673,23 @@ fn json_healthcheck_and_grpc_health() {
     let mut c = RlsClient::start();
     let h = c.send(json!({"op": "health", "addr": node.addr, "service": ""}));
     assert_eq!(h["status"], "SERVING", "{h}");
-    let h = c.send(json!({"op": "health", "addr": node.addr, "service": "envoy.service.ratelimit.v3.RateLimitService"}));
+    let h =
+        c.send(json!({"op": "health", "addr": node.addr, "service": "envoy.service.ratelimit.v3.RateLimitService"}));
     assert_eq!(h["status"], "SERVING", "{h}");
     let r = c.call(&node.addr, "messaging", &[&[("to_number", "5")]]);
     assert_eq!(
         r["headers"],
-        json!([["X-RateLimit-Limit", "100"], ["X-RateLimit-Remaining", "99"], ["X-RateLimit-Reset", st(&r, 0)["reset"].to_string()]]),
+        json!([
+            ["X-RateLimit-Limit", "100"],
+            ["X-RateLimit-Remaining", "99"],
+            ["X-RateLimit-Reset", st(&r, 0)["reset"].to_string()]
+        ]),
         "{r}"
     );
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     rt.block_on(async {
         let http = client();
         let base = format!("http://{}", node.addr);

@@ -56,7 +56,11 @@ pub fn compile(file: &Path, dir: &Path, raw: &Spanned<RawRls>) -> Result<RlsSett
         None => None,
     };
     if r.config_dir.value.is_empty() {
-        return Err(ConfigError::at(file, &r.config_dir.referenced, "rls.config_dir is empty"));
+        return Err(ConfigError::at(
+            file,
+            &r.config_dir.referenced,
+            "rls.config_dir is empty",
+        ));
     }
     let p = Path::new(&r.config_dir.value);
     let config_dir = if p.is_absolute() { p.to_path_buf() } else { dir.join(p) };
@@ -83,7 +87,11 @@ pub fn compile(file: &Path, dir: &Path, raw: &Spanned<RawRls>) -> Result<RlsSett
 }
 
 /// A failure policy as written (`open`, `closed`, `local`), `default` when absent.
-pub fn failure_of(file: &Path, f: Option<&Spanned<String>>, default: FailurePolicy) -> Result<FailurePolicy, ConfigError> {
+pub fn failure_of(
+    file: &Path,
+    f: Option<&Spanned<String>>,
+    default: FailurePolicy,
+) -> Result<FailurePolicy, ConfigError> {
     Ok(match f.map(|f| (f.value.as_str(), f)) {
         None => default,
         Some(("open", _)) => FailurePolicy::Open,

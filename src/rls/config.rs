@@ -331,7 +331,8 @@ pub struct Domains {
 
 /// The `*.yaml` (and `*.yml`) files of `dir`, sorted; dot files are skipped.
 pub fn files_of(dir: &Path) -> Result<Vec<PathBuf>, ConfigError> {
-    let rd = std::fs::read_dir(dir).map_err(|e| ConfigError::file(dir, format!("cannot read the rls config directory: {e}")))?;
+    let rd = std::fs::read_dir(dir)
+        .map_err(|e| ConfigError::file(dir, format!("cannot read the rls config directory: {e}")))?;
     let mut files: Vec<PathBuf> = rd
         .filter_map(Result::ok)
         .map(|e| e.path())
@@ -375,10 +376,17 @@ const SIZE: Sized = Sized {
 pub fn compile_domain(file: &Path, text: &str, failure: FailurePolicy) -> Result<Domain, ConfigError> {
     let raw: RawDomain = parse_str_sized(file, text, SIZE)?;
     let Some(domain) = &raw.domain else {
-        return Err(ConfigError::file(file, "config file cannot have empty domain (domain: is missing)"));
+        return Err(ConfigError::file(
+            file,
+            "config file cannot have empty domain (domain: is missing)",
+        ));
     };
     if domain.value.0.is_empty() {
-        return Err(ConfigError::at(file, &domain.referenced, "config file cannot have empty domain"));
+        return Err(ConfigError::at(
+            file,
+            &domain.referenced,
+            "config file cannot have empty domain",
+        ));
     }
     let failure = failure_of(file, raw.failure.as_ref(), failure)?;
     let mut cx = Cx { file, count: 0 };
@@ -413,7 +421,10 @@ impl Cx<'_> {
         (failure, depth): (FailurePolicy, usize),
     ) -> Result<(), ConfigError> {
         if depth > MAX_DEPTH && !list.is_empty() {
-            return Err(self.err(&list[0].referenced, format!("descriptors nested deeper than {MAX_DEPTH}")));
+            return Err(self.err(
+                &list[0].referenced,
+                format!("descriptors nested deeper than {MAX_DEPTH}"),
+            ));
         }
         for d in list {
             let loc = &d.referenced;
@@ -424,7 +435,11 @@ impl Cx<'_> {
                 None => return Err(self.err(loc, "descriptor has empty key (key: is missing)")),
             };
             let value = r.value.as_ref().map(|v| v.value.0.clone()).unwrap_or_default();
-            let final_key = if value.is_empty() { key.clone() } else { format!("{key}_{value}") };
+            let final_key = if value.is_empty() {
+                key.clone()
+            } else {
+                format!("{key}_{value}")
+            };
             let metric = format!("{parent}.{final_key}");
             if node.children.contains_key(&final_key) {
                 return Err(self.err(loc, format!("duplicate descriptor composite key {metric:?}")));
@@ -501,21 +516,26 @@ impl Cx<'_> {
             } else {
                 let unit = match unit {
                     Some((Some(u), _)) => u,
-                    Some((None, u)) => return Err(self.err(&u.referenced, format!("invalid rate limit unit {:?}", u.value))),
+                    Some((None, u)) => {
+                        return Err(self.err(&u.referenced, format!("invalid rate limit unit {:?}", u.value)))
+                    }
                     None => return Err(self.err(&rl.referenced, "invalid rate limit unit '' (unit: is missing)")),
                 };
                 let rpu = v.requests_per_unit.as_ref();
-                out.limits.push(self.limit(unit, rpu, v.algorithm.as_ref(), v.capacity.as_ref(), &rl.referenced)?);
+                out.limits
+                    .push(self.limit(unit, rpu, v.algorithm.as_ref(), v.capacity.as_ref(), &rl.referenced)?);
             }
-        } else if r.shadow_mode && r.limits.is_none() {
-            // A shadow descriptor without a limit is envoyproxy/ratelimit's whitelist entry.
         }
         if let Some(list) = &r.limits {
             any = true;
             for l in list {
                 let v = &l.value;
-                let unit = Unit::parse(&v.unit.value)
-                    .ok_or_else(|| self.err(&v.unit.referenced, format!("invalid rate limit unit {:?}", v.unit.value)))?;
+                let unit = Unit::parse(&v.unit.value).ok_or_else(|| {
+                    self.err(
+                        &v.unit.referenced,
+                        format!("invalid rate limit unit {:?}", v.unit.value),
+                    )
+                })?;
                 out.limits.push(self.limit(
                     unit,
                     Some(&v.requests_per_unit),
@@ -525,7 +545,10 @@ impl Cx<'_> {
                 )?);
             }
             if list.is_empty() {
-                return Err(self.err(&r.key.as_ref().map_or(Location::UNKNOWN, |k| k.referenced), "limits: is empty"));
+                return Err(self.err(
+                    &r.key.as_ref().map_or(Location::UNKNOWN, |k| k.referenced),
+                    "limits: is empty",
+                ));
             }
         }
         Ok(any.then_some(out))
@@ -540,15 +563,22 @@ impl Cx<'_> {
         loc: &Location,
     ) -> Result<RlsLimit, ConfigError> {
         let n = rpu.map_or(0, |r| r.value);
-        let n32 = u32::try_from(n)
-            .map_err(|_| self.err(rpu.map_or(loc, |r| &r.referenced), "requests_per_unit is larger than 4294967295"))?;
+        let n32 = u32::try_from(n).map_err(|_| {
+            self.err(
+                rpu.map_or(loc, |r| &r.referenced),
+                "requests_per_unit is larger than 4294967295",
+            )
+        })?;
         let alg = match algorithm {
             None => Algorithm::FixedWindow,
             Some(a) => match Algorithm::parse(&a.value) {
                 Some(Algorithm::LeakyBucket) | Some(Algorithm::Concurrency) => {
                     return Err(self.err(
                         &a.referenced,
-                        format!("algorithm {:?} cannot be answered by a rate-limit service (it delays or holds requests)", a.value),
+                        format!(
+                            "algorithm {:?} cannot be answered by a rate-limit service (it delays or holds requests)",
+                            a.value
+                        ),
                     ))
                 }
                 Some(alg) => alg,

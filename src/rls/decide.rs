@@ -82,9 +82,11 @@ enum Planned {
     Limited {
         limits: Arc<Limits>,
         slots: SmallVec<[(RlsLimit, Slot); 2]>,
-        cost: u64,
     },
 }
+
+/// A descriptor's match: the limits, and the value each entry's counter is keyed by.
+type Match<'a> = (Arc<Limits>, SmallVec<[&'a str; 4]>);
 
 /// A request's plan: per descriptor what it became, and the checks for the limiter.
 #[derive(Debug, Default)]
@@ -130,8 +132,13 @@ pub fn plan(domains: &Domains, keys: &KeyBuilder, req: &RateLimitRequest) -> Res
         if d.entries.len() > MAX_ENTRIES {
             return refuse(format!("a descriptor has more than {MAX_ENTRIES} entries"));
         }
-        if d.entries.iter().any(|e| e.key.len() > MAX_TEXT || e.value.len() > MAX_TEXT) {
-            return refuse(format!("a descriptor entry's key or value is longer than {MAX_TEXT} bytes"));
+        if d.entries
+            .iter()
+            .any(|e| e.key.len() > MAX_TEXT || e.value.len() > MAX_TEXT)
+        {
+            return refuse(format!(
+                "a descriptor entry's key or value is longer than {MAX_TEXT} bytes"
+            ));
         }
         if d.is_negative_hits {
             return refuse("is_negative_hits is not supported");
@@ -141,9 +148,10 @@ pub fn plan(domains: &Domains, keys: &KeyBuilder, req: &RateLimitRequest) -> Res
     let domain = domains.by_name.get(&req.domain);
     let mut plan = Plan::default();
     // Match first, so `replaces` sees every descriptor's match.
-    let mut matched: Vec<Option<(Arc<Limits>, SmallVec<[&str; 4]>)>> = Vec::with_capacity(req.descriptors.len());
+    let mut matched: Vec<Option<Match<'_>>> = Vec::with_capacity(req.descriptors.len());
     for d in &req.descriptors {
-        let entries: SmallVec<[(&str, &str); 4]> = d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str())).collect();
+        let entries: SmallVec<[(&str, &str); 4]> =
+            d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str())).collect();
         let m = match (domain, &d.limit) {
             (None, _) => None,
             (Some(_), Some(o)) => override_limits(&req.domain, o.requests_per_unit, o.unit)
@@ -179,14 +187,13 @@ pub fn plan(domains: &Domains, keys: &KeyBuilder, req: &RateLimitRequest) -> Res
                     plan.blocked |= !limits.shadow;
                     Slot::Blocked
                 }
-                Some(q) => Slot::Check(plan.add(keys.key(&tag, "rls", n), q, cost, &limits)),
+                Some(q) => Slot::Check(plan.add(keys.key(&tag, "rls", n), q, cost, limits)),
             };
             slots.push((*l, slot));
         }
         plan.descriptors.push(Planned::Limited {
             limits: limits.clone(),
             slots,
-            cost,
         });
     }
     if plan.blocked {
@@ -234,7 +241,11 @@ impl Plan {
     /// request with its cost added (two checks of one counter in one call would each see the
     /// count before the other's spending).
     fn add(&mut self, key: crate::limiter::StoreKey, quota: Quota, cost: u64, limits: &Limits) -> usize {
-        if let Some(i) = self.checks.iter().position(|c| c.check.key == key && c.check.quota == quota) {
+        if let Some(i) = self
+            .checks
+            .iter()
+            .position(|c| c.check.key == key && c.check.quota == quota)
+        {
             let c = &mut self.checks[i].check;
             c.cost = c.cost.saturating_add(cost);
             return i;
@@ -275,14 +286,14 @@ impl Plan {
             let st = match d {
                 Planned::Nothing => status(Code::Ok, None, 0, None),
                 Planned::Unlimited => status(Code::Ok, None, u32::MAX, None),
-                Planned::Limited { limits, slots, cost } => {
+                Planned::Limited { limits, slots } => {
                     let cx = Cx {
                         verdict,
                         checks: &self.checks,
                         admitted,
                         now_us,
                     };
-                    let st = descriptor_status(cx, limits, slots, *cost);
+                    let st = descriptor_status(cx, limits, slots);
                     over |= st.code == Code::OverLimit as i32;
                     st
                 }
@@ -398,7 +409,9 @@ fn told(cx: Cx<'_>, l: &RlsLimit, slot: Slot) -> Told {
     let remaining = if cx.admitted {
         o.remaining
     } else {
-        o.remaining.saturating_add(cost).min(check.map_or(u64::MAX, |c| c.quota.limit.get()))
+        o.remaining
+            .saturating_add(cost)
+            .min(check.map_or(u64::MAX, |c| c.quota.limit.get()))
     };
     Told {
         over: false,
@@ -410,7 +423,7 @@ fn told(cx: Cx<'_>, l: &RlsLimit, slot: Slot) -> Told {
 
 /// A descriptor's status: its binding limit (the denial with the longest wait, else the one
 /// with the least left).
-fn descriptor_status(cx: Cx<'_>, limits: &Limits, slots: &[(RlsLimit, Slot)], _cost: u64) -> DescriptorStatus {
+fn descriptor_status(cx: Cx<'_>, limits: &Limits, slots: &[(RlsLimit, Slot)]) -> DescriptorStatus {
     let mut best: Option<(&RlsLimit, Told)> = None;
     for (l, slot) in slots {
         let t = told(cx, l, *slot);
@@ -430,13 +443,22 @@ fn descriptor_status(cx: Cx<'_>, limits: &Limits, slots: &[(RlsLimit, Slot)], _c
     let Some((l, t)) = best else {
         return status(Code::Ok, None, 0, None);
     };
-    let code = if t.over && !limits.shadow { Code::OverLimit } else { Code::Ok };
+    let code = if t.over && !limits.shadow {
+        Code::OverLimit
+    } else {
+        Code::Ok
+    };
     let limit = RateLimit {
         name: limits.name.clone(),
         requests_per_unit: l.requests_per_unit,
         unit: l.unit.proto(),
     };
-    status(code, Some(limit), u32::try_from(t.remaining).unwrap_or(u32::MAX), t.reset_secs)
+    status(
+        code,
+        Some(limit),
+        u32::try_from(t.remaining).unwrap_or(u32::MAX),
+        t.reset_secs,
+    )
 }
 
 /// The headers Envoy adds to the client's response, from the descriptor nearest its limit
@@ -466,7 +488,10 @@ fn rate_limit_headers(statuses: &[DescriptorStatus], headers: RlsHeaders) -> Vec
             h("X-RateLimit-Reset", reset.to_string()),
         ],
         RlsHeaders::Ietf => vec![
-            h("RateLimit-Policy", format!("\"rls\";q={};w={window}", l.requests_per_unit)),
+            h(
+                "RateLimit-Policy",
+                format!("\"rls\";q={};w={window}", l.requests_per_unit),
+            ),
             h("RateLimit", format!("\"rls\";r={};t={reset}", s.limit_remaining)),
         ],
     }

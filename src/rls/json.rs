@@ -81,7 +81,9 @@ fn unit_of(v: &Value) -> Result<i32, String> {
 pub fn request(body: &[u8]) -> Result<RateLimitRequest, String> {
     let j: JRequest = serde_json::from_slice(body).map_err(|e| format!("not a RateLimitRequest: {e}"))?;
     let hits_addend = match &j.hits_addend {
-        Some(v) => u32::try_from(uint(v, "hitsAddend")?).map_err(|_| "hitsAddend: larger than 4294967295".to_string())?,
+        Some(v) => {
+            u32::try_from(uint(v, "hitsAddend")?).map_err(|_| "hitsAddend: larger than 4294967295".to_string())?
+        }
         None => 0,
     };
     let mut descriptors = Vec::with_capacity(j.descriptors.len());
@@ -100,7 +102,14 @@ pub fn request(body: &[u8]) -> Result<RateLimitRequest, String> {
             None => None,
         };
         descriptors.push(RateLimitDescriptor {
-            entries: d.entries.into_iter().map(|e| Entry { key: e.key, value: e.value }).collect(),
+            entries: d
+                .entries
+                .into_iter()
+                .map(|e| Entry {
+                    key: e.key,
+                    value: e.value,
+                })
+                .collect(),
             limit,
             hits_addend: hits,
             is_negative_hits: d.is_negative_hits,

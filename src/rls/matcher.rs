@@ -76,7 +76,10 @@ pub fn find<'a>(domain: &'a Domain, entries: &[(&'a str, &'a str)]) -> Option<Ma
         if by_wildcard {
             if let Some(p) = &n.share_pattern {
                 // The pattern's value part: every value it matches shares one counter.
-                values[i] = p.strip_prefix(key).and_then(|p| p.strip_prefix('_')).unwrap_or(p.as_str());
+                values[i] = p
+                    .strip_prefix(key)
+                    .and_then(|p| p.strip_prefix('_'))
+                    .unwrap_or(p.as_str());
             }
         }
         if i + 1 == entries.len() {

@@ -82,7 +82,9 @@ pub async fn serve(rls: Arc<Rls>, listener: TcpListener, mut stop: watch::Receiv
         });
     }
     reporter.set_not_serving::<RateLimitServiceServer<Svc>>().await;
-    reporter.set_service_status("", tonic_health::ServingStatus::NotServing).await;
+    reporter
+        .set_service_status("", tonic_health::ServingStatus::NotServing)
+        .await;
     drop(listener);
     if tokio::time::timeout(grace, graceful.shutdown()).await.is_err() {
         tracing::warn!("rls listener: connections still open after the shutdown grace");
@@ -101,7 +103,11 @@ fn plain(status: StatusCode, content_type: &'static str, body: impl Into<Bytes>)
 async fn route(rls: &Arc<Rls>, mut routes: Routes, req: Request<Incoming>) -> Response<Body> {
     match (req.method(), req.uri().path()) {
         (&Method::POST, "/json") => json(rls, req).await,
-        (_, "/json") => plain(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "POST a JSON RateLimitRequest\n"),
+        (_, "/json") => plain(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "text/plain",
+            "POST a JSON RateLimitRequest\n",
+        ),
         (&Method::GET | &Method::HEAD, "/healthcheck") => {
             if rls.gateway().draining() {
                 plain(StatusCode::INTERNAL_SERVER_ERROR, "text/plain", "draining\n")
@@ -121,7 +127,13 @@ async fn route(rls: &Arc<Rls>, mut routes: Routes, req: Request<Incoming>) -> Re
 async fn json(rls: &Arc<Rls>, req: Request<Incoming>) -> Response<Body> {
     let body = match Limited::new(req.into_body(), MAX_MESSAGE).collect().await {
         Ok(b) => b.to_bytes(),
-        Err(_) => return plain(StatusCode::BAD_REQUEST, "text/plain", "cannot read the body (at most 1 MiB)\n"),
+        Err(_) => {
+            return plain(
+                StatusCode::BAD_REQUEST,
+                "text/plain",
+                "cannot read the body (at most 1 MiB)\n",
+            )
+        }
     };
     let request = match super::json::request(&body) {
         Ok(r) => r,
@@ -131,7 +143,11 @@ async fn json(rls: &Arc<Rls>, req: Request<Incoming>) -> Response<Body> {
         Ok(resp) => {
             let over = resp.overall_code
                 == envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code::OverLimit as i32;
-            let status = if over { StatusCode::TOO_MANY_REQUESTS } else { StatusCode::OK };
+            let status = if over {
+                StatusCode::TOO_MANY_REQUESTS
+            } else {
+                StatusCode::OK
+            };
             plain(status, "application/json", super::json::response(&resp))
         }
         Err(e) => plain(StatusCode::BAD_REQUEST, "text/plain", format!("{}\n", e.0)),

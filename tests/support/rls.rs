@@ -141,7 +141,11 @@ pub fn tollgate_check(gateway_file: &Path) -> (bool, String) {
         .arg(gateway_file)
         .output()
         .expect("run tollgate check");
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     (out.status.success(), text)
 }
 
