@@ -598,9 +598,10 @@ descriptors:
     );
 }
 
-#[test]
-fn three_instances_on_one_redis_admit_exactly_the_limit() {
-    let redis = RedisServer::start();
+/// Three `tollgate rls` instances on `store`, 100 calls each from three clients at once, per
+/// algorithm: exactly the limit (150) is admitted. Leases off: with them a fleet may admit
+/// less than the limit while a lease is out (never more).
+fn fleet_admits_exactly_the_limit(store: &str) {
     let domain = "domain: fleet
 descriptors:
   - key: tenant
@@ -610,10 +611,7 @@ descriptors:
   - key: bucket
     rate_limit: { unit: hour, requests_per_unit: 150, algorithm: token_bucket }
 ";
-    let store = redis_store(&redis, "  leases:\n    enabled: false\n");
-    let nodes: Vec<RlsNode> = (0..3)
-        .map(|_| rls_node(&store, "", &[("fleet.yaml", domain)]))
-        .collect();
+    let nodes: Vec<RlsNode> = (0..3).map(|_| rls_node(store, "", &[("fleet.yaml", domain)])).collect();
     for key in ["tenant", "sliding", "bucket"] {
         let handles: Vec<_> = nodes
             .iter()
@@ -631,6 +629,23 @@ descriptors:
         assert_eq!(errors, 0, "{key}: {results:?}");
         assert_eq!(ok, 150, "{key}: three instances admit exactly the limit: {results:?}");
     }
+}
+
+#[test]
+fn three_instances_on_one_redis_admit_exactly_the_limit() {
+    let redis = RedisServer::start();
+    fleet_admits_exactly_the_limit(&redis_store(&redis, "  leases:\n    enabled: false\n"));
+}
+
+#[test]
+fn three_instances_on_a_redis_cluster_admit_exactly_the_limit() {
+    let cluster = RedisCluster::start();
+    let urls: Vec<String> = cluster.seed_urls().iter().map(|u| format!("\"{u}\"")).collect();
+    let store = format!(
+        "store:\n  kind: redis_cluster\n  urls: [{}]\n  timeout: 50ms\n  probe_interval: 100ms\n  leases:\n    enabled: false\n",
+        urls.join(", ")
+    );
+    fleet_admits_exactly_the_limit(&store);
 }
 
 #[test]

@@ -1,8 +1,9 @@
 //! The rate-limit service's listener: gRPC `envoy.service.ratelimit.v3.RateLimitService` and
 //! `grpc.health.v1.Health` (HTTP/2), and envoyproxy/ratelimit's HTTP endpoints `/json` and
-//! `/healthcheck` (HTTP/1.1 or HTTP/2), on one port. On stop the health service says
-//! `NOT_SERVING`, the listener closes, and open connections finish their calls within the
-//! grace (ARCHITECTURE.md, "The Envoy rate-limit service").
+//! `/healthcheck` (HTTP/1.1 or HTTP/2), on one port. When the drain window begins the health
+//! service says `NOT_SERVING` and `/healthcheck` fails while calls are still answered; on stop
+//! the listener closes and open connections finish their calls within the grace
+//! (ARCHITECTURE.md, "The Envoy rate-limit service").
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -55,9 +56,21 @@ pub async fn serve(rls: Arc<Rls>, listener: TcpListener, mut stop: watch::Receiv
     let routes = Routes::new(svc).add_service(health).prepare();
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    // The drain window (SIGTERM): still serving, but health says NOT_SERVING so Envoy's
+    // health checks move calls to the other instances.
+    let mut drain = rls.gateway().drain_watch();
+    let mut draining = false;
     loop {
         let accepted = tokio::select! {
             _ = stop.changed() => break,
+            changed = drain.changed(), if !draining => {
+                if changed.is_err() || *drain.borrow() {
+                    draining = true;
+                    reporter.set_not_serving::<RateLimitServiceServer<Svc>>().await;
+                    reporter.set_service_status("", tonic_health::ServingStatus::NotServing).await;
+                }
+                continue;
+            }
             a = listener.accept() => a,
         };
         let stream = match accepted {
