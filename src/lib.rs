@@ -6,7 +6,7 @@
 //!
 //! # Layout
 //!
-//! Data flows one way: [`server`] wires everything → [`proxy`] handles one request → the core
+//! Data flows one way: [`server`] wires everything → [`proxy`] (or [`rls`]) handles one request → the core
 //! below it ([`rules`], [`identity`], [`limiter`], pure or behind the [`limiter::Store`] trait) →
 //! [`http`] (bytes out). Nothing below [`server`] holds an `Arc` of more than [`state::State`].
 //! The file-level import graph has no cycle (`scripts/check-cycles`, run by `scripts/test`).
@@ -17,6 +17,7 @@
 //! | [`state`] | the shared state (config, snapshot handle, limiter, metrics; private fields); `state::reload` swaps the snapshot |
 //! | [`engine`] | the decision with no HTTP server around it: request facts → identity and plan (`engine::plan`, one `RequestPlan` per request) → the limiter's verdict → a `Decision`; no metrics, logs or responses |
 //! | [`proxy`] | the request path around the engine: validate → plan and check (the engine) → forward (`proxy::exchange`) / respond → settle → log |
+//! | [`rls`] | the Envoy rate-limit service front end: `ShouldRateLimit` over gRPC (and `/json`), envoyproxy/ratelimit's config files (`rls::config`), descriptor matching (`rls::matcher`), one all-or-nothing limiter check per request (`rls::decide`), the listener (`rls::serve`) |
 //! | [`background`] | low-priority threads for reloads and for freeing replaced snapshots, so neither competes with requests |
 //! | [`activity`] | what the admin dashboard shows over time: per-second rule rates, most limited hashes, store and reload history |
 //! | [`admin`] | admin listener: health, readiness, status, metrics, rules, reload, explain, counters (`identities`), JSON views of rules and limits (`views`); token auth |
