@@ -585,12 +585,14 @@ descriptors:
     assert_eq!(r["overall"], "OK", "{r}");
     redis.kill();
     let open = c.send(json!({"op": "repeat", "addr": a, "n": 300, "domain": "failing", "descriptors": [{"entries": [["open", "x"]]}]}));
+    eprintln!("Redis killed, fail open: {open}");
     assert_eq!(open["ok"], 300, "fail open (the default): every call OK: {open}");
     assert!(
         open["p99_ms"].as_f64().unwrap_or(f64::MAX) < 25.0,
         "p99 under 25 ms with Redis down: {open}"
     );
     let closed = c.send(json!({"op": "repeat", "addr": a, "n": 300, "domain": "failing", "descriptors": [{"entries": [["closed", "x"]]}]}));
+    eprintln!("Redis killed, fail closed: {closed}");
     assert_eq!(closed["over"], 300, "fail closed: every call OVER_LIMIT: {closed}");
     assert!(
         closed["p99_ms"].as_f64().unwrap_or(f64::MAX) < 25.0,
@@ -725,4 +727,62 @@ fn json_healthcheck_and_grpc_health() {
         let resp = http.post(format!("{base}/json")).body("{not json").send().await.unwrap();
         assert_eq!(resp.status(), 400);
     });
+}
+
+#[test]
+fn run_serves_the_proxy_and_the_rate_limit_service_in_one_process() {
+    let cfg = tempfile::tempdir().unwrap();
+    std::fs::write(cfg.path().join("ex5.yaml"), EX5).unwrap();
+    let rls_port = free_port();
+    let extra = format!(
+        "rls:\n  listen: 127.0.0.1:{rls_port}\n  config_dir: {}\n",
+        cfg.path().display()
+    );
+    let gw = binary("http://127.0.0.1:9", &extra, OPEN_RULES);
+    let mut c = RlsClient::start();
+    let addr = format!("127.0.0.1:{rls_port}");
+    let up = eventually_blocking(Duration::from_secs(5), || {
+        c.call(&addr, "internal", &[&[("azure", "y")]]).get("overall").is_some()
+    });
+    assert!(up, "the rate-limit service answers beside the proxy: {}", gw.log());
+    let r = c.call(&addr, "internal", &[&[("azure", "y")]]);
+    expect(&r, 0, "OK", Some((100, "MINUTE")), 98);
+    assert!(gw.log().contains("envoy rate-limit service listening"), "{}", gw.log());
+}
+
+#[test]
+fn sigterm_drains_health_not_serving_while_calls_are_answered() {
+    let mut node = rls_node("server:\n  drain: 3s\n", "", &[("ex5.yaml", EX5)]);
+    let mut c = RlsClient::start();
+    let a = node.addr.clone();
+    assert_eq!(
+        c.send(json!({"op": "health", "addr": a, "service": ""}))["status"],
+        "SERVING"
+    );
+    let pid = node.gw.child.id().to_string();
+    assert!(std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let not_serving = eventually_blocking(Duration::from_secs(2), || {
+        c.send(json!({"op": "health", "addr": a, "service": "envoy.service.ratelimit.v3.RateLimitService"}))["status"]
+            == "NOT_SERVING"
+    });
+    assert!(
+        not_serving,
+        "health says NOT_SERVING in the drain window: {}",
+        node.gw.log()
+    );
+    let r = c.call(&a, "internal", &[&[("azure", "y")]]);
+    assert_eq!(r["overall"], "OK", "calls are still answered while draining: {r}");
+    let exited = eventually_blocking(Duration::from_secs(10), || {
+        matches!(node.gw.child.try_wait(), Ok(Some(_)))
+    });
+    assert!(exited, "it exits after the drain: {}", node.gw.log());
+    assert!(
+        node.gw.child.try_wait().unwrap().unwrap().success(),
+        "{}",
+        node.gw.log()
+    );
 }
