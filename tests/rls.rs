@@ -786,3 +786,57 @@ fn sigterm_drains_health_not_serving_while_calls_are_answered() {
         node.gw.log()
     );
 }
+
+#[test]
+fn across_a_window_boundary_a_fixed_window_lets_twice_through_and_a_sliding_log_never_does() {
+    let redis = RedisServer::start();
+    let domain = "domain: boundary
+descriptors:
+  - key: fixed
+    rate_limit: { unit: second, requests_per_unit: 10 }
+  - key: sliding_log
+    rate_limit: { unit: second, requests_per_unit: 10, algorithm: sliding_log }
+  - key: sliding_window
+    rate_limit: { unit: second, requests_per_unit: 10, algorithm: sliding_window }
+";
+    let node = rls_node(
+        &redis_store(&redis, "  leases:\n    enabled: false\n"),
+        "",
+        &[("b.yaml", domain)],
+    );
+    let mut c = RlsClient::start();
+    let burst = |c: &mut RlsClient, key: &str| {
+        let r = c.send(json!({"op": "repeat", "addr": node.addr, "n": 10, "domain": "boundary", "descriptors": [{"entries": [[key, "k"]]}]}));
+        assert_eq!(r["errors"], 0, "{r}");
+        r["ok"].as_u64().unwrap_or(0)
+    };
+    for key in ["fixed", "sliding_log", "sliding_window"] {
+        // Ten late in one second, ten early in the next: all twenty within one second.
+        let s = within_second(Duration::from_millis(600), Duration::from_millis(750));
+        let first = burst(&mut c, key);
+        let s2 = within_second(Duration::ZERO, Duration::from_millis(150));
+        assert_eq!(s2, s + 1, "{key}: the second burst is in the next second");
+        let second = burst(&mut c, key);
+        let spent = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64()
+            - s as f64;
+        assert!(
+            spent < 1.6,
+            "{key}: both bursts within one window-long span ({spent:.3} s after the first began)"
+        );
+        assert_eq!(first, 10, "{key}: the first burst fits");
+        match key {
+            "fixed" => assert_eq!(
+                second, 10,
+                "a fixed window lets a second full burst through at the boundary"
+            ),
+            "sliding_log" => assert_eq!(second, 0, "a sliding log admits no more than the limit in any second"),
+            _ => assert!(
+                second <= 1,
+                "a sliding window admits at most about the limit in any second: {second}"
+            ),
+        }
+    }
+}

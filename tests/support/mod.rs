@@ -38,7 +38,7 @@ pub use self::grpc::{grpc_client, grpc_gateway, GrpcServer};
 pub use self::http::*;
 pub use self::poll::*;
 pub use self::redis::{command_calls, has_library, redis_cli, RedisCluster, RedisServer};
-pub use self::rls::{descriptors_json, rls_node, start_of_second, tollgate_check, RlsClient, RlsNode};
+pub use self::rls::{descriptors_json, rls_node, start_of_second, tollgate_check, within_second, RlsClient, RlsNode};
 pub use self::tls::*;
 pub use self::upstream::{counting_upstream, CountingUpstream, Instance};
 

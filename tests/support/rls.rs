@@ -152,11 +152,22 @@ pub fn tollgate_check(gateway_file: &Path) -> (bool, String) {
 /// Block until the wall clock is in the first `within` of a second, so a burst of calls on a
 /// per-second limit is not split by a window boundary (polled with a deadline).
 pub fn start_of_second(within: Duration) {
-    let ok = super::poll::eventually_blocking(Duration::from_secs(3), || {
-        let now = std::time::SystemTime::now()
+    within_second(Duration::ZERO, within);
+}
+
+/// Block until the wall clock's fraction of a second is in `from..to` (polled with a deadline;
+/// the poll never sleeps more than 50 ms, so a span of 100 ms or more is always met). Returns
+/// the whole second it is in.
+pub fn within_second(from: Duration, to: Duration) -> u64 {
+    let now = || {
+        std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default();
-        now.subsec_nanos() < within.as_nanos() as u32
+            .unwrap_or_default()
+    };
+    let ok = super::poll::eventually_blocking(Duration::from_secs(3), || {
+        let f = now().subsec_nanos();
+        f >= from.as_nanos() as u32 && f < to.as_nanos() as u32
     });
-    assert!(ok, "the clock never reached the start of a second");
+    assert!(ok, "the clock never reached {from:?}..{to:?} of a second");
+    now().as_secs()
 }
