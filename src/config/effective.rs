@@ -176,6 +176,30 @@ pub fn settings(file: &Path, raw: &RawGateway, cfg: &GatewayConfig, env: &EnvOve
         cfg.limits.max_keys.to_string(),
         at(file, l.max_keys.as_ref()),
     );
+    if let (Some(r), Some(raw_rls)) = (&cfg.rls, &raw.rls) {
+        let rr = &raw_rls.value;
+        push(
+            "rls.listen",
+            r.listen
+                .map_or_else(|| "off (tollgate rls: 0.0.0.0:8081)".to_string(), |a| a.to_string()),
+            at(file, rr.listen.as_ref()),
+        );
+        push(
+            "rls.config_dir",
+            r.config_dir.display().to_string(),
+            at(file, Some(&rr.config_dir)),
+        );
+        push(
+            "rls.failure",
+            format!("{:?}", r.failure).to_lowercase(),
+            at(file, rr.failure.as_ref()),
+        );
+        push(
+            "rls.headers",
+            format!("{:?}", r.headers).to_lowercase(),
+            at(file, rr.headers.as_ref()),
+        );
+    }
     out
 }
 
