@@ -495,6 +495,15 @@ fn hits_addend_per_request_and_per_descriptor_and_zero_peeks() {
     );
     expect(&r, 0, "OK", Some((100, "DAY")), 87);
     expect(&r, 1, "OK", Some((100, "DAY")), 87);
+    // Envoy's per-descriptor `limit` override replaces the configured limit (a fixed window).
+    let over = json!([{"entries": [["to_number", "2"]], "limit": [2, "MINUTE"]}]);
+    let r = call(&mut c, 0, over.clone());
+    expect(&r, 0, "OK", Some((2, "MINUTE")), 1);
+    expect_reset(&r, 0, 60);
+    assert_eq!(call(&mut c, 0, over.clone())["overall"], "OK");
+    let r = call(&mut c, 0, over);
+    assert_eq!(r["overall"], "OVER_LIMIT", "{r}");
+    expect(&r, 0, "OVER_LIMIT", Some((2, "MINUTE")), 0);
 }
 
 #[test]
