@@ -146,7 +146,7 @@ impl State {
             .serve(req, &mut facts, peer, pending.line.as_mut().map(|l| &mut l.note))
             .await;
         let mut resp = self.response_of(result, grpc, pending.line.as_mut().map(|l| &mut l.note));
-        self.metrics().request_duration.observe(arrived.elapsed().as_secs_f64());
+        self.metrics().traffic.duration.observe(arrived.elapsed().as_secs_f64());
         resp.headers_mut().insert(X_REQUEST_ID.clone(), id);
         if self.draining() {
             // The drain window: the client's next request goes on a new connection, which the
@@ -187,7 +187,7 @@ impl State {
                         _ => n.decision,
                     };
                 }
-                self.metrics().local_response(e.status().as_u16());
+                self.metrics().traffic.local_response(e.status().as_u16());
                 LocalAnswer::from(e).render(grpc)
             }
         }
@@ -235,11 +235,11 @@ impl State {
 
         let mut admitted = Admitted::default();
         if plan.checks.is_empty() {
-            self.metrics().unmatched.inc();
+            self.metrics().traffic.unmatched.inc();
         } else {
             let checked = engine.check(&mut plan, now_us).await;
             if let Some(waited) = checked.store_wait {
-                self.metrics().check_latency.observe(waited.as_secs_f64());
+                self.metrics().store.check_latency.observe(waited.as_secs_f64());
             }
             let decided = Decided {
                 verdict: &checked.verdict,
@@ -255,7 +255,7 @@ impl State {
         if admitted.delay_us > 0 {
             // Leaky bucket: wait our turn. If the client leaves, this future is dropped and the
             // guard gives the slot back (and any concurrency slot: the upstream never saw it).
-            let _queued = crate::metrics::InFlight::enter(&self.metrics().leaky_queue);
+            let _queued = crate::metrics::InFlight::enter(&self.metrics().traffic.leaky_queue);
             tokio::time::sleep(Duration::from_micros(admitted.delay_us)).await;
         }
         if let Some(mut g) = admitted.refund_guard.take() {
@@ -385,7 +385,7 @@ impl State {
                 let mut windows = Vec::new();
                 let b = binding_of(plan, snap, &bound, &mut windows);
                 let lim = &self.config().limits;
-                self.metrics().rate_limited();
+                self.metrics().traffic.rate_limited();
                 let render = if grpc {
                     respond::rate_limited_grpc
                 } else {
