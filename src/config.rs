@@ -10,6 +10,7 @@ pub mod net;
 pub mod otlp;
 pub mod raw;
 pub mod reload;
+pub mod rls;
 
 pub use crate::http::tls::{ClientAuth, ListenerTls, UpstreamTls};
 pub use crate::http::upstream::settings::{HealthCheck, Target, UpstreamConfig, UpstreamProtocol};
@@ -279,6 +280,8 @@ pub struct GatewayConfig {
     pub server: ServerConfig,
     /// Span export over OTLP (`None`: off).
     pub otlp: Option<otlp::OtlpConfig>,
+    /// The Envoy rate-limit service (`rls:`), when configured.
+    pub rls: Option<rls::RlsSettings>,
     /// Things an operator should know that are not errors (an ignored environment override, a
     /// risky combination). `check` prints them; `run` logs each as a warning at start.
     pub notes: Vec<String>,
@@ -390,7 +393,12 @@ impl GatewayConfig {
         }
         let access_log = net::access_log(f, &raw.access_log)?;
         let otlp = otlp::compile(f, &raw.tracing)?;
+        let rls = match &raw.rls {
+            Some(r) => Some(rls::compile(f, dir, r)?),
+            None => None,
+        };
         Ok(GatewayConfig {
+            rls,
             path: path.to_path_buf(),
             listen,
             admin_listen,

@@ -17,7 +17,7 @@ pub use plan::{PlannedCheck, RequestParts as Facts, RequestPlan};
 
 use crate::identity::{CredentialProblem, IdentityConfig};
 use crate::limiter::keys::KeyBuilder;
-use crate::limiter::{Limiter, Source, Verdict};
+use crate::limiter::{Limiter, PolicedCheck, Source, Verdict};
 use crate::rules::runtime::RuntimeOverrides;
 use crate::state::Snapshot;
 
@@ -155,6 +155,25 @@ impl Engine<'_> {
         };
         let decision = self.judge(&plan, &checked.verdict);
         (plan, checked, decision)
+    }
+}
+
+/// Check and spend `checks` at `now_us` (the limiter's clock), all or nothing, for a front end
+/// whose limits do not come from the rules file (the Envoy rate-limit service's descriptors):
+/// the limiter's verdict and how long the store was waited for (`None`: decided locally). No
+/// concurrency slots: the checks hold none.
+pub async fn check_limits<P: PolicedCheck>(
+    limiter: &Limiter,
+    checks: &[P],
+    now_us: u64,
+) -> (Verdict, Option<Duration>) {
+    match limiter.begin(checks, now_us) {
+        Ok(v) => (v, None),
+        Err(ask) => {
+            let started = Instant::now();
+            let v = limiter.ask(checks, ask).await;
+            (v, Some(started.elapsed()))
+        }
     }
 }
 

@@ -6,7 +6,7 @@
 //!
 //! # Layout
 //!
-//! Data flows one way: [`server`] wires everything → [`proxy`] handles one request → the core
+//! Data flows one way: [`server`] wires everything → [`proxy`] (or [`rls`]) handles one request → the core
 //! below it ([`rules`], [`identity`], [`limiter`], pure or behind the [`limiter::Store`] trait) →
 //! [`http`] (bytes out). Nothing below [`server`] holds an `Arc` of more than [`state::State`].
 //! The file-level import graph has no cycle (`scripts/check-cycles`, run by `scripts/test`).
@@ -17,6 +17,7 @@
 //! | [`state`] | the shared state (config, snapshot handle, limiter, metrics; private fields); `state::reload` swaps the snapshot |
 //! | [`engine`] | the decision with no HTTP server around it: request facts → identity and plan (`engine::plan`, one `RequestPlan` per request) → the limiter's verdict → a `Decision`; no metrics, logs or responses |
 //! | [`proxy`] | the request path around the engine: validate → plan and check (the engine) → forward (`proxy::exchange`) / respond → settle → log |
+//! | [`rls`] | the Envoy rate-limit service front end: `ShouldRateLimit` over gRPC (and `/json`), envoyproxy/ratelimit's config files (`rls::config`), descriptor matching (`rls::matcher`), one all-or-nothing limiter check per request (`rls::decide`), the listener (`rls::serve`) |
 //! | [`background`] | low-priority threads for reloads and for freeing replaced snapshots, so neither competes with requests |
 //! | [`activity`] | what the admin dashboard shows over time: per-second rule rates, most limited hashes, store and reload history |
 //! | [`admin`] | admin listener: health, readiness, status, metrics, rules, reload, explain, counters (`identities`), JSON views of rules and limits (`views`); token auth |
@@ -26,7 +27,7 @@
 //! | [`rules`] | types, `compile` (validation, specificity; `compile/fields` for a rule's penalty, calendar, `count_when`, `cost_from`, failure policy), `trie` (matching); pure, no I/O |
 //! | [`limiter`] | the request's checks and verdict (`check`), algorithms, the [`limiter::Store`] trait, memory and Redis stores (`redis/{conn,protocol,slots,batch}`), key schema (`keys`), deny cache, per-shard breakers, failure policy |
 //! | [`http`] | `respond` (every locally made response; the 429 in `respond::limited`), rate-limit headers, forwarding helpers, the upstream (`upstream/{connect,h1,h2,balance}`: connections under the per-target cap, the HTTP/1.1 pool, shared HTTP/2 connections, balancing, ejection and the recent-ejections list) |
-//! | [`metrics`] | Prometheus metrics by family (`metrics/{traffic,store,upstream,reload,process}`), each registering its own; handles resolved at rule load |
+//! | [`metrics`] | Prometheus metrics by family (`metrics/{traffic,store,upstream,reload,process,rls}`), each registering its own; handles resolved at rule load |
 //! | [`clock`] | injectable time ([`clock::FakeClock`] for tests) |
 //! | [`demo`] | `tollgate demo`: an echo upstream plus the gateway on the memory store |
 //! | [`rt`] | runtime plumbing apart from the domain code: coarse timers, idle parking of keep-alive connections, per-thread header-value chunks, stop signals; each with its measured gain (see its index) |
@@ -50,6 +51,7 @@ pub mod limiter;
 pub mod log_throttle;
 pub mod metrics;
 pub mod proxy;
+pub mod rls;
 pub mod rt;
 pub mod rules;
 pub mod server;

@@ -40,6 +40,9 @@ enum LogFormat {
 enum Command {
     /// Serve (the default).
     Run,
+    /// Serve only the Envoy rate-limit service (`rls:` in the gateway file; `rls.listen`,
+    /// default 0.0.0.0:8081) and the admin API: no proxy listener.
+    Rls,
     /// Validate the gateway config, rules and keys; print a summary.
     Check,
     /// Print the settings in force (environment overrides applied, secrets hidden), each with
@@ -167,6 +170,24 @@ fn main() -> ExitCode {
                 Ok(())
             })
         }
+        Command::Rls => {
+            let loaded = GatewayConfig::load(&config, &EnvOverrides::from_env());
+            init_logs(cli.log_format, loaded.as_ref().ok().and_then(|c| c.otlp.as_ref()));
+            let cfg = match loaded {
+                Ok(cfg) => cfg,
+                Err(e) => {
+                    tracing::error!(error = %e, config = %config.display(), "tollgate rls: cannot start: the configuration was refused (`tollgate check --config` gives the same answer)");
+                    return ExitCode::FAILURE;
+                }
+            };
+            runtime(async move {
+                let running = tollgate::server::start_rls_only(cfg).await.map_err(|e| e.to_string())?;
+                tollgate::demo::shutdown_signal().await;
+                tracing::info!("signal received");
+                running.drain_then_stop().await;
+                Ok(())
+            })
+        }
         Command::Demo { listen, admin_listen } => {
             init_logs(cli.log_format.or(Some(LogFormat::Human)), None);
             runtime(async move {
@@ -267,6 +288,12 @@ fn load_all(config: &std::path::Path) -> Result<(GatewayConfig, tollgate::state:
     let cfg = GatewayConfig::load(config, &EnvOverrides::from_env()).map_err(|e| e.to_string())?;
     let metrics = tollgate::metrics::Metrics::new();
     let snap = tollgate::state::load_snapshot(&cfg, &metrics).map_err(|e| e.to_string())?;
+    if let Some(r) = &cfg.rls {
+        tollgate::rls::config::load_dir(&r.config_dir, r.failure).map_err(|e| {
+            e.named_in(&cfg.path, "rls.config_dir", Some(r.config_dir_at))
+                .to_string()
+        })?;
+    }
     Ok((cfg, snap))
 }
 
@@ -309,6 +336,25 @@ fn check(config: &std::path::Path) -> ExitCode {
             match &cfg.keys_file {
                 Some(k) => println!("  keys {} ({} keys)", k.display(), snap.keys.len()),
                 None => println!("  keys: none"),
+            }
+            if let Some(r) = &cfg.rls {
+                let listen = r.listen.map_or_else(
+                    || "off for run; tollgate rls: 0.0.0.0:8081".to_string(),
+                    |l| l.to_string(),
+                );
+                println!("  rls {listen}, config {}", r.config_dir.display());
+                if let Ok(d) = tollgate::rls::config::load_dir(&r.config_dir, r.failure) {
+                    let mut names: Vec<_> = d.by_name.values().collect();
+                    names.sort_by(|a, b| a.name.cmp(&b.name));
+                    for dom in names {
+                        println!(
+                            "    domain {} ({} descriptors with limits, {})",
+                            dom.name,
+                            dom.limits,
+                            dom.file.display()
+                        );
+                    }
+                }
             }
             for n in &cfg.notes {
                 println!("  note: {n}");

@@ -12,6 +12,7 @@ use prometheus_client::registry::Registry;
 mod otlp;
 mod process;
 mod reload;
+mod rls;
 mod store;
 mod traffic;
 mod upstream;
@@ -19,6 +20,7 @@ mod upstream;
 pub use otlp::OtlpCounters;
 pub use process::Process;
 pub use reload::{Reload, Tls};
+pub use rls::{RlsLabels, RlsMetrics};
 pub use store::{ShardLabels, Store};
 pub use traffic::{Decision, Final, RuleMetrics, Traffic};
 pub use upstream::{TargetCounters, Upstream};
@@ -72,6 +74,8 @@ pub struct Metrics {
     /// `tollgate_otlp_spans_total{result}`: request spans exported, dropped on a full queue,
     /// or lost in a failed export (`crate::telemetry`).
     pub otlp: OtlpCounters,
+    /// The Envoy rate-limit service.
+    pub rls: RlsMetrics,
 }
 
 impl Metrics {
@@ -84,7 +88,9 @@ impl Metrics {
         let tls = Tls::register(&mut registry);
         let reload = Reload::register(&mut registry);
         let otlp = OtlpCounters::register(&mut registry);
+        let rls = RlsMetrics::register(&mut registry);
         Arc::new(Metrics {
+            rls,
             registry,
             traffic,
             store,

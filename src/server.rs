@@ -31,6 +31,9 @@ pub struct Running {
     pub shutdown: watch::Sender<bool>,
     /// Resolves when the proxy has drained.
     pub done: tokio::task::JoinHandle<()>,
+    /// The Envoy rate-limit service's bound address, when it runs (`rls.listen`, or
+    /// `tollgate rls`).
+    pub rls_addr: Option<SocketAddr>,
 }
 
 impl Running {
@@ -82,6 +85,14 @@ pub async fn start_with(gw: Arc<State>) -> Result<Running, StartError> {
         spawn_cert_watcher(&gw, resolver.clone(), rx.clone());
     }
     spawn_background(&gw, &rx);
+    let rls = match gw.config().rls.clone() {
+        Some(settings) => match settings.listen {
+            Some(listen) => Some(start_rls(&gw, settings, listen, rx.clone()).await?),
+            None => None,
+        },
+        None => None,
+    };
+    let rls_addr = rls.as_ref().map(|r| r.addr);
     // The admin listener stays up until the proxy has drained, so the drain can be scraped.
     let (admin_stop, admin_rx) = watch::channel(false);
     let (addr, admin_addr, tls_on) = (bound.addr, bound.admin_addr, bound.tls.is_some());
@@ -99,7 +110,7 @@ pub async fn start_with(gw: Arc<State>) -> Result<Running, StartError> {
         addr,
         tls: tls.map(|(a, _)| a),
     };
-    let done = spawn_workers(&gw, accept, rx, admin_stop)?;
+    let done = spawn_workers(&gw, accept, rx, admin_stop, rls.map(|r| r.done))?;
     announce(&gw, addr, admin_addr, tls_on);
     Ok(Running {
         addr,
@@ -107,6 +118,7 @@ pub async fn start_with(gw: Arc<State>) -> Result<Running, StartError> {
         gateway: gw,
         shutdown: tx,
         done,
+        rls_addr,
     })
 }
 
@@ -176,11 +188,7 @@ fn workers(gw: &State) -> usize {
 /// file watcher that reloads rules, keys and JWT key files.
 fn spawn_background(gw: &Arc<State>, stop: &watch::Receiver<bool>) {
     spawn_health_check(gw, stop.clone());
-    spawn_probe(gw, stop.clone());
-    spawn_permission_check(gw, stop.clone());
-    spawn_slot_renewal(gw, stop.clone());
-    spawn_lease_sweep(gw, stop.clone());
-    spawn_override_refresh(gw, stop.clone());
+    spawn_store_tasks(gw, stop);
     let mut files = vec![gw.config().rules_file.clone()];
     files.extend(gw.config().keys_file.clone());
     // The gateway file is watched too, not to apply it (that needs a restart) but to say that
@@ -199,6 +207,16 @@ fn spawn_background(gw: &Arc<State>, stop: &watch::Receiver<bool>) {
     });
 }
 
+/// The background work every mode needs while it decides with the store: the breaker probe,
+/// the permission check, slot renewal, the lease sweep, the runtime-override refresh.
+fn spawn_store_tasks(gw: &Arc<State>, stop: &watch::Receiver<bool>) {
+    spawn_probe(gw, stop.clone());
+    spawn_permission_check(gw, stop.clone());
+    spawn_slot_renewal(gw, stop.clone());
+    spawn_lease_sweep(gw, stop.clone());
+    spawn_override_refresh(gw, stop.clone());
+}
+
 /// The proxy listeners, as the workers take them.
 struct Accept {
     /// Worker 0's listener.
@@ -211,14 +229,15 @@ struct Accept {
     tls: Option<tokio_rustls::TlsAcceptor>,
 }
 
-/// Start the workers on `bound`'s listeners. The task returned ends once every worker has
-/// drained, the leases' unused units have gone back to the store, and the admin listener has
-/// been told to stop (`admin_stop`).
+/// Start the workers on `bound`'s listeners. The task returned ends once every worker (and
+/// the rate-limit service, `rls`, when it runs) has drained, the leases' unused units have gone
+/// back to the store, and the admin listener has been told to stop (`admin_stop`).
 fn spawn_workers(
     gw: &Arc<State>,
     bound: Accept,
     stop: watch::Receiver<bool>,
     admin_stop: watch::Sender<bool>,
+    rls: Option<tokio::task::JoinHandle<()>>,
 ) -> Result<tokio::task::JoinHandle<()>, StartError> {
     let acceptor = bound.tls;
     let conns = Arc::new(Semaphore::new(gw.config().server.max_connections));
@@ -251,6 +270,9 @@ fn spawn_workers(
         for drained in others {
             let _ = drained.await;
         }
+        if let Some(r) = rls {
+            let _ = r.await;
+        }
         // Nothing is admitted any more: give every lease's unused units back to the fleet.
         gw_done.limiter().return_leases(true).await;
         let _ = release.send(true);
@@ -276,6 +298,118 @@ fn announce(gw: &State, addr: SocketAddr, admin_addr: SocketAddr, tls_on: bool) 
     for note in &gw.config().notes {
         tracing::warn!("{note}");
     }
+}
+
+/// The Envoy rate-limit service, serving.
+struct RlsRunning {
+    /// Its bound address.
+    addr: SocketAddr,
+    /// Ends once it has drained after the stop signal.
+    done: tokio::task::JoinHandle<()>,
+}
+
+/// How often the rate-limit config directory is looked at: an edit is in force within about
+/// this much (plus the compile).
+const RLS_CONFIG_POLL: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// Load the rate-limit config directory, bind `listen`, watch the directory (a broken file
+/// keeps the config in force), and serve until `stop` (ARCHITECTURE.md, "The Envoy rate-limit
+/// service").
+async fn start_rls(
+    gw: &Arc<State>,
+    settings: crate::config::rls::RlsSettings,
+    listen: SocketAddr,
+    stop: watch::Receiver<bool>,
+) -> Result<RlsRunning, StartError> {
+    let at = Some(settings.config_dir_at);
+    let rls =
+        crate::rls::Rls::new(gw.clone(), settings).map_err(|e| e.named_in(&gw.config().path, "rls.config_dir", at))?;
+    let listener = TcpListener::bind(listen)
+        .await
+        .map_err(|source| StartError::Bind { addr: listen, source })?;
+    let addr = listener
+        .local_addr()
+        .map_err(|source| StartError::Bind { addr: listen, source })?;
+    let watched = rls.clone();
+    let mut seen = watched.fingerprint();
+    spawn_every(RLS_CONFIG_POLL, stop.clone(), move || {
+        let rls = watched.clone();
+        let now = rls.fingerprint();
+        let changed = now != seen;
+        seen = now;
+        async move {
+            if changed {
+                let r = rls.clone();
+                let _ = crate::background::run("rls reload", move || r.reload()).await;
+            }
+        }
+    });
+    let grace = gw.config().server.shutdown_grace;
+    let domains = rls.domains().by_name.len();
+    let done = tokio::spawn(crate::rls::serve::serve(rls, listener, stop, grace));
+    tracing::info!(%addr, domains, "envoy rate-limit service listening");
+    Ok(RlsRunning { addr, done })
+}
+
+/// `tollgate rls`: the Envoy rate-limit service (on `rls.listen`, default
+/// [`crate::config::rls::DEFAULT_RLS_LISTEN`]) and the admin listener, with no proxy listener.
+pub async fn start_rls_only(config: GatewayConfig) -> Result<Running, StartError> {
+    let Some(settings) = config.rls.clone() else {
+        return Err(StartError::Config(crate::yaml::ConfigError::file(
+            &config.path,
+            "tollgate rls needs an rls: section (rls.config_dir)",
+        )));
+    };
+    let gw = State::new(config).await?;
+    let listen = match settings.listen {
+        Some(l) => l,
+        None => crate::config::rls::DEFAULT_RLS_LISTEN.parse().map_err(|_| {
+            StartError::Config(crate::yaml::ConfigError::file(
+                &gw.config().path,
+                "bad default rls address",
+            ))
+        })?,
+    };
+    let admin_listen = gw.config().admin_listen;
+    let admin = TcpListener::bind(admin_listen)
+        .await
+        .map_err(|source| StartError::Bind {
+            addr: admin_listen,
+            source,
+        })?;
+    let admin_addr = admin.local_addr().map_err(|source| StartError::Bind {
+        addr: admin_listen,
+        source,
+    })?;
+    let (tx, rx) = watch::channel(false);
+    spawn_store_tasks(&gw, &rx);
+    let rls = start_rls(&gw, settings, listen, rx).await?;
+    let (admin_stop, admin_rx) = watch::channel(false);
+    tokio::spawn(crate::admin::serve(gw.clone(), admin, admin_rx));
+    let gw_done = gw.clone();
+    let addr = rls.addr;
+    let done = tokio::spawn(async move {
+        let _ = rls.done.await;
+        gw_done.limiter().return_leases(true).await;
+        let _ = admin_stop.send(true);
+    });
+    tracing::info!(
+        %addr,
+        %admin_addr,
+        store = crate::describe::store_kind(gw.config().store.kind),
+        "tollgate rls: rate-limit service only (no proxy listener)"
+    );
+    for note in &gw.config().notes {
+        tracing::warn!("{note}");
+    }
+    Ok(Running {
+        addr,
+        admin_addr,
+        gateway: gw,
+        shutdown: tx,
+        done,
+        rls_addr: Some(addr),
+    })
 }
 
 /// Re-read the listener's certificate and key when their files change (and on `SIGHUP`). A

@@ -179,7 +179,40 @@ pub fn settings(file: &Path, raw: &RawGateway, cfg: &GatewayConfig, env: &EnvOve
     identity(file, raw, cfg, &mut out);
     tls(file, raw, cfg, &mut out);
     otlp_settings(file, &raw.tracing, cfg.otlp.as_ref(), &mut out);
+    rls(file, raw, cfg, &mut out);
     out
+}
+
+/// `rls:`, when the gateway file has it.
+fn rls(file: &Path, raw: &RawGateway, cfg: &GatewayConfig, out: &mut Vec<Setting>) {
+    let (Some(r), Some(raw_rls)) = (&cfg.rls, &raw.rls) else {
+        return;
+    };
+    let rr = &raw_rls.value;
+    let mut push = |name: &'static str, value: String, source: String| out.push(Setting { name, value, source });
+    push(
+        "rls.listen",
+        r.listen
+            .map_or_else(|| "off (tollgate rls: 0.0.0.0:8081)".to_string(), |a| a.to_string()),
+        at_opt(file, &rr.listen),
+    );
+    push(
+        "rls.config_dir",
+        r.config_dir.display().to_string(),
+        at(file, Some(&rr.config_dir)),
+    );
+    let failure = match r.failure {
+        crate::limiter::FailurePolicy::Open => "open",
+        crate::limiter::FailurePolicy::Closed => "closed",
+        crate::limiter::FailurePolicy::Local { .. } => "local",
+    };
+    push("rls.failure", failure.to_string(), at_opt(file, &rr.failure));
+    let headers = match r.headers {
+        super::rls::RlsHeaders::None => "none",
+        super::rls::RlsHeaders::Ietf => "ietf",
+        super::rls::RlsHeaders::XRateLimit => "x-ratelimit",
+    };
+    push("rls.headers", headers.to_string(), at_opt(file, &rr.headers));
 }
 
 /// The position of an optional raw value, or `default`.

@@ -45,6 +45,24 @@ pub struct RawGateway {
     /// Span export (`tracing.otlp`).
     #[serde(default)]
     pub tracing: RawTracing,
+    /// The Envoy rate-limit service (off unless given).
+    pub rls: Option<Spanned<RawRls>>,
+}
+
+/// `rls:` — the Envoy rate-limit service front end.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRls {
+    /// gRPC (and `/json`, `/healthcheck`) listen address; off unless set (`tollgate rls`
+    /// defaults it).
+    pub listen: Option<Spanned<String>>,
+    /// The directory of envoyproxy/ratelimit config files (`*.yaml`, one domain each),
+    /// relative to the gateway file.
+    pub config_dir: Spanned<String>,
+    /// Failure policy of every domain that names none: `open` (default), `closed`, `local`.
+    pub failure: Option<Spanned<String>>,
+    /// Response headers for Envoy to add: `none` (default), `ietf`, `x-ratelimit`.
+    pub headers: Option<Spanned<String>>,
 }
 
 /// `tls:` (the proxy listener).

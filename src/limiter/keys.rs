@@ -74,6 +74,8 @@ pub enum Namespace {
     Org,
     /// A request header's value.
     Header,
+    /// An Envoy rate-limit descriptor (domain, entries' keys and values).
+    Descriptor,
 }
 
 impl Namespace {
@@ -85,6 +87,7 @@ impl Namespace {
             Namespace::ApiKey => b"key",
             Namespace::Org => b"org",
             Namespace::Header => b"header",
+            Namespace::Descriptor => b"rls",
         }
     }
 }
@@ -187,6 +190,7 @@ mod tests {
             Namespace::ApiKey,
             Namespace::Org,
             Namespace::Header,
+            Namespace::Descriptor,
         ]
         .iter()
         .map(|ns| k.tag(*ns, v))

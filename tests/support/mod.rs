@@ -12,6 +12,8 @@
 //!   one Redis node;
 //! * [`grpc`](self::grpc): a real gRPC server and client (Python grpcio, as subprocesses) and
 //!   the real binary in front of the server;
+//! * [`rls`](self::rls): the real `tollgate rls` binary on an envoyproxy/ratelimit config
+//!   directory, and an independent client (Python grpcio, Envoy's own protos);
 //! * [`tls`](self::tls): a test CA made with rcgen, an HTTPS echo upstream, Redis over TLS
 //!   with a password (standalone and cluster);
 //! * [`otlp`](self::otlp): a real OTLP/HTTP traces receiver (Python, `opentelemetry-proto`)
@@ -29,6 +31,7 @@ mod http;
 mod otlp;
 mod poll;
 mod redis;
+mod rls;
 mod tls;
 mod upstream;
 
@@ -39,6 +42,7 @@ pub use self::http::*;
 pub use self::otlp::OtlpReceiver;
 pub use self::poll::*;
 pub use self::redis::{command_calls, has_library, redis_cli, RedisCluster, RedisServer};
+pub use self::rls::{descriptors_json, rls_node, start_of_second, tollgate_check, within_second, RlsClient, RlsNode};
 pub use self::tls::*;
 pub use self::upstream::{counting_upstream, CountingUpstream, Instance};
 
