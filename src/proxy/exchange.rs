@@ -1,297 +1,153 @@
-//! The exchange with the upstream: the request made ready to forward (hop-by-hop headers
-//! stripped, `X-Forwarded-*` and `Forwarded` added, trailers asked for when needed), sent with
-//! its retry and deadline, and the response checked and streamed back (upgrades spliced).
+//! The per-request context every phase works on: one [`Exchange`] per request, made when its
+//! head arrives and filled in as the phases run (ARCHITECTURE.md, "The request lifecycle"). It
+//! lives in the request's future (never boxed), and holds nothing a later phase does not read.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
-use http::{header, HeaderValue, Method, Request, Response, Version};
-use http_body_util::Limited;
-use hyper::body::Incoming;
-use hyper::upgrade::OnUpgrade;
-use hyper_util::rt::TokioIo;
+use http::{HeaderValue, Request, Version};
 
-use crate::http::respond::GatewayError;
-use crate::http::upstream::{self as up, Replay};
-use crate::http::{forward, ProxyBody};
-use crate::state::State;
+use crate::engine::plan::RequestPlan;
+use crate::engine::{Engine, PlannedCheck};
+use crate::http::headers::Binding;
+use crate::limiter::{LimitCheck, Outcome, Quota, Source};
+use crate::state::{Snapshot, State};
 
-use super::facts::Facts;
-use super::{access, settle, slots};
+use super::access::{self, Pending};
+use super::facts::{self, Facts};
+use super::slots::SlotGuard;
+use super::Peer;
 
-/// A request made ready for the upstream.
-pub(super) struct Outbound {
-    /// The request as it is sent: origin-form URI, HTTP/1.1, hop-by-hop headers gone, this hop
-    /// appended to the forwarding headers.
-    req: Request<ProxyBody>,
-    /// The client's side of an upgrade it asked for.
-    client_upgrade: Option<OnUpgrade>,
-    /// Whether a failed attempt may be sent again ([`up::Retry`]): `None` no; `Some(None)`
-    /// only when it was never written; `Some(Some(copy))` from this copy.
-    replay: Option<Option<Replay>>,
-    /// When the request head reached the request path.
-    arrived: Option<Instant>,
+/// Header fields tollgate may add to a request on its way upstream: `X-Request-Id`,
+/// `traceparent`, `TE`, `X-Forwarded-For`, `-Proto`, `-Host` and `Forwarded`, and `Host` again.
+const FORWARD_ROOM: usize = 8;
+
+/// What one rule of an admitted request reserved: its checks, each with the instant its check
+/// was decided and the store that decided it.
+pub(crate) type Reserved = Vec<(LimitCheck, u64, Source)>;
+
+/// One request on its way through the phases.
+pub(super) struct Exchange<'a> {
+    /// Its header section, read once (validate, forward).
+    pub(super) facts: Facts,
+    /// Where it came from.
+    pub(super) peer: Peer,
+    /// Its request id (kept or generated), sent upstream and back.
+    pub(super) id: HeaderValue,
+    /// When its head reached the request path.
+    pub(super) arrived: Instant,
+    /// It came over HTTP/1 (a drain closes its connection).
+    pub(super) http1: bool,
+    /// The rules in force, loaded once: an owned handle, not a guard, so that it stays alive
+    /// across the awaits (store check, leaky-bucket wait, upstream exchange) without pinning an
+    /// arc-swap slot.
+    pub(super) snap: Arc<Snapshot>,
+    /// The instant its limits are decided at, microseconds.
+    pub(super) now_us: u64,
+    /// Its caller and limits (the plan phase); `None` before.
+    pub(super) plan: Option<RequestPlan>,
+    /// What it holds once admitted (the check phase).
+    pub(super) admitted: Admitted,
+    /// Its access line when it is logged; dropped unanswered, it logs the client's abort.
+    pub(super) pending: Pending<'a>,
 }
 
-impl State {
-    /// Make `req` ready to forward: strip its hop-by-hop headers, add this hop to
-    /// `X-Forwarded-*` and `Forwarded`, ask for trailers when the client (or a rule reading its
-    /// cost from one) wants them, and keep what a retry needs.
-    pub(super) fn outbound(
-        &self,
-        mut req: Request<Incoming>,
-        facts: &Facts,
-        peer: SocketAddr,
-        want_trailers: bool,
-    ) -> Result<Outbound, GatewayError> {
-        if req.method() == Method::CONNECT {
-            return Err(GatewayError::BadRequest("CONNECT is not supported"));
-        }
-        // Only allow-listed upgrades (`server.upgrades`) pass. Any other (`h2c`, say) is
-        // forwarded as a plain request: an upgraded connection is one request to the limits,
-        // and a tunnel of HTTP/2 through it would pass every later request unchecked.
-        let upgrade = super::facts::upgrade_of(req.headers(), facts)
-            .filter(|v| forward::upgrade_allowed(v, &self.config().server.upgrades));
-        let client_upgrade = upgrade.as_ref().map(|_| hyper::upgrade::on(&mut req));
-        let body_is_end = hyper::body::Body::is_end_stream(req.body());
-        let (mut parts, body) = req.into_parts();
-        let h = &mut parts.headers;
-        let host = facts.host.clone().or_else(|| {
-            parts
-                .uri
-                .authority()
-                .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
-        });
-        // Trailers pass through (gRPC's status is one): a client that accepts them asks the
-        // upstream for them too, as does a rule that reads its cost from one.
-        forward::strip_hop_by_hop(h, upgrade);
-        if !facts.traced {
-            // W3C trace context (`http::trace`): continued, or started here.
-            crate::http::trace::ensure(h, false);
-        }
-        if want_trailers || facts.te_trailers {
-            h.insert(header::TE, HeaderValue::from_static("trailers"));
-        }
-        forward::add_forwarded_proto(h, peer.ip(), host.as_ref(), self.config().tls.is_some());
-        // HTTP/2 requests carry the host in the URI; a `Connection` may have named `Host`.
-        if let Some(host) = host.filter(|_| !h.contains_key(header::HOST)) {
-            h.insert(header::HOST, host);
-        }
-        parts.uri = forward::origin_form(parts.uri.path_and_query());
-        parts.version = Version::HTTP_11;
-        // hyper's own markers of the client's connection are not the upstream's.
-        parts.extensions.clear();
-        let req = Request::from_parts(
-            parts,
-            ProxyBody::Request(Limited::new(body, self.config().server.max_body_bytes as usize)),
-        );
-        // A retry may replay this request. With one target nothing is copied:
-        // only an attempt that was never written is sent again.
-        let replay =
-            (client_upgrade.is_none() && up::replayable(req.method(), req.headers(), body_is_end)).then(|| {
-                (self.upstream().len() > 1).then(|| Replay {
-                    method: req.method().clone(),
-                    uri: req.uri().clone(),
-                    headers: req.headers().clone(),
-                })
-            });
-        Ok(Outbound {
-            req,
-            arrived: facts.arrived,
-            client_upgrade,
-            replay,
-        })
-    }
+/// What an admitted request holds on its way upstream.
+#[derive(Default)]
+pub(super) struct Admitted {
+    /// The limit whose headers the response carries: its check, outcome and source.
+    pub(super) binding: Option<(usize, Outcome, Source)>,
+    /// The concurrency slots it took.
+    pub(super) slots: Option<SlotGuard>,
+    /// What its `count_when` / `cost_from` rules reserved, settled once the response is known.
+    pub(super) after: Vec<(u32, Reserved)>,
+}
 
-    /// Send `out` upstream (with its retry, within `request_timeout`) and return its streamed
-    /// response, hop-by-hop headers stripped, with the request's `slots` for its body to hold
-    /// (`None` when an upgrade took them: they stay held while the upgraded connection is
-    /// open). An error ends the exchange, and releases the slots.
-    pub(super) async fn forward(
-        &self,
-        out: Outbound,
-        slots: Option<slots::SlotGuard>,
-        note: Option<&mut access::Note>,
-    ) -> Result<(Response<ProxyBody>, Option<slots::SlotGuard>), GatewayError> {
-        let Outbound {
-            req,
-            client_upgrade,
-            replay,
+impl Admitted {
+    /// It holds something until its upstream exchange really ends (`forward::held`).
+    pub(super) fn holds(&self) -> bool {
+        self.slots.is_some() || !self.after.is_empty()
+    }
+}
+
+impl<'a> Exchange<'a> {
+    /// The context of `req`, from `peer`: its facts and request id (written into `req` when it
+    /// had none worth keeping), the snapshot and the instant it is decided at.
+    pub(super) fn new(gw: &'a State, req: &mut Request<hyper::body::Incoming>, peer: Peer) -> Self {
+        // hyper sizes a request's header map to the fields it parsed; the request id and the
+        // forwarding headers would then regrow it (rehashing it) up to four times.
+        req.headers_mut().reserve(FORWARD_ROOM);
+        let arrived = Instant::now();
+        let facts = Facts::of(req.headers());
+        let id = facts::ensure_request_id(req.headers_mut(), &facts);
+        Exchange {
+            facts,
+            peer,
+            id,
             arrived,
-        } = out;
-        let method = req.method().clone(); // for the error log; no allocation for standard methods
-        let path = req.uri().clone(); // the same: a reference count
-        let retry = match &replay {
-            None => up::Retry::No,
-            Some(None) => up::Retry::Unsent,
-            Some(Some(r)) => up::Retry::Copy(r),
-        };
-        let started = Instant::now();
-        // A coarse deadline (`http::coarse_timer`): within a few ms, and cheaper than a
-        // tokio timer registered and cancelled for every request.
-        let result =
-            crate::rt::coarse_timer::timeout(self.config().upstream.request_timeout, self.upstream().send(req, retry))
-                .await;
-        let waited = started.elapsed();
-        self.metrics().upstream_latency.observe(waited.as_secs_f64());
-        if let Some(arrived) = arrived {
-            // Everything but the upstream's own wait: limits, queueing, forwarding.
-            let overhead = arrived.elapsed().saturating_sub(waited);
-            self.metrics().request_overhead.observe(overhead.as_secs_f64());
+            http1: req.version() < Version::HTTP_2,
+            snap: gw.snapshot().load_full(),
+            now_us: gw.clock().now_us(),
+            plan: None,
+            admitted: Admitted::default(),
+            pending: Pending::new(gw.metrics(), None),
         }
-        if let Some(n) = note {
-            n.upstream_us = u64::try_from(waited.as_micros()).unwrap_or(u64::MAX);
-            match &result {
-                Ok(Ok(x)) => (n.target, n.attempts) = (Some(x.target.clone()), x.attempts),
-                Ok(Err(f)) => (n.target, n.attempts) = (Some(f.target.clone()), f.attempts),
-                Err(_) => {}
-            }
-        }
-        let mut resp = match result {
-            Err(_) => {
-                self.metrics().upstream_status[5].inc();
-                if let Some(suppressed) = self.upstream_log().allow() {
-                    tracing::warn!(method = %method, path = %path.path(), upstream = %self.config().upstream.authority, timeout_ms = self.config().upstream.request_timeout.as_millis() as u64, suppressed, "upstream timed out (repeats logged at most once a second, `suppressed` counts the others)");
-                }
-                return Err(GatewayError::GatewayTimeout);
-            }
-            Ok(Err(f)) if body_over_limit(&f.error) => {
-                // A body without Content-Length (chunked, HTTP/2) went over `max_body_bytes`
-                // while it streamed: the upstream got an aborted body, never a complete one.
-                return Err(GatewayError::PayloadTooLarge);
-            }
-            Ok(Err(f)) if client_body_failed(&f.error) => {
-                // The client's own body broke off or did not parse (a bad chunk size, say):
-                // its fault, not the upstream's.
-                return Err(GatewayError::BadRequest("malformed or incomplete request body"));
-            }
-            Ok(Err(f)) if f.error.is_saturated() => {
-                if let Some(suppressed) = self.upstream_log().allow() {
-                    tracing::warn!(method = %method, path = %path.path(), upstream = %f.target, suppressed, "upstream connection cap reached (upstream.max_connections_per_target); answered 503 (repeats logged at most once a second, `suppressed` counts the others)");
-                }
-                return Err(GatewayError::Unavailable("the upstream connection limit is reached"));
-            }
-            Ok(Err(f)) => {
-                self.metrics().upstream_status[5].inc();
-                if let Some(suppressed) = self.upstream_log().allow() {
-                    tracing::warn!(method = %method, path = %path.path(), upstream = %f.target, attempts = f.attempts, error = %f.error, suppressed, "upstream request failed (repeats logged at most once a second, `suppressed` counts the others)");
-                }
-                return Err(GatewayError::BadGateway(f.error.to_string()));
-            }
-            Ok(Ok(x)) => x.response,
-        };
-        let class = (resp.status().as_u16() / 100).clamp(1, 5) as usize - 1;
-        self.metrics().upstream_status[class].inc();
-        self.metrics().upstream_response(resp.status().as_u16());
-
-        if resp.status() == http::StatusCode::SWITCHING_PROTOCOLS {
-            let Some(client_up) = client_upgrade else {
-                // A 101 the client never asked for would hand it a connection in a protocol
-                // it does not speak: refuse it (the upstream connection is dropped with it).
-                if let Some(suppressed) = self.upstream_log().allow() {
-                    tracing::warn!(method = %method, path = %path.path(), upstream = %self.config().upstream.authority, suppressed, "upstream answered 101 to a request that asked for no upgrade");
-                }
-                return Err(GatewayError::BadGateway(
-                    "the upstream switched protocols for a request that asked for no upgrade".into(),
-                ));
-            };
-            {
-                let upstream_up = hyper::upgrade::on(&mut resp);
-                tokio::spawn(async move {
-                    // The request's slots stay held while the upgraded connection is open.
-                    let _slots = slots;
-                    match tokio::try_join!(client_up, upstream_up) {
-                        Ok((c, u)) => {
-                            let mut c = TokioIo::new(c);
-                            let mut u = TokioIo::new(u);
-                            let _ = tokio::io::copy_bidirectional(&mut c, &mut u).await;
-                        }
-                        Err(e) => tracing::debug!(error = %e, "upgrade failed"),
-                    }
-                });
-            }
-            let keep = resp.headers().get(header::UPGRADE).cloned();
-            forward::strip_hop_by_hop(resp.headers_mut(), keep);
-            return Ok((resp.map(ProxyBody::Upstream), None));
-        }
-        forward::strip_hop_by_hop(resp.headers_mut(), None);
-        Ok((resp.map(ProxyBody::Upstream), slots))
     }
 
-    /// [`State::forward`] for a request that holds something until its upstream exchange
-    /// really ends (concurrency `slots`, reservations of response-dependent rules in `after`),
-    /// then settled ([`State::settle_after`]). The exchange runs in a task of its own, so a
-    /// client that goes away (this future dropped) does not end it: the upstream request goes
-    /// on within `request_timeout`, its response is settled all the same, and a body no client
-    /// reads is drained (`settle::HeldBody`) before the slots are released.
-    pub(super) async fn forward_held(
-        self: &Arc<Self>,
-        snap: &Arc<crate::state::Snapshot>,
-        out: Outbound,
-        held: (Option<slots::SlotGuard>, Vec<(u32, settle::Reserved)>),
-        note: Option<&mut access::Note>,
-    ) -> Result<Response<ProxyBody>, GatewayError> {
-        let (slots, after) = held;
-        let (gw, snap) = (self.clone(), snap.clone());
-        let logged = note.is_some();
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        tokio::spawn(async move {
-            let mut n = logged.then(access::Note::default);
-            let (result, slots) = match gw.forward(out, slots, n.as_mut()).await {
-                Ok((r, s)) => (Ok(r), s),
-                Err(e) => (Err(e), None),
-            };
-            let result = gw.settle_after(&snap, after, result, slots);
-            // Without a client to take it, the response is dropped here: a body that still
-            // holds something is then read to its end by a task of its own.
-            let _ = tx.send((result, n));
-        });
-        match rx.await {
-            Ok((result, n)) => {
-                if let (Some(note), Some(n)) = (note, n) {
-                    (note.target, note.attempts, note.upstream_us) = (n.target, n.attempts, n.upstream_us);
-                }
-                result
-            }
-            // The task ended without an answer (it panicked): the exchange is over.
-            Err(_) => Err(GatewayError::BadGateway(
-                "the upstream exchange ended unexpectedly".into(),
-            )),
-        }
+    /// What the request path learned, for its access line; `None` when it is not logged.
+    pub(super) fn note(&mut self) -> Option<&mut access::Note> {
+        self.pending.line.as_mut().map(|l| &mut l.note)
     }
 }
 
-/// Did the upstream request fail because the client's body went over `max_body_bytes`?
-fn body_over_limit(e: &(dyn std::error::Error + 'static)) -> bool {
-    let mut cur = Some(e);
-    while let Some(err) = cur {
-        if err.is::<http_body_util::LengthLimitError>() {
-            return true;
-        }
-        cur = err.source();
+/// The decision engine over `snap` and the gateway's key builder, identity settings and
+/// limiter.
+pub(super) fn engine<'a>(gw: &'a State, snap: &'a Snapshot) -> Engine<'a> {
+    Engine {
+        snap,
+        keys: gw.keys(),
+        identity: &gw.config().identity,
+        limiter: gw.limiter(),
     }
-    false
 }
 
-/// Did the upstream request fail because the client's request body failed as it was read (a
-/// malformed chunk, a connection closed mid-body)? The upstream client reports a body that
-/// failed as its "user" error, caused by the error of the client's side: another
-/// `hyper::Error`, from reading the incoming body.
-fn client_body_failed(e: &(dyn std::error::Error + 'static)) -> bool {
-    let mut cur = Some(e);
-    let mut outer_user = false;
-    while let Some(err) = cur {
-        if let Some(h) = err.downcast_ref::<hyper::Error>() {
-            if outer_user {
-                return true;
+/// The headers' view of planned check `i` with outcome `o` reached through `source`: the quota
+/// enforced is this node's share of it when the rule fell back to the local store. When the
+/// values made at load do not describe it (an override, a local share), `windows` is filled
+/// with every limit of its rule in force for the request, for `RateLimit-Policy`.
+pub(super) fn binding_of<'a>(
+    plan: &RequestPlan,
+    snap: &'a Snapshot,
+    (i, o, source): &'a (usize, Outcome, Source),
+    windows: &'a mut Vec<Quota>,
+) -> Binding<'a> {
+    let (i, source) = (*i, *source);
+    let p = &plan.checks[i];
+    let enforced = |c: &PlannedCheck| {
+        let e = c.enforced(source);
+        (e.quota, e.cost)
+    };
+    let (quota, cost) = enforced(p);
+    let fixed = snap
+        .rule_headers
+        .get(p.rule as usize)
+        .and_then(|f| f.iter().find_map(|f| f.describing(&quota, cost)));
+    let mut at = 0;
+    if fixed.is_none() {
+        for (j, c) in plan.checks.iter().enumerate().filter(|(_, c)| c.rule == p.rule) {
+            if j == i {
+                at = windows.len();
             }
-            if !h.is_user() {
-                return false;
-            }
-            outer_user = true;
+            windows.push(enforced(c).0);
         }
-        cur = err.source();
     }
-    false
+    Binding {
+        rule: &snap.rules.rules[p.rule as usize].name,
+        quota,
+        cost,
+        outcome: o,
+        fixed,
+        windows,
+        at,
+    }
 }
