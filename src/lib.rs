@@ -16,7 +16,7 @@
 //! | [`server`] | composition root: binds listeners, starts admin, file watcher and store probe, owns shutdown; `server/conn` accepts and serves connections (h2c sniff, TLS, idle parking, drain) |
 //! | [`state`] | the shared state (config, snapshot handle, limiter, metrics; private fields); `state::reload` swaps the snapshot |
 //! | [`engine`] | the decision with no HTTP server around it: request facts → identity and plan (`engine::plan`, one `RequestPlan` per request) → the limiter's verdict → a `Decision`; no metrics, logs or responses |
-//! | [`proxy`] | the request path around the engine: named phases over one per-request context (`proxy::exchange`): validate → plan → check (the engine) → forward → settle → log, one file each |
+//! | [`proxy`] | the request path around the engine: named phases over one per-request context (`proxy::ctx`): validate → plan → check (the engine) → forward → settle → log, one file each |
 //! | [`background`] | low-priority threads for reloads and for freeing replaced snapshots, so neither competes with requests |
 //! | [`activity`] | what the admin dashboard shows over time: per-second rule rates, most limited hashes, store and reload history |
 //! | [`admin`] | admin listener: health, readiness, status, metrics, rules, reload, explain, counters (`identities`), JSON views of rules and limits (`views`); token auth |

@@ -1,4 +1,4 @@
-//! The request path, as named phases over one per-request context ([`exchange::Exchange`]),
+//! The request path, as named phases over one per-request context ([`ctx::Exchange`]),
 //! each a function in the file named after it (ARCHITECTURE.md, "The request lifecycle"):
 //!
 //! | phase | file | what it does |
@@ -28,7 +28,7 @@ use crate::state::State;
 pub mod access;
 mod account;
 mod check;
-mod exchange;
+mod ctx;
 pub(crate) mod facts;
 mod forward;
 mod log;
@@ -40,7 +40,7 @@ mod validate;
 pub use validate::MAX_HEADERS;
 
 pub use crate::engine::plan::host_for_matching;
-use exchange::Exchange;
+use ctx::Exchange;
 
 impl State {
     /// Serve one request; never fails (errors become responses in `crate::http::respond`).

@@ -16,7 +16,7 @@ use crate::http::ProxyBody;
 use crate::limiter::{Source, Verdict};
 use crate::state::State;
 
-use super::exchange::{self, Exchange};
+use super::ctx::{self, Exchange};
 use super::settle;
 
 /// Check `x`'s planned limits. `Some` is the answer made here (a 429); `None`, the request is
@@ -31,7 +31,7 @@ pub(super) async fn phase(gw: &Arc<State>, x: &mut Exchange<'_>) -> Result<Optio
     }
     // The verdict is not kept across the wait below: only what `decide` made of it.
     let queued = {
-        let engine = exchange::engine(gw, &x.snap);
+        let engine = ctx::engine(gw, &x.snap);
         let checked = engine.check(plan, x.now_us).await;
         if let Some(waited) = checked.store_wait {
             gw.metrics().check_latency.observe(waited.as_secs_f64());
@@ -115,7 +115,7 @@ fn decide(
             }
             let bound = (i, o, src);
             let mut windows = Vec::new();
-            let b = exchange::binding_of(plan, snap, &bound, &mut windows);
+            let b = ctx::binding_of(plan, snap, &bound, &mut windows);
             gw.metrics().rate_limited();
             return Ok(Some(limited(gw, &b, facts.grpc, *now_us)));
         }

@@ -18,7 +18,7 @@ use crate::http::upstream::{self as up, Replay};
 use crate::http::{forward, ProxyBody};
 use crate::state::State;
 
-use super::exchange::Exchange;
+use super::ctx::Exchange;
 use super::{access, slots};
 
 /// Forward `req` and return the upstream's response. A request that holds slots or waits to be

@@ -13,7 +13,7 @@ use crate::http::ProxyBody;
 use crate::state::State;
 
 use super::access;
-use super::exchange::Exchange;
+use super::ctx::Exchange;
 
 /// Open the request's access line, when the sampler takes it.
 pub(super) fn open(gw: &State, x: &mut Exchange<'_>, req: &mut Request<Incoming>) {

@@ -9,7 +9,7 @@ use crate::http::respond::GatewayError;
 use crate::rules::caller;
 use crate::state::State;
 
-use super::exchange::{self, Exchange};
+use super::ctx::{self, Exchange};
 
 /// Plan `req` into `x.plan`, and name its caller on the access line.
 pub(super) fn phase<B>(gw: &State, x: &mut Exchange<'_>, req: &Request<B>) -> Result<(), GatewayError> {
@@ -19,7 +19,7 @@ pub(super) fn phase<B>(gw: &State, x: &mut Exchange<'_>, req: &Request<B>) -> Re
         headers: req.headers(),
         peer: x.peer.addr.ip(),
     };
-    let plan = exchange::engine(gw, &x.snap).plan(&gw.runtime().load(), parts, x.now_us);
+    let plan = ctx::engine(gw, &x.snap).plan(&gw.runtime().load(), parts, x.now_us);
     if let Some(p) = plan.refused {
         return Err(p.into());
     }

@@ -33,7 +33,7 @@ use crate::limiter::{LimitCheck, Source, Verdict};
 use crate::rules::CostFrom;
 use crate::state::State;
 
-use super::exchange::{self, Exchange, Reserved};
+use super::ctx::{self, Exchange, Reserved};
 use super::slots::SlotGuard;
 use crate::engine::plan::RequestPlan;
 
@@ -210,7 +210,7 @@ pub(super) fn phase(
     let mut resp = gw.settle_after(&x.snap, after, result, slots)?;
     if let (Some(bound), Some(plan)) = (&x.admitted.binding, &x.plan) {
         let mut windows = Vec::new();
-        let b = exchange::binding_of(plan, &x.snap, bound, &mut windows);
+        let b = ctx::binding_of(plan, &x.snap, bound, &mut windows);
         let lim = &gw.config().limits;
         // The rate-limit headers and the request id: one regrowth at most.
         resp.headers_mut().reserve(6);

@@ -6,7 +6,7 @@
 
 use http::{header, Request, Version};
 
-use super::exchange::Exchange;
+use super::ctx::Exchange;
 use super::facts::Facts;
 use super::target;
 use crate::config::ServerConfig;
