@@ -176,7 +176,7 @@ async fn reload(gw: &Arc<State>, req: Request<Incoming>, peer: SocketAddr) -> Re
             "rules": r.rules,
             "rule_names": r.rule_names,
             "keys": r.keys,
-            "config_file_changed": gw.metrics().config_file_changed.get() == 1,
+            "config_file_changed": gw.metrics().reload.config_file_changed.get() == 1,
         })),
         Err(e) => respond::json(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -376,6 +376,7 @@ fn ready(gw: &State) -> Response<ProxyBody> {
 /// `GET /status`: the store, the rules and keys in force, and the last reload.
 async fn status(gw: &State) -> Response<ProxyBody> {
     let store = gw.store_ready().await;
+    gw.refresh_breaker_gauges();
     let snap = gw.snapshot().load();
     respond::json_ok(&json!({
         "ready": true,
@@ -383,14 +384,14 @@ async fn status(gw: &State) -> Response<ProxyBody> {
             "kind": crate::describe::store_kind(gw.config().store.kind),
             "ok": store.is_ok(),
             "error": store.err().map(|e| e.to_string()),
-            "breakers_open": gw.metrics().breaker_open.get(),
+            "breakers_open": gw.metrics().store.breaker_open.get(),
         },
         "rules_version": snap.rules.version,
         "rules": snap.rules.rules.len(),
         "api_keys": snap.keys.len(),
-        "last_reload_success": gw.metrics().last_reload_success.get() == 1,
-        "last_reload_success_at": gw.metrics().last_reload_success_timestamp.get(),
-        "config_file_changed": gw.metrics().config_file_changed.get() == 1,
+        "last_reload_success": gw.metrics().reload.last_success.get() == 1,
+        "last_reload_success_at": gw.metrics().reload.last_success_timestamp.get(),
+        "config_file_changed": gw.metrics().reload.config_file_changed.get() == 1,
         "version": env!("CARGO_PKG_VERSION"),
     }))
 }

@@ -253,11 +253,11 @@ pub struct GatewayConfig {
     pub admin_listen: SocketAddr,
     /// Who may use the admin API.
     pub admin: admin::AdminConfig,
-    /// The upstream.
+    /// Where admitted requests go: the targets, protocol, TLS, timeouts, caps and ejection.
     pub upstream: UpstreamConfig,
     /// TLS on the proxy listener (`None`: plain HTTP).
     pub tls: Option<ListenerTls>,
-    /// The access log.
+    /// Which requests get an access line (all, none, or a sampled fraction).
     pub access_log: AccessLog,
     /// Rules file (absolute or relative to the working dir).
     pub rules_file: PathBuf,
@@ -268,9 +268,9 @@ pub struct GatewayConfig {
     pub rules_file_at: Option<(u64, u64)>,
     /// Where `keys_file` is written in the gateway file (line, column).
     pub keys_file_at: Option<(u64, u64)>,
-    /// The store.
+    /// Where counts are kept (memory, Redis, Redis Cluster), with its deadline and breakers.
     pub store: StoreConfig,
-    /// Identity.
+    /// How the caller is identified: API-key header, JWT, trusted proxies, IPv6 prefix.
     pub identity: IdentityConfig,
     /// Headers and the deny cache.
     pub limits: LimitsConfig,

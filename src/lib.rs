@@ -25,8 +25,8 @@
 //! | [`identity`] | request → [`identity::Identity`] (JWT, API key, client IP); pure, no I/O |
 //! | [`rules`] | types, `compile` (validation, specificity; `compile/fields` for a rule's penalty, calendar, `count_when`, `cost_from`, failure policy), `trie` (matching); pure, no I/O |
 //! | [`limiter`] | the request's checks and verdict (`check`), algorithms, the [`limiter::Store`] trait, memory and Redis stores (`redis/{conn,protocol,slots,batch}`), key schema (`keys`), deny cache, per-shard breakers, failure policy |
-//! | [`http`] | `respond` (every locally made response), rate-limit headers, forwarding helpers, the upstream (`upstream/{h1,h2,balance}`: pool, shared HTTP/2 connections, balancing and ejection) |
-//! | [`metrics`] | Prometheus metrics with handles resolved at rule load |
+//! | [`http`] | `respond` (every locally made response; the 429 in `respond::limited`), rate-limit headers, forwarding helpers, the upstream (`upstream/{connect,h1,h2,balance}`: connections under the per-target cap, the HTTP/1.1 pool, shared HTTP/2 connections, balancing, ejection and the recent-ejections list) |
+//! | [`metrics`] | Prometheus metrics by family (`metrics/{traffic,store,upstream,reload,process}`), each registering its own; handles resolved at rule load |
 //! | [`clock`] | injectable time ([`clock::FakeClock`] for tests) |
 //! | [`demo`] | `tollgate demo`: an echo upstream plus the gateway on the memory store |
 //! | [`rt`] | runtime plumbing apart from the domain code: coarse timers, idle parking of keep-alive connections, per-thread header-value chunks, stop signals; each with its measured gain (see its index) |

@@ -200,7 +200,7 @@ pub struct Rule {
     pub count_when: Option<StatusMatch>,
     /// The real cost comes from the response: reserve `cost`, then settle the difference.
     pub cost_from: Option<CostFrom>,
-    /// Specificity.
+    /// How specific the rule's match is: among rules of one kind, only the most specific match applies.
     pub specificity: Specificity,
     /// Line of the rule in its file.
     pub line: u64,
@@ -342,7 +342,7 @@ pub fn method_override(headers: &HeaderMap) -> Option<Method> {
 /// The parts of a request the matcher looks at.
 #[derive(Debug, Clone, Copy)]
 pub struct RequestInfo<'a> {
-    /// Method.
+    /// The request method, as sent (matched case-sensitively, RFC 9110 §9.1).
     pub method: &'a Method,
     /// The method a method-override header names (see [`method_override`]); looked for only
     /// when some rule reads it ([`RuleSet::uses_method_override`]).

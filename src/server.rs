@@ -48,7 +48,7 @@ impl Running {
     pub async fn drain_then_stop(self) {
         let window = self.gateway.config().server.drain;
         if !window.is_zero() {
-            let open = self.gateway.metrics().open_connections.get();
+            let open = self.gateway.metrics().traffic.open_connections.get();
             tracing::info!(
                 drain_ms = window.as_millis() as u64,
                 open_connections = open,
@@ -58,7 +58,7 @@ impl Running {
             tokio::time::sleep(window).await;
             tracing::info!(
                 served = self.gateway.drained_requests(),
-                open_connections = self.gateway.metrics().open_connections.get(),
+                open_connections = self.gateway.metrics().traffic.open_connections.get(),
                 "drain window over: closing idle connections and finishing in-flight requests"
             );
         }
@@ -72,46 +72,115 @@ pub async fn start(config: GatewayConfig) -> Result<Running, StartError> {
     start_with(gw).await
 }
 
-/// Start serving an already-built gateway.
+/// Start serving an already-built gateway: bind every listener (a port that cannot be bound,
+/// or a certificate that cannot be loaded, refuses to start before anything runs), start the
+/// background tasks, then the workers that accept connections.
 pub async fn start_with(gw: Arc<State>) -> Result<Running, StartError> {
-    let listen = gw.config().listen;
-    let workers = match gw.config().server.runtime {
-        Runtime::WorkStealing => 1,
-        Runtime::ThreadPerCore => Runtime::workers(),
+    let bound = Bound::bind(&gw).await?;
+    let (tx, rx) = watch::channel(false);
+    if let Some((_, resolver)) = &bound.tls {
+        spawn_cert_watcher(&gw, resolver.clone(), rx.clone());
+    }
+    spawn_background(&gw, &rx);
+    // The admin listener stays up until the proxy has drained, so the drain can be scraped.
+    let (admin_stop, admin_rx) = watch::channel(false);
+    let (addr, admin_addr, tls_on) = (bound.addr, bound.admin_addr, bound.tls.is_some());
+    let Bound {
+        listener,
+        more,
+        admin,
+        tls,
+        ..
+    } = bound;
+    tokio::spawn(crate::admin::serve(gw.clone(), admin, admin_rx));
+    let accept = Accept {
+        listener,
+        more,
+        addr,
+        tls: tls.map(|(a, _)| a),
     };
-    let (listener, more) = bind(listen, workers).map_err(|source| StartError::Bind { addr: listen, source })?;
-    let admin_listen = gw.config().admin_listen;
-    let admin = TcpListener::bind(admin_listen)
-        .await
-        .map_err(|source| StartError::Bind {
+    let done = spawn_workers(&gw, accept, rx, admin_stop)?;
+    announce(&gw, addr, admin_addr, tls_on);
+    Ok(Running {
+        addr,
+        admin_addr,
+        gateway: gw,
+        shutdown: tx,
+        done,
+    })
+}
+
+/// Every listener bound and the listener's TLS loaded, before anything starts.
+struct Bound {
+    /// The proxy listener (worker 0's, under thread-per-core).
+    listener: TcpListener,
+    /// The other workers' listeners (thread-per-core).
+    more: Vec<std::net::TcpListener>,
+    /// The admin listener.
+    admin: TcpListener,
+    /// Where the proxy and the admin API listen.
+    addr: SocketAddr,
+    admin_addr: SocketAddr,
+    /// The TLS acceptor and its certificate resolver, when the listener speaks TLS.
+    tls: Option<(tokio_rustls::TlsAcceptor, Arc<crate::http::tls::CertResolver>)>,
+}
+
+impl Bound {
+    /// Bind the proxy (one listener per worker) and admin addresses and load the certificate.
+    async fn bind(gw: &Arc<State>) -> Result<Self, StartError> {
+        let listen = gw.config().listen;
+        let (listener, more) = bind(listen, workers(gw)).map_err(|source| StartError::Bind { addr: listen, source })?;
+        let admin_listen = gw.config().admin_listen;
+        let admin = TcpListener::bind(admin_listen)
+            .await
+            .map_err(|source| StartError::Bind {
+                addr: admin_listen,
+                source,
+            })?;
+        let addr = listener
+            .local_addr()
+            .map_err(|source| StartError::Bind { addr: listen, source })?;
+        let admin_addr = admin.local_addr().map_err(|source| StartError::Bind {
             addr: admin_listen,
             source,
         })?;
-    let addr = listener
-        .local_addr()
-        .map_err(|source| StartError::Bind { addr: listen, source })?;
-    let admin_addr = admin.local_addr().map_err(|source| StartError::Bind {
-        addr: admin_listen,
-        source,
-    })?;
-    // TLS before anything starts: a certificate that cannot be loaded refuses to start.
-    let tls = match &gw.config().tls {
-        Some(t) => {
-            let (cfg, resolver) = crate::http::tls::server_config(t)?;
-            Some((tokio_rustls::TlsAcceptor::from(cfg), resolver))
-        }
-        None => None,
-    };
-    let (tx, rx) = watch::channel(false);
-    if let Some((_, resolver)) = &tls {
-        spawn_cert_watcher(&gw, resolver.clone(), rx.clone());
+        let tls = match &gw.config().tls {
+            Some(t) => {
+                let (cfg, resolver) = crate::http::tls::server_config(t)?;
+                Some((tokio_rustls::TlsAcceptor::from(cfg), resolver))
+            }
+            None => None,
+        };
+        Ok(Bound {
+            listener,
+            more,
+            admin,
+            addr,
+            admin_addr,
+            tls,
+        })
     }
-    spawn_health_check(&gw, rx.clone());
-    spawn_probe(&gw, rx.clone());
-    spawn_permission_check(&gw, rx.clone());
-    spawn_slot_renewal(&gw, rx.clone());
-    spawn_lease_sweep(&gw, rx.clone());
-    spawn_override_refresh(&gw, rx.clone());
+}
+
+/// How many workers accept connections: 1 on the work-stealing runtime (its threads share the
+/// one listener), one per core under thread-per-core.
+fn workers(gw: &State) -> usize {
+    match gw.config().server.runtime {
+        Runtime::WorkStealing => 1,
+        Runtime::ThreadPerCore => Runtime::workers(),
+    }
+}
+
+/// The background tasks, each stopping when `stop` turns true: upstream health checks, the
+/// store probe and permission check, slot renewal, the lease sweep, override refresh, and the
+/// file watcher that reloads rules, keys and JWT key files.
+fn spawn_background(gw: &Arc<State>, stop: &watch::Receiver<bool>) {
+    spawn_health_check(gw, stop.clone());
+    spawn_probe(gw, stop.clone());
+    spawn_permission_check(gw, stop.clone());
+    spawn_slot_renewal(gw, stop.clone());
+    spawn_lease_sweep(gw, stop.clone());
+    spawn_override_refresh(gw, stop.clone());
     let mut files = vec![gw.config().rules_file.clone()];
     files.extend(gw.config().keys_file.clone());
     // The gateway file is watched too, not to apply it (that needs a restart) but to say that
@@ -122,45 +191,63 @@ pub async fn start_with(gw: Arc<State>) -> Result<Running, StartError> {
         files.extend(jwt.files());
     }
     let reloader = gw.clone();
-    crate::config::reload::spawn_watcher(files, rx.clone(), move |why| {
+    crate::config::reload::spawn_watcher(files, stop.clone(), move |why| {
         let gw = reloader.clone();
         async move {
             let _ = gw.reload(why).await;
         }
     });
-    // The admin listener stays up until the proxy has drained, so the drain can be scraped.
-    let (admin_stop, admin_rx) = watch::channel(false);
-    tokio::spawn(crate::admin::serve(gw.clone(), admin, admin_rx));
-    let acceptor = tls.map(|(a, _)| a);
-    let tls_on = acceptor.is_some();
+}
+
+/// The proxy listeners, as the workers take them.
+struct Accept {
+    /// Worker 0's listener.
+    listener: TcpListener,
+    /// The other workers' listeners.
+    more: Vec<std::net::TcpListener>,
+    /// The proxy's address (for errors).
+    addr: SocketAddr,
+    /// The TLS acceptor, when the listener speaks TLS.
+    tls: Option<tokio_rustls::TlsAcceptor>,
+}
+
+/// Start the workers on `bound`'s listeners. The task returned ends once every worker has
+/// drained, the leases' unused units have gone back to the store, and the admin listener has
+/// been told to stop (`admin_stop`).
+fn spawn_workers(
+    gw: &Arc<State>,
+    bound: Accept,
+    stop: watch::Receiver<bool>,
+    admin_stop: watch::Sender<bool>,
+) -> Result<tokio::task::JoinHandle<()>, StartError> {
+    let acceptor = bound.tls;
     let conns = Arc::new(Semaphore::new(gw.config().server.max_connections));
-    let per_ip = per_ip_of(&gw);
+    let per_ip = per_ip_of(gw);
+    let worker = || Worker {
+        gw: gw.clone(),
+        stop: stop.clone(),
+        tls: acceptor.clone(),
+        conns: conns.clone(),
+        per_ip: per_ip.clone(),
+    };
     // Thread-per-core: the other workers, each a single-threaded runtime on its own thread
     // with its own listener. They drain on `stop` like this one, and keep their runtimes (and
     // whatever store or upstream connections were opened on them) running until `release`, so
     // the leases can still be returned through them below.
     let (release, released) = watch::channel(false);
-    let mut others = Vec::with_capacity(more.len());
-    for (i, l) in more.into_iter().enumerate() {
-        let w = Worker {
-            gw: gw.clone(),
-            stop: rx.clone(),
-            tls: acceptor.clone(),
-            conns: conns.clone(),
-            per_ip: per_ip.clone(),
-        };
-        others.push(spawn_worker(i + 1, l, w, released.clone()).map_err(|source| StartError::Bind { addr, source })?);
+    let mut others = Vec::with_capacity(bound.more.len());
+    for (i, l) in bound.more.into_iter().enumerate() {
+        others.push(
+            spawn_worker(i + 1, l, worker(), released.clone()).map_err(|source| StartError::Bind {
+                addr: bound.addr,
+                source,
+            })?,
+        );
     }
-    let w = Worker {
-        gw: gw.clone(),
-        stop: rx,
-        tls: acceptor,
-        conns,
-        per_ip,
-    };
+    let w = worker();
     let gw_done = gw.clone();
-    let done = tokio::spawn(async move {
-        accept_loop(listener, w).await;
+    Ok(tokio::spawn(async move {
+        accept_loop(bound.listener, w).await;
         for drained in others {
             let _ = drained.await;
         }
@@ -168,30 +255,27 @@ pub async fn start_with(gw: Arc<State>) -> Result<Running, StartError> {
         gw_done.limiter().return_leases(true).await;
         let _ = release.send(true);
         let _ = admin_stop.send(true);
-    });
+    }))
+}
+
+/// The start-up log line, then every configuration note (`admin.insecure`, ignored overrides,
+/// risky timeouts): on every start, not only the first.
+fn announce(gw: &State, addr: SocketAddr, admin_addr: SocketAddr, tls_on: bool) {
     let targets: Vec<String> = gw.upstream().status().into_iter().map(|(t, _)| t).collect();
     tracing::info!(
         %addr,
         %admin_addr,
         tls = tls_on,
-        workers = workers.max(1),
+        workers = workers(gw).max(1),
         runtime = ?gw.config().server.runtime,
         store = crate::describe::store_kind(gw.config().store.kind),
         upstream = %targets.join(","),
         admin_token = gw.config().admin.has_token(),
         "tollgate listening"
     );
-    // Every start, not only the first: `admin.insecure`, ignored overrides, risky timeouts.
     for note in &gw.config().notes {
         tracing::warn!("{note}");
     }
-    Ok(Running {
-        addr,
-        admin_addr,
-        gateway: gw,
-        shutdown: tx,
-        done,
-    })
 }
 
 /// Re-read the listener's certificate and key when their files change (and on `SIGHUP`). A
@@ -206,12 +290,12 @@ fn spawn_cert_watcher(gw: &Arc<State>, resolver: Arc<crate::http::tls::CertResol
             let reloading = resolver.clone();
             match tokio::task::spawn_blocking(move || reloading.reload()).await {
                 Ok(Ok(())) => {
-                    gw.metrics().tls_reload_ok.inc();
+                    gw.metrics().tls.reload_ok.inc();
                     set_cert_expiry(&gw, &resolver);
                     tracing::info!(trigger = why.as_str(), "TLS certificate reloaded");
                 }
                 Ok(Err(e)) => {
-                    gw.metrics().tls_reload_error.inc();
+                    gw.metrics().tls.reload_error.inc();
                     tracing::error!(trigger = why.as_str(), error = %e, "TLS certificate reload refused; the previous certificate keeps serving");
                 }
                 Err(e) => tracing::error!(error = %e, "TLS certificate reload task failed"),
@@ -223,7 +307,7 @@ fn spawn_cert_watcher(gw: &Arc<State>, resolver: Arc<crate::http::tls::CertResol
 /// `tollgate_tls_certificate_expiry_timestamp_seconds` from the certificate now served.
 fn set_cert_expiry(gw: &Arc<State>, resolver: &crate::http::tls::CertResolver) {
     if let Some(t) = resolver.serving().and_then(|c| crate::http::tls::not_after(&c)) {
-        gw.metrics().tls_cert_expiry.set(i64::try_from(t).unwrap_or(i64::MAX));
+        gw.metrics().tls.cert_expiry.set(i64::try_from(t).unwrap_or(i64::MAX));
     }
 }
 
@@ -327,17 +411,8 @@ fn spawn_probe(gw: &Arc<State>, stop: watch::Receiver<bool>) {
     spawn_every(gw.config().store.probe_interval, stop, move || {
         let gw = gw.clone();
         async move {
-            let open = gw.limiter().heal().await;
-            gw.metrics().breaker_open.set(i64::try_from(open).unwrap_or(i64::MAX));
-            if let crate::limiter::Backend::Redis(r) = gw.limiter().store() {
-                for (shard, is_open, _) in r.shard_states() {
-                    let g = gw
-                        .metrics()
-                        .shard_breaker_open
-                        .get_or_create(&crate::metrics::ShardLabels { shard });
-                    g.set(i64::from(is_open));
-                }
-            }
+            gw.limiter().heal().await;
+            gw.refresh_breaker_gauges();
         }
     });
 }

@@ -66,7 +66,7 @@ pub struct State {
     overrides_key: String,
     /// The limiter (store, local fallback, deny cache, breaker).
     limiter: Limiter,
-    /// Metrics.
+    /// Every counter, gauge and histogram `/metrics` exposes (shared with the upstream pool).
     metrics: Arc<Metrics>,
     /// Builds store keys.
     keys: KeyBuilder,
@@ -115,7 +115,7 @@ pub fn load_snapshot(config: &GatewayConfig, metrics: &Metrics) -> Result<Snapsh
             .map_err(|e| e.named_in(&config.path, "keys_file", config.keys_file_at))?,
         None => KeyRegistry::empty(),
     };
-    let rule_metrics = rules.rules.iter().map(|r| metrics.rule(&r.name)).collect();
+    let rule_metrics = rules.rules.iter().map(|r| metrics.traffic.rule(&r.name)).collect();
     let kb = key_builder(config);
     let global_keys = rules
         .rules
@@ -252,14 +252,16 @@ impl State {
         crate::http::tls::install_default_provider();
         let metrics = Metrics::new();
         let snap = load_snapshot(&config, &metrics)?;
-        metrics.set_rules_version(&snap.rules.version);
-        metrics.reload_succeeded(snap.loaded_at);
+        metrics.reload.set_rules_version(&snap.rules.version);
+        metrics.reload.succeeded(snap.loaded_at);
         let config_digest = file_digest(&config.path);
         let sc = &config.store;
         let store = match sc.kind {
             StoreKind::Memory => Backend::Memory(Arc::new(
-                MemoryStore::new(clock.clone(), sc.memory_max_keys)
-                    .with_eviction_counters(metrics.memory_evicted.clone(), metrics.memory_refused.clone()),
+                MemoryStore::new(clock.clone(), sc.memory_max_keys).with_eviction_counters(
+                    metrics.store.memory_evicted.clone(),
+                    metrics.store.memory_refused.clone(),
+                ),
             )),
             StoreKind::Redis | StoreKind::RedisCluster => {
                 let mode = if sc.kind == StoreKind::Redis {
@@ -285,15 +287,17 @@ impl State {
             }
         };
         let local = Arc::new(
-            MemoryStore::new(clock.clone(), sc.memory_max_keys)
-                .with_eviction_counters(metrics.memory_evicted.clone(), metrics.memory_refused.clone()),
+            MemoryStore::new(clock.clone(), sc.memory_max_keys).with_eviction_counters(
+                metrics.store.memory_evicted.clone(),
+                metrics.store.memory_refused.clone(),
+            ),
         );
         let mut limiter = Limiter::new(store, local, sc.timeout, clock.clone());
         if config.limits.deny_cache {
             limiter = limiter.with_deny_cache(config.limits.deny_cache_max);
         }
         if let Some(cfg) = sc.leases {
-            limiter = limiter.with_leases(crate::limiter::lease::Leases::new(cfg, metrics.leases.clone()));
+            limiter = limiter.with_leases(crate::limiter::lease::Leases::new(cfg, metrics.store.leases.clone()));
         }
         let upstream = crate::http::upstream::Upstream::new(&config.upstream, &metrics)?;
         let access = crate::proxy::access::Sampler::new(config.access_log);
@@ -381,17 +385,43 @@ impl State {
         Ok(existed)
     }
 
-    /// Refresh the gauges that are read rather than counted (memory store size, process memory
-    /// and descriptors); `/metrics` calls this before encoding.
+    /// Refresh the gauges that are read rather than counted (memory store size, the store's
+    /// breakers, process memory and descriptors); `/metrics` calls this before encoding, so a
+    /// scrape sees a breaker the moment it opens, not when the probe task next runs (a probe
+    /// waiting on a cut-off shard can take longer than a scrape interval).
     pub fn refresh_gauges(&self) {
+        self.refresh_breaker_gauges();
         let mem = match self.limiter.store() {
             Backend::Memory(m) => m,
             Backend::Redis(_) => self.limiter.local(),
         };
         self.metrics
-            .memory_store_keys
+            .store
+            .memory_keys
             .set(i64::try_from(mem.len()).unwrap_or(i64::MAX));
-        self.metrics.refresh_process();
+        self.metrics.process.refresh();
+    }
+
+    /// `tollgate_store_breaker_open` (shards whose breaker is open) and the per-shard
+    /// `tollgate_store_shard_breaker_open{shard}`, from the breakers as they are now.
+    pub fn refresh_breaker_gauges(&self) {
+        let Backend::Redis(r) = self.limiter.store() else {
+            return;
+        };
+        let shards = r.shard_states();
+        let open = shards.iter().filter(|(_, is_open, _)| *is_open).count();
+        self.metrics
+            .store
+            .breaker_open
+            .set(i64::try_from(open).unwrap_or(i64::MAX));
+        for (shard, is_open, _) in shards {
+            let g = self
+                .metrics
+                .store
+                .shard_breaker_open
+                .get_or_create(&crate::metrics::ShardLabels { shard });
+            g.set(i64::from(is_open));
+        }
     }
 
     /// Compare the gateway config file with the one read at start. Its settings are not applied
@@ -400,7 +430,7 @@ impl State {
     pub fn check_config_file(&self) -> bool {
         let now = file_digest(&self.config.path);
         let differs = now != self.config_digest;
-        let was = self.metrics.config_file_changed.get() == 1;
+        let was = self.metrics.reload.config_file_changed.get() == 1;
         if differs && !was {
             tracing::warn!(
                 file = %self.config.path.display(),
@@ -409,7 +439,7 @@ impl State {
         } else if !differs && was {
             tracing::info!(file = %self.config.path.display(), "the gateway config file matches the running config again");
         }
-        self.metrics.config_file_changed.set(i64::from(differs));
+        self.metrics.reload.config_file_changed.set(i64::from(differs));
         differs
     }
 
@@ -420,7 +450,7 @@ impl State {
     pub async fn check_store_permissions(&self) {
         match self.store_ready().await {
             Err(StoreError::Permission(e)) => {
-                self.metrics.store_permission_errors.inc();
+                self.metrics.store.permission_errors.inc();
                 tracing::error!(error = %e, "the Redis user lacks a permission tollgate needs: every check fails and follows its rule's failure policy; /readyz fails until this is fixed (the ACL to grant is in docs/operations.md#redis-acl)");
                 *self.store_permission.lock() = Some(e);
             }

@@ -13,7 +13,7 @@ use serde_saphyr::{Location, Spanned};
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("{}: {message}", Position(self))]
 pub struct ConfigError {
-    /// The file.
+    /// The file at fault (the gateway file, or the rules or keys file it names).
     pub file: PathBuf,
     /// 1-based line (0 when unknown).
     pub line: u64,

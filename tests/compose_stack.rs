@@ -834,6 +834,8 @@ fn the_compose_stack_builds_runs_and_survives_faults_between_hosts() {
         docker(&["network", "connect", "--ip", "172.30.46.41", &net, &tg[0]]);
         let cut_for = cut_at.elapsed();
         assert!(errors_during[0] > 0.0, "tollgate-1 counted no store failure while cut off");
+        // The breaker gauge is read at the scrape: the shards tollgate-1 failed on show open.
+        assert!(breaker >= 1.0, "tollgate-1 cut off: tollgate_store_breaker_open {breaker}, not at least 1");
         assert_eq!(errors_during[1], 0.0, "tollgate-2 counted store failures while tollgate-1 was cut off");
         assert_eq!(admitted(&cut), 8, "tollgate-1 cut off: export (failure: open) admits all: {cut:?}");
         assert_eq!(admitted(&fine), EXPORT_BURST, "tollgate-2 unaffected: {fine:?}");

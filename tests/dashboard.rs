@@ -336,6 +336,11 @@ fn dashboard_in_headless_chromium_matches_metrics_and_shows_no_identity() {
         dom.contains("this target: ") && dom.contains("× since start"),
         "per-target figures:\n{dom}"
     );
+    // The recent-ejections list is rendered, empty: the one target was never taken out.
+    assert!(
+        dom.contains(r#"<ul id="ejections" class="targets"><li class="muted">no ejection since start</li></ul>"#),
+        "recent ejections:\n{dom}"
+    );
 
     // Screenshots: laptop and phone width (test artifacts in target/).
     let laptop = screenshot(&page, "dashboard.png", 1280, 1500);

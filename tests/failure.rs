@@ -396,13 +396,10 @@ async fn starts_while_redis_is_down_and_picks_it_up_later() {
 async fn a_dead_cluster_master_without_a_replica_keeps_its_breaker_open() {
     let mut cluster = RedisCluster::start();
     let up = echo().await;
-    let gw = gateway(
-        &format!("http://{up}"),
-        &store_yaml("redis_cluster", &cluster.seed_urls()),
-        RULES,
-        None,
-    )
-    .await;
+    // A store timeout far above what a loaded test machine adds to a request, so that a
+    // request that paid it cannot be mistaken for noise.
+    let store = store_yaml("redis_cluster", &cluster.seed_urls()).replace("timeout: 20ms", "timeout: 250ms");
+    let gw = gateway(&format!("http://{up}"), &store, RULES, None).await;
     let c = client();
     let victim = cluster.masters()[0];
     for r in cluster.replicas_of(victim) {
@@ -454,8 +451,8 @@ async fn a_dead_cluster_master_without_a_replica_keeps_its_breaker_open() {
     let p99 = lat[(lat.len() * 99) / 100];
     eprintln!("dead master, no replica: {scrapes} scrapes all open; fail-open p99 {p99:?}");
     assert!(
-        p99 < Duration::from_millis(15),
-        "fail-open requests paid the store timeout: p99 {p99:?}"
+        p99 < Duration::from_millis(150),
+        "fail-open requests paid the 250 ms store timeout: p99 {p99:?}"
     );
     let status = get_json(&c, format!("{}/status", gw.admin)).await;
     assert_eq!(status["store"]["breakers_open"], 1, "{status}");

@@ -87,6 +87,17 @@ async fn two_targets_one_killed_under_load_no_get_fails_and_failed_posts_are_502
     assert_eq!(per("tollgate_upstream_target_ejections_total", &bu, None), 0.0);
     assert!(per("tollgate_upstream_target_responses_total", &au, Some("failed")) >= 1.0);
     assert!(per("tollgate_upstream_target_responses_total", &bu, Some("2xx")) >= 300.0);
+    // The dashboard lists the ejection: the killed target, with why and for how long.
+    let d = get_json(&c, format!("{}/dashboard.json", gw.admin)).await;
+    let recent = d["recent_ejections"].as_array().unwrap_or_else(|| panic!("{d}"));
+    assert!(!recent.is_empty(), "{d}");
+    assert!(
+        recent.iter().all(|e| e["target"] == au.as_str()),
+        "only the killed target: {d}"
+    );
+    assert_eq!(recent[0]["out_for_ms"], 10_000, "eject_for: 10s: {d}");
+    assert!(!recent[0]["why"].as_str().unwrap_or("").is_empty(), "{d}");
+    assert!(recent[0]["at"].as_u64().unwrap_or(0) > 1_700_000_000, "{d}");
     eprintln!(
         "{gets} GETs all 200; {posts} POSTs, {posts_502} got 502; retries {}",
         metric_value(&c, &gw.admin, "tollgate_upstream_retries_total").await

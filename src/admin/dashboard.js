@@ -91,6 +91,14 @@
         el("div", { cls: "muted small", text: "whole upstream: " + num(u.responses_last_minute) + " responses · " +
           num(u.failures_last_minute) + " failures in the last minute · last failure " + ago(u.last_failure_at, d.now) })));
     });
+    var ej = $("ejections");
+    ej.replaceChildren();
+    if (d.recent_ejections.length === 0) ej.appendChild(el("li", { cls: "muted", text: "no ejection since start" }));
+    d.recent_ejections.forEach(function (e) {
+      ej.appendChild(el("li", { "data-ejection": e.target },
+        el("code", { text: e.target }), " out for " + num(Math.round(e.out_for_ms / 1000)) + " s, " + ago(e.at, d.now) + ": ",
+        el("span", { cls: "muted small", text: e.why })));
+    });
   }
 
   function showDetail(hash) {

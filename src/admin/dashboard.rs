@@ -87,12 +87,12 @@ pub fn sample(gw: &State) {
         .zip(&snap.rule_metrics)
         .map(|(r, rm)| (&r.name, [rm.allowed.get(), rm.denied.get(), rm.would_deny.get()]))
         .collect();
-    let up = &m.upstream_status;
+    let up = &m.upstream.status;
     gw.activity().sample(Tick {
         now: gw.clock().now_us() / 1_000_000,
         rules,
         shards: shards(gw),
-        store_errors: m.store_error.get() + m.store_timeout.get() + m.store_circuit_open.get(),
+        store_errors: m.store.error.get() + m.store.timeout.get() + m.store.circuit_open.get(),
         upstream: [up[..5].iter().map(|c| c.get()).sum(), up[5].get()],
     });
 }
@@ -155,8 +155,8 @@ pub fn json(gw: &State) -> Value {
             "loaded_at": humantime::format_rfc3339_seconds(snap.loaded_at).to_string(),
             "count": rules_total,
             "api_keys": snap.keys.len(),
-            "last_reload_ok": m.last_reload_success.get() == 1,
-            "config_file_changed": m.config_file_changed.get() == 1,
+            "last_reload_ok": m.reload.last_success.get() == 1,
+            "config_file_changed": m.reload.config_file_changed.get() == 1,
             "reloads": act.reloads(),
         },
         "series": {
@@ -179,6 +179,14 @@ pub fn json(gw: &State) -> Value {
             "responses_last_minute": up.responses,
             "failures_last_minute": up.failures,
             "last_failure_at": up.last_failure_at,
+        })).collect::<Vec<_>>(),
+        // The last ejections, newest first: which target, when (Unix seconds, like `now`), for
+        // how long, and the failure that took it out.
+        "recent_ejections": gw.upstream().recent_ejections().into_iter().map(|e| json!({
+            "target": &*e.target,
+            "at": e.at_ms / 1000,
+            "out_for_ms": e.out_for_ms,
+            "why": e.why,
         })).collect::<Vec<_>>(),
     })
 }

@@ -13,7 +13,7 @@ use crate::state::Snapshot;
 pub(super) struct Candidate {
     /// The check (cost 0) naming the counter.
     pub(super) check: LimitCheck,
-    /// Its rule.
+    /// The name of the rule the counter belongs to.
     pub(super) rule: String,
     /// The rule's key kind.
     pub(super) kind: String,

@@ -32,7 +32,7 @@ const MAX_BODY: usize = 64 * 1024;
 struct PutBody {
     /// The rule whose limits it replaces.
     rule: String,
-    /// The limits.
+    /// The limits that replace the rule's for this identity (at least one).
     limits: Vec<OverrideLimit>,
     /// Unix seconds, or an RFC 3339 time.
     expires_at: Value,

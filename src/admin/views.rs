@@ -96,7 +96,7 @@ pub fn rules_json(snap: &Snapshot) -> Value {
 /// The request `/explain` and `tollgate explain` ask about, and the instant they ask at.
 #[derive(Clone, Copy)]
 pub struct Probe<'a> {
-    /// Its method.
+    /// The method of the request asked about.
     pub method: &'a Method,
     /// Its path (a query allowed).
     pub path: &'a str,

@@ -176,7 +176,167 @@ pub fn settings(file: &Path, raw: &RawGateway, cfg: &GatewayConfig, env: &EnvOve
         cfg.limits.max_keys.to_string(),
         at(file, l.max_keys.as_ref()),
     );
+    identity(file, raw, cfg, &mut out);
+    tls(file, raw, cfg, &mut out);
     out
+}
+
+/// The position of an optional raw value, or `default`.
+fn at_opt<T>(file: &Path, v: &Option<Spanned<T>>) -> String {
+    at(file, v.as_ref())
+}
+
+/// Who the caller is: the API-key header, the proxies trusted for `X-Forwarded-For`, what a bad
+/// credential gets, and JWT verification (its keys named by where they are read from).
+fn identity(file: &Path, raw: &RawGateway, cfg: &GatewayConfig, out: &mut Vec<Setting>) {
+    let (r, c) = (&raw.identity, &cfg.identity);
+    let mut push = |name: &'static str, value: String, source: String| out.push(Setting { name, value, source });
+    push(
+        "identity.api_key_header",
+        c.api_key_header.to_string(),
+        at_opt(file, &r.api_key_header),
+    );
+    let proxies: Vec<String> = c.trusted_proxies.iter().map(|n| n.to_string()).collect();
+    push(
+        "identity.trusted_proxies",
+        if proxies.is_empty() {
+            "none (X-Forwarded-For is not read)".to_string()
+        } else {
+            proxies.join(", ")
+        },
+        at(file, r.trusted_proxies.first()),
+    );
+    push(
+        "identity.max_forwarded_entries",
+        c.max_forwarded_entries.to_string(),
+        at_opt(file, &r.max_forwarded_entries),
+    );
+    push(
+        "identity.ipv6_prefix",
+        format!("/{}", c.ipv6_prefix),
+        at_opt(file, &r.ipv6_prefix),
+    );
+    push(
+        "identity.invalid_credentials",
+        match c.invalid_credentials {
+            crate::identity::InvalidCredentials::Reject => "reject (401)",
+            crate::identity::InvalidCredentials::Ip => "ip (counted as the client address)",
+        }
+        .to_string(),
+        at_opt(file, &r.invalid_credentials),
+    );
+    let Some(jwt) = &r.jwt else {
+        push("identity.jwt", "off".to_string(), "default".to_string());
+        return;
+    };
+    let keys = [
+        jwt.secret_env
+            .as_ref()
+            .map(|e| (format!("HMAC secret from ${}", e.value), e)),
+        jwt.public_key_file
+            .as_ref()
+            .map(|f| (format!("public key file {}", f.value), f)),
+        jwt.jwks_file.as_ref().map(|f| (format!("JWKS file {}", f.value), f)),
+    ];
+    let (what, from): (Vec<String>, Vec<&Spanned<String>>) = keys.into_iter().flatten().unzip();
+    push(
+        "identity.jwt.keys",
+        format!("{} ({})", what.join(", "), jwt.algorithms.value.join(", ")),
+        at(file, from.first().copied()),
+    );
+    push(
+        "identity.jwt.header",
+        jwt.header.clone().unwrap_or_else(|| "authorization".to_string()),
+        at(file, Some(&jwt.algorithms)),
+    );
+    let claim = |v: &Option<String>| v.clone().unwrap_or_else(|| "any".to_string());
+    push(
+        "identity.jwt.issuer",
+        claim(&jwt.issuer),
+        at(file, Some(&jwt.algorithms)),
+    );
+    push(
+        "identity.jwt.audience",
+        claim(&jwt.audience),
+        at(file, Some(&jwt.algorithms)),
+    );
+    push(
+        "identity.jwt.leeway",
+        jwt.leeway.as_ref().map_or("30s".to_string(), |l| l.value.clone()),
+        at(file, jwt.leeway.as_ref()),
+    );
+}
+
+/// TLS on the listener, to the upstream and to the store, the upstream's health check, and the
+/// store password (named by its variable, never shown).
+fn tls(file: &Path, raw: &RawGateway, cfg: &GatewayConfig, out: &mut Vec<Setting>) {
+    let mut push = |name: &'static str, value: String, source: String| out.push(Setting { name, value, source });
+    let listener = match &cfg.tls {
+        None => "off".to_string(),
+        Some(t) => format!(
+            "certificate {}, key {}{}",
+            t.cert_file.display(),
+            t.key_file.display(),
+            match (&t.client_ca_file, t.client_auth) {
+                (None, _) => String::new(),
+                (Some(ca), crate::http::tls::ClientAuth::Required) =>
+                    format!(", client certificate required ({})", ca.display()),
+                (Some(ca), crate::http::tls::ClientAuth::Optional) =>
+                    format!(", client certificate optional ({})", ca.display()),
+            }
+        ),
+    };
+    push("tls", listener, at(file, raw.tls.as_ref()));
+    let u = &cfg.upstream.tls;
+    let raw_u = raw.upstream.value.tls.as_ref();
+    let mut parts = vec![match &u.ca_file {
+        Some(ca) => format!("CA {}", ca.display()),
+        None => "system roots".to_string(),
+    }];
+    if let Some((cert, _)) = &u.client_cert {
+        parts.push(format!("client certificate {}", cert.display()));
+    }
+    if let Some(n) = &u.server_name {
+        parts.push(format!("server name {n}"));
+    }
+    if u.insecure_skip_verify {
+        parts.push("INSECURE: certificates not verified".to_string());
+    }
+    push("upstream.tls", parts.join(", "), at(file, raw_u));
+    push(
+        "upstream.health_check",
+        match &cfg.upstream.health_check {
+            Some(h) => format!("GET {} every {}, timeout {}", h.path, dur(h.interval), dur(h.timeout)),
+            None => "off (passive ejection only)".to_string(),
+        },
+        at(file, raw.upstream.value.health_check.as_ref().map(|h| &h.path)),
+    );
+    push(
+        "upstream.eject_after",
+        format!(
+            "{} failures, out for {}",
+            cfg.upstream.eject_after,
+            dur(cfg.upstream.eject_for)
+        ),
+        at(file, raw.upstream.value.eject_after.as_ref()),
+    );
+    let st = &raw.store;
+    push(
+        "store.password",
+        match &st.password_env {
+            Some(e) => format!("from ${}", e.value),
+            None => "none (or in the URL, shown as ***)".to_string(),
+        },
+        at_opt(file, &st.password_env),
+    );
+    push(
+        "store.tls",
+        match st.tls.as_ref().and_then(|t| t.value.ca_file.as_ref()) {
+            Some(ca) => format!("CA {}", ca.value),
+            None => "system roots for rediss:// URLs".to_string(),
+        },
+        at(file, st.tls.as_ref()),
+    );
 }
 
 #[cfg(test)]

@@ -106,7 +106,7 @@ pub type PlannedChecks = smallvec::SmallVec<[PlannedCheck; 2]>;
 /// The parts of a request a plan reads.
 #[derive(Debug, Clone, Copy)]
 pub struct RequestParts<'a> {
-    /// Method.
+    /// The request method, as sent.
     pub method: &'a Method,
     /// Request target; only the path is matched (the query never is).
     pub uri: &'a Uri,

@@ -48,7 +48,7 @@ pub struct Binding<'a> {
     pub quota: Quota,
     /// Units one request of the rule spends (≥ 1).
     pub cost: u64,
-    /// The outcome.
+    /// What the store answered for this limit: admitted or not, remaining, reset and retry times.
     pub outcome: &'a Outcome,
     /// The values that do not change from one response to the next (`RateLimit-Policy`,
     /// `X-RateLimit-Limit`), made when the rules loaded, when the binding limit is the rule's

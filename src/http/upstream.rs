@@ -4,7 +4,8 @@
 //! a failed idempotent request.
 //!
 //! # Layout
-//! - this file: the targets, [`Upstream::send`] with its attempts and retry, and connecting;
+//! - this file: the targets, [`Upstream::send`] with its attempts and retry;
+//! - `connect`: a connection under the target's cap (pooled, shared HTTP/2 or new);
 //! - `h1`: the HTTP/1.1 pool and handshake;
 //! - `h2`: the shared HTTP/2 connections;
 //! - `balance`: power of two choices, passive ejection and the health check.
@@ -12,7 +13,7 @@
 //! # Connection cap
 //! Each target has at most `upstream.max_connections_per_target` connections open at once
 //! (HTTP/1.1 and HTTP/2 together, upgraded ones included): a connection's socket holds its place
-//! ([`Capped`]) until it closes. A request that needs a new connection while its target is at
+//! (`connect::Capped`) until it closes. A request that needs a new connection while its target is at
 //! the cap waits up to `connect_timeout` for a pooled connection to come free or for a place,
 //! then fails with [`UpstreamError::Saturated`] (a 503, never counted against the target).
 //!
@@ -33,17 +34,15 @@ use http::{HeaderMap, HeaderValue, Method, Request, Response, Uri, Version};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::client::conn::http1::SendRequest;
 use hyper::client::conn::http2;
-use hyper_util::rt::TokioIo;
 use parking_lot::Mutex;
 use rustls::pki_types::ServerName;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::TcpStream;
-use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{Notify, Semaphore};
 use tokio_rustls::TlsConnector;
 
 use super::ProxyBody;
 
 mod balance;
+mod connect;
 pub mod settings;
 pub use settings::{HealthCheck, UpstreamConfig, UpstreamProtocol};
 mod h1;
@@ -51,6 +50,7 @@ mod h2;
 
 use balance::seed;
 pub use balance::MAX_EJECT_DOUBLINGS;
+use connect::Conn;
 use h1::{handshake, to_h1};
 use h2::{handshake_h2, to_h2, H2Conn, H2Set, StreamGuard};
 pub use h2::{H2_MAX_CONNECTIONS, H2_STREAMS_PER_CONNECTION};
@@ -180,6 +180,25 @@ pub struct Upstream {
     retries: prometheus_client::metrics::counter::Counter,
     /// Ejections done.
     ejected: prometheus_client::metrics::counter::Counter,
+    /// The last [`RECENT_EJECTIONS`] ejections, oldest first (for the dashboard). Locked only
+    /// to eject or to read it, never across an `.await`.
+    recent: Mutex<std::collections::VecDeque<Ejection>>,
+}
+
+/// How many ejections [`Upstream::recent_ejections`] remembers.
+pub const RECENT_EJECTIONS: usize = 20;
+
+/// One ejection, as the dashboard lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ejection {
+    /// The target's label (`scheme://authority`; an upstream URL carries no credentials).
+    pub target: Arc<str>,
+    /// When, Unix milliseconds.
+    pub at_ms: u64,
+    /// Out for this long, milliseconds (doubling on consecutive ejections).
+    pub out_for_ms: u64,
+    /// Why: the failure that ejected it (`health check` for the active check).
+    pub why: String,
 }
 
 /// May a failed attempt be retried?
@@ -194,7 +213,7 @@ pub enum Retry<'a> {
 
 /// What the caller keeps of a request so it can be sent again (idempotent, empty body).
 pub struct Replay {
-    /// Method.
+    /// The method, to send again (only an idempotent one is replayed).
     pub method: Method,
     /// Origin-form URI.
     pub uri: Uri,
@@ -327,7 +346,7 @@ impl Upstream {
                 let authority = t.url.authority().map_or(t.addr.as_str(), |a| a.as_str());
                 let label: Arc<str> = format!("{}://{}", if t.tls { "https" } else { "http" }, authority).into();
                 Target {
-                    counters: metrics.target_counters(&label),
+                    counters: metrics.upstream.target_counters(&label),
                     label,
                     addr: t.addr.clone(),
                     server_name,
@@ -363,8 +382,9 @@ impl Upstream {
             eject_for: cfg.eject_for,
             epoch: Instant::now(),
             rng: AtomicU64::new(seed()),
-            retries: metrics.upstream_retries.clone(),
-            ejected: metrics.upstream_ejections.clone(),
+            retries: metrics.upstream.retries.clone(),
+            ejected: metrics.upstream.ejections.clone(),
+            recent: Mutex::new(std::collections::VecDeque::with_capacity(RECENT_EJECTIONS)),
         }))
     }
 
@@ -386,6 +406,11 @@ impl Upstream {
     /// Ejections done so far.
     pub fn ejections(&self) -> u64 {
         self.ejected.get()
+    }
+
+    /// The last [`RECENT_EJECTIONS`] ejections, newest first.
+    pub fn recent_ejections(&self) -> Vec<Ejection> {
+        self.recent.lock().iter().rev().cloned().collect()
     }
 
     /// Each target's answers (1xx..5xx), requests without an answer, and ejections, since start.
@@ -538,130 +563,6 @@ impl Upstream {
         })
     }
 
-    /// A connection for one request to target `i`: a pooled HTTP/1.1 one or a new one, or a
-    /// stream on a shared HTTP/2 one, as `upstream.protocol` (and, under `auto`, ALPN) says.
-    /// With `fresh`, never a kept HTTP/1.1 connection nor an existing HTTP/2 one.
-    async fn sender(self: &Arc<Self>, i: usize, fresh: bool) -> Result<Sender, UpstreamError> {
-        let t = &self.targets[i];
-        let h2 = match self.protocol {
-            UpstreamProtocol::Http1 => false,
-            UpstreamProtocol::H2c | UpstreamProtocol::H2 => true,
-            // A TLS target not known to speak HTTP/1.1 only: the first connections are made
-            // once for all waiting requests, as HTTP/2 ones are, and ALPN decides.
-            UpstreamProtocol::Auto => t.server_name.is_some() && t.alpn.load(Ordering::Relaxed) != ALPN_H1,
-        };
-        if h2 {
-            match self.h2_sender(i, fresh).await {
-                // `auto`, and the target now agreed to HTTP/1.1 only: use that.
-                Err(_) if self.protocol == UpstreamProtocol::Auto && t.alpn.load(Ordering::Relaxed) == ALPN_H1 => {}
-                r => return r,
-            }
-        }
-        if !fresh {
-            if let Some(s) = self.checkout(i) {
-                return Ok(Sender::H1(s));
-            }
-        }
-        let place = match t.conns.clone().try_acquire_owned() {
-            Ok(p) => p,
-            // At the cap: a pooled connection that comes free will do as well as a new one.
-            Err(_) => match Box::pin(self.wait_for_place(i, !fresh)).await? {
-                Place::Pooled(s) => return Ok(Sender::H1(s)),
-                Place::New(p) => p,
-            },
-        };
-        // Boxed: connecting (TCP, TLS, the handshake) is a large state machine that a request
-        // on a pooled connection never enters; inline, every request's future would carry it.
-        Ok(match Box::pin(self.connect(i, place)).await? {
-            Conn::H1(s) => Sender::H1(s),
-            // `auto`, and ALPN agreed to h2: the connection joins the shared ones.
-            Conn::H2(c) => {
-                let (s, stream) = c.take();
-                let mut set = t.h2.lock();
-                if set.conns.len() < H2_MAX_CONNECTIONS {
-                    set.conns.push(c);
-                }
-                Sender::H2(s, stream)
-            }
-        })
-    }
-
-    /// A place under target `i`'s connection cap: at once if one is free, else within
-    /// `connect_timeout` (with `pooled`, a pooled HTTP/1.1 connection that comes free meanwhile
-    /// is taken instead), else [`UpstreamError::Saturated`].
-    async fn wait_for_place(&self, i: usize, pooled: bool) -> Result<Place, UpstreamError> {
-        let t = &self.targets[i];
-        t.waiting.fetch_add(1, Ordering::Relaxed);
-        let _waiting = Waiting(&t.waiting);
-        let deadline = tokio::time::Instant::now() + self.connect_timeout;
-        loop {
-            let freed = t.freed.notified();
-            tokio::pin!(freed);
-            // Registered before the pool is looked at: a response that ends after the look
-            // wakes this wait.
-            freed.as_mut().enable();
-            if pooled {
-                if let Some(s) = self.checkout(i) {
-                    return Ok(Place::Pooled(s));
-                }
-            }
-            tokio::select! {
-                p = t.conns.clone().acquire_owned() => {
-                    return p.map(Place::New).map_err(|_| UpstreamError::Saturated);
-                }
-                _ = &mut freed, if pooled => {}
-                _ = tokio::time::sleep(CAP_RECHECK), if pooled => {}
-                _ = tokio::time::sleep_until(deadline) => return Err(UpstreamError::Saturated),
-            }
-        }
-    }
-
-    /// A place under target `i`'s connection cap, waiting up to `connect_timeout` for one.
-    async fn place(&self, i: usize) -> Result<OwnedSemaphorePermit, UpstreamError> {
-        match self.targets[i].conns.clone().try_acquire_owned() {
-            Ok(p) => Ok(p),
-            Err(_) => match self.wait_for_place(i, false).await? {
-                Place::New(p) => Ok(p),
-                Place::Pooled(_) => Err(UpstreamError::Saturated),
-            },
-        }
-    }
-
-    /// A new connection to target `i` (TCP, then TLS for `https://`), speaking HTTP/1.1 or
-    /// HTTP/2 as `upstream.protocol` and ALPN say; it holds `place` under the target's
-    /// connection cap until it closes.
-    async fn connect(&self, i: usize, place: OwnedSemaphorePermit) -> Result<Conn, UpstreamError> {
-        let t = &self.targets[i];
-        let stream = match tokio::time::timeout(self.connect_timeout, TcpStream::connect(&t.addr)).await {
-            Ok(Ok(s)) => s,
-            Ok(Err(e)) => return Err(UpstreamError::Connect(e)),
-            Err(_) => return Err(UpstreamError::Connect(std::io::ErrorKind::TimedOut.into())),
-        };
-        let _ = stream.set_nodelay(true);
-        let stream = Capped { stream, _place: place };
-        match (&t.server_name, &self.tls) {
-            (Some(name), Some(tls)) => {
-                let tls_stream =
-                    match tokio::time::timeout(self.connect_timeout, tls.connect(name.clone(), stream)).await {
-                        Ok(Ok(s)) => s,
-                        Ok(Err(e)) => return Err(UpstreamError::Tls(e)),
-                        Err(_) => return Err(UpstreamError::Tls(std::io::ErrorKind::TimedOut.into())),
-                    };
-                let h2 = tls_stream.get_ref().1.alpn_protocol() == Some(b"h2");
-                if self.protocol == UpstreamProtocol::Auto {
-                    t.alpn.store(if h2 { ALPN_H2 } else { ALPN_H1 }, Ordering::Relaxed);
-                }
-                match (h2, self.protocol) {
-                    (true, _) => handshake_h2(TokioIo::new(tls_stream)).await,
-                    (false, UpstreamProtocol::H2) => Err(UpstreamError::NoH2),
-                    (false, _) => handshake(TokioIo::new(tls_stream)).await,
-                }
-            }
-            _ if self.protocol == UpstreamProtocol::H2c => handshake_h2(TokioIo::new(stream)).await,
-            _ => handshake(TokioIo::new(stream)).await,
-        }
-    }
-
     /// An exchange on a fresh connection to target `i`, outside the failure accounting (the
     /// health check decides on its result itself).
     async fn attempt_quiet(
@@ -681,70 +582,6 @@ impl Upstream {
         };
         Ok((resp, flight))
     }
-}
-
-/// What a request waiting at the connection cap got.
-enum Place {
-    /// A pooled HTTP/1.1 connection that came free.
-    Pooled(SendRequest<ProxyBody>),
-    /// A place for a new connection.
-    New(OwnedSemaphorePermit),
-}
-
-/// Counts a request waiting at the cap until dropped.
-struct Waiting<'a>(&'a AtomicUsize);
-
-impl Drop for Waiting<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-/// An upstream connection's socket, holding its place under the target's connection cap for as
-/// long as it is open (through an upgrade too: the upgraded stream is this socket).
-struct Capped {
-    stream: TcpStream,
-    _place: OwnedSemaphorePermit,
-}
-
-impl AsyncRead for Capped {
-    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().stream).poll_read(cx, buf)
-    }
-}
-
-impl AsyncWrite for Capped {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.get_mut().stream).poll_write(cx, data)
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.get_mut().stream).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.stream.is_write_vectored()
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().stream).poll_flush(cx)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
-    }
-}
-
-/// A new connection.
-enum Conn {
-    /// HTTP/1.1.
-    H1(SendRequest<ProxyBody>),
-    /// HTTP/2, to be shared.
-    H2(H2Conn),
 }
 
 /// Did the exchange fail because of the client's request body (too large, cut)?

@@ -35,7 +35,7 @@ pub struct JwtClaims {
 struct KeySpec {
     /// `kid` from a JWKS, if any.
     kid: Option<String>,
-    /// The key.
+    /// The verifying key, of one family only (HMAC, RSA, EC or EdDSA).
     key: DecodingKey,
     /// Algorithms of the key's family that the config allows.
     algorithms: Vec<Algorithm>,
@@ -186,150 +186,174 @@ fn numeric_date(v: &Value, up: bool) -> Option<u64> {
     Some(if up { f.ceil() } else { f.floor() } as u64)
 }
 
+/// `identity.jwt.leeway`: 30 s when absent, at most [`MAX_LEEWAY`].
+fn leeway(file: &Path, raw: &RawJwt) -> Result<u64, ConfigError> {
+    Ok(match &raw.leeway {
+        Some(l) => {
+            let d = duration(file, l)?;
+            if d > MAX_LEEWAY {
+                return Err(ConfigError::at(
+                    file,
+                    &l.referenced,
+                    format!(
+                        "identity.jwt.leeway: {:?} is more than 5m, which would accept long-expired tokens",
+                        l.value
+                    ),
+                ));
+            }
+            d.as_secs()
+        }
+        None => 30,
+    })
+}
+
+/// `identity.jwt.algorithms`: known names, never `none`, not empty, and one family only; also
+/// whether that family is HMAC.
+fn algorithms(file: &Path, raw: &RawJwt) -> Result<(Vec<Algorithm>, bool), ConfigError> {
+    let mut algorithms = Vec::new();
+    for a in &raw.algorithms.value {
+        if a.eq_ignore_ascii_case("none") {
+            return Err(ConfigError::at(
+                file,
+                &raw.algorithms.referenced,
+                "jwt algorithm \"none\" is never accepted",
+            ));
+        }
+        let alg = Algorithm::from_str(a)
+            .map_err(|_| ConfigError::at(file, &raw.algorithms.referenced, format!("unknown jwt algorithm {a:?}")))?;
+        algorithms.push(alg);
+    }
+    if algorithms.is_empty() {
+        return Err(ConfigError::at(
+            file,
+            &raw.algorithms.referenced,
+            "jwt.algorithms is empty",
+        ));
+    }
+    let hmac = algorithms.iter().any(|a| a.family() == AlgorithmFamily::Hmac);
+    let public = algorithms.iter().any(|a| a.family() != AlgorithmFamily::Hmac);
+    if hmac && public {
+        return Err(ConfigError::at(
+            file,
+            &raw.algorithms.referenced,
+            "jwt.algorithms mixes HS* with RS*/ES*: one key family only (prevents algorithm confusion)",
+        ));
+    }
+    Ok((algorithms, hmac))
+}
+
+/// The verifying keys: an HMAC secret from the environment, a PEM public key, or a JWKS, each
+/// kept with the configured algorithms of its own family. At least one key, or an error.
+fn keys(
+    file: &Path,
+    dir: &Path,
+    raw: &RawJwt,
+    algorithms: &[Algorithm],
+    hmac: bool,
+) -> Result<Vec<KeySpec>, ConfigError> {
+    if let (Some(env), true) = (
+        &raw.secret_env,
+        raw.public_key_file.is_some() || raw.jwks_file.is_some(),
+    ) {
+        return Err(ConfigError::at(
+            file,
+            &env.referenced,
+            "jwt: choose one: secret_env (HS*) or public_key_file / jwks_file (RS*/ES*/EdDSA), not both",
+        ));
+    }
+    let mut keys = Vec::new();
+    let read = |s: &serde_saphyr::Spanned<String>| -> Result<Vec<u8>, ConfigError> {
+        let p = dir.join(&s.value);
+        std::fs::read(&p).map_err(|e| ConfigError::at(file, &s.referenced, format!("cannot read {}: {e}", p.display())))
+    };
+    if let Some(env) = &raw.secret_env {
+        if !hmac {
+            return Err(ConfigError::at(
+                file,
+                &env.referenced,
+                "secret_env needs HS* algorithms",
+            ));
+        }
+        let secret = crate::yaml::required_env(file, env, "identity.jwt.secret_env")?;
+        if secret.len() < 16 {
+            return Err(ConfigError::at(
+                file,
+                &env.referenced,
+                "HMAC secret shorter than 16 bytes",
+            ));
+        }
+        keys.push(KeySpec {
+            kid: None,
+            key: DecodingKey::from_secret(secret.as_bytes())
+                .map_err(|e| ConfigError::at(file, &env.referenced, format!("invalid HMAC secret: {e}")))?,
+            algorithms: algorithms.to_vec(),
+        });
+    }
+    if let Some(pem_file) = &raw.public_key_file {
+        if hmac {
+            return Err(ConfigError::at(
+                file,
+                &pem_file.referenced,
+                "public_key_file needs RS*/ES*/EdDSA algorithms",
+            ));
+        }
+        let pem = read(pem_file)?;
+        let key = DecodingKey::from_rsa_pem(&pem)
+            .or_else(|_| DecodingKey::from_ec_pem(&pem))
+            .or_else(|_| DecodingKey::from_ed_pem(&pem))
+            .map_err(|e| ConfigError::at(file, &pem_file.referenced, format!("not a PEM public key: {e}")))?;
+        let fam = key.family();
+        let algs: Vec<Algorithm> = algorithms.iter().copied().filter(|a| a.family() == fam).collect();
+        if algs.is_empty() {
+            return Err(ConfigError::at(
+                file,
+                &pem_file.referenced,
+                "the key's type matches none of jwt.algorithms",
+            ));
+        }
+        keys.push(KeySpec {
+            kid: None,
+            key,
+            algorithms: algs,
+        });
+    }
+    if let Some(jwks_file) = &raw.jwks_file {
+        let bytes = read(jwks_file)?;
+        let set: jsonwebtoken::jwk::JwkSet = serde_json::from_slice(&bytes)
+            .map_err(|e| ConfigError::at(file, &jwks_file.referenced, format!("invalid JWKS: {e}")))?;
+        for jwk in &set.keys {
+            let Ok(key) = DecodingKey::from_jwk(jwk) else { continue };
+            let fam = key.family();
+            let algs: Vec<Algorithm> = algorithms.iter().copied().filter(|a| a.family() == fam).collect();
+            if !algs.is_empty() {
+                keys.push(KeySpec {
+                    kid: jwk.common.key_id.clone(),
+                    key,
+                    algorithms: algs,
+                });
+            }
+        }
+    }
+    if keys.is_empty() {
+        return Err(ConfigError::at(
+            file,
+            &raw.algorithms.referenced,
+            "jwt needs a key: public_key_file, secret_env or jwks_file",
+        ));
+    }
+    Ok(keys)
+}
+
 /// Tokens longer than this are not even parsed.
 const MAX_TOKEN_BYTES: usize = 16 * 1024;
 
 impl JwtVerifier {
-    /// Compile `identity.jwt` (key files relative to `dir`).
+    /// Compile `identity.jwt` (key files relative to `dir`): the leeway, the one algorithm family,
+    /// then the keys of that family. Every refusal names the field at fault.
     pub fn compile(file: &Path, dir: &Path, raw: &RawJwt) -> Result<Self, ConfigError> {
-        let leeway = match &raw.leeway {
-            Some(l) => {
-                let d = duration(file, l)?;
-                if d > MAX_LEEWAY {
-                    return Err(ConfigError::at(
-                        file,
-                        &l.referenced,
-                        format!(
-                            "identity.jwt.leeway: {:?} is more than 5m, which would accept long-expired tokens",
-                            l.value
-                        ),
-                    ));
-                }
-                d.as_secs()
-            }
-            None => 30,
-        };
-        let mut algorithms = Vec::new();
-        for a in &raw.algorithms.value {
-            if a.eq_ignore_ascii_case("none") {
-                return Err(ConfigError::at(
-                    file,
-                    &raw.algorithms.referenced,
-                    "jwt algorithm \"none\" is never accepted",
-                ));
-            }
-            let alg = Algorithm::from_str(a).map_err(|_| {
-                ConfigError::at(file, &raw.algorithms.referenced, format!("unknown jwt algorithm {a:?}"))
-            })?;
-            algorithms.push(alg);
-        }
-        if algorithms.is_empty() {
-            return Err(ConfigError::at(
-                file,
-                &raw.algorithms.referenced,
-                "jwt.algorithms is empty",
-            ));
-        }
-        let hmac = algorithms.iter().any(|a| a.family() == AlgorithmFamily::Hmac);
-        let public = algorithms.iter().any(|a| a.family() != AlgorithmFamily::Hmac);
-        if hmac && public {
-            return Err(ConfigError::at(
-                file,
-                &raw.algorithms.referenced,
-                "jwt.algorithms mixes HS* with RS*/ES*: one key family only (prevents algorithm confusion)",
-            ));
-        }
-        if let (Some(env), true) = (
-            &raw.secret_env,
-            raw.public_key_file.is_some() || raw.jwks_file.is_some(),
-        ) {
-            return Err(ConfigError::at(
-                file,
-                &env.referenced,
-                "jwt: choose one: secret_env (HS*) or public_key_file / jwks_file (RS*/ES*/EdDSA), not both",
-            ));
-        }
-        let mut keys = Vec::new();
-        let read = |s: &serde_saphyr::Spanned<String>| -> Result<Vec<u8>, ConfigError> {
-            let p = dir.join(&s.value);
-            std::fs::read(&p)
-                .map_err(|e| ConfigError::at(file, &s.referenced, format!("cannot read {}: {e}", p.display())))
-        };
-        if let Some(env) = &raw.secret_env {
-            if !hmac {
-                return Err(ConfigError::at(
-                    file,
-                    &env.referenced,
-                    "secret_env needs HS* algorithms",
-                ));
-            }
-            let secret = crate::yaml::required_env(file, env, "identity.jwt.secret_env")?;
-            if secret.len() < 16 {
-                return Err(ConfigError::at(
-                    file,
-                    &env.referenced,
-                    "HMAC secret shorter than 16 bytes",
-                ));
-            }
-            keys.push(KeySpec {
-                kid: None,
-                key: DecodingKey::from_secret(secret.as_bytes())
-                    .map_err(|e| ConfigError::at(file, &env.referenced, format!("invalid HMAC secret: {e}")))?,
-                algorithms: algorithms.clone(),
-            });
-        }
-        if let Some(pem_file) = &raw.public_key_file {
-            if hmac {
-                return Err(ConfigError::at(
-                    file,
-                    &pem_file.referenced,
-                    "public_key_file needs RS*/ES*/EdDSA algorithms",
-                ));
-            }
-            let pem = read(pem_file)?;
-            let key = DecodingKey::from_rsa_pem(&pem)
-                .or_else(|_| DecodingKey::from_ec_pem(&pem))
-                .or_else(|_| DecodingKey::from_ed_pem(&pem))
-                .map_err(|e| ConfigError::at(file, &pem_file.referenced, format!("not a PEM public key: {e}")))?;
-            let fam = key.family();
-            let algs: Vec<Algorithm> = algorithms.iter().copied().filter(|a| a.family() == fam).collect();
-            if algs.is_empty() {
-                return Err(ConfigError::at(
-                    file,
-                    &pem_file.referenced,
-                    "the key's type matches none of jwt.algorithms",
-                ));
-            }
-            keys.push(KeySpec {
-                kid: None,
-                key,
-                algorithms: algs,
-            });
-        }
-        if let Some(jwks_file) = &raw.jwks_file {
-            let bytes = read(jwks_file)?;
-            let set: jsonwebtoken::jwk::JwkSet = serde_json::from_slice(&bytes)
-                .map_err(|e| ConfigError::at(file, &jwks_file.referenced, format!("invalid JWKS: {e}")))?;
-            for jwk in &set.keys {
-                let Ok(key) = DecodingKey::from_jwk(jwk) else { continue };
-                let fam = key.family();
-                let algs: Vec<Algorithm> = algorithms.iter().copied().filter(|a| a.family() == fam).collect();
-                if !algs.is_empty() {
-                    keys.push(KeySpec {
-                        kid: jwk.common.key_id.clone(),
-                        key,
-                        algorithms: algs,
-                    });
-                }
-            }
-        }
-        if keys.is_empty() {
-            return Err(ConfigError::at(
-                file,
-                &raw.algorithms.referenced,
-                "jwt needs a key: public_key_file, secret_env or jwks_file",
-            ));
-        }
+        let leeway = leeway(file, raw)?;
+        let (algorithms, hmac) = algorithms(file, raw)?;
+        let keys = keys(file, dir, raw, &algorithms, hmac)?;
         Ok(JwtVerifier {
             header: raw
                 .header

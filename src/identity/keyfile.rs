@@ -23,13 +23,13 @@ pub(crate) struct Field<'a> {
 /// One key entry as written.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Entry<'a> {
-    /// `id:`.
+    /// The `id:` field, with its position (required: names the key in logs and rules).
     pub(crate) id: Option<Field<'a>>,
-    /// `sha256:`.
+    /// The `sha256:` field: the hex SHA-256 of the key (the key itself is never stored).
     pub(crate) sha256: Option<Field<'a>>,
-    /// `tier:`.
+    /// The `tier:` field, when written.
     pub(crate) tier: Option<Field<'a>>,
-    /// `org:`.
+    /// The `org:` field, when written.
     pub(crate) org: Option<Field<'a>>,
 }
 

@@ -21,7 +21,7 @@ pub struct KeyEntry {
     pub id: Arc<str>,
     /// Tier (`anonymous` when unset).
     pub tier: Arc<str>,
-    /// Org.
+    /// The organisation the key belongs to, for `per: org` rules (`None`: no org).
     pub org: Option<Arc<str>>,
 }
 

@@ -16,7 +16,7 @@ pub struct RawJwt {
     pub public_key_file: Option<Spanned<String>>,
     /// Env var with the HMAC secret (HS*).
     pub secret_env: Option<Spanned<String>>,
-    /// A JWKS file.
+    /// A JWKS file (RFC 7517) of public keys, selected by the token's `kid`; re-read when it changes.
     pub jwks_file: Option<Spanned<String>>,
     /// Required `iss`.
     pub issuer: Option<String>,
@@ -49,8 +49,8 @@ pub struct RawKey {
     pub id: Spanned<String>,
     /// Hex SHA-256 of the key.
     pub sha256: Spanned<String>,
-    /// Tier.
+    /// The tier rules can match on (`anonymous` when unset).
     pub tier: Option<String>,
-    /// Org.
+    /// The organisation, for `per: org` rules.
     pub org: Option<String>,
 }

@@ -105,7 +105,7 @@ impl Algorithm {
 /// One validated limit. It cannot be built with a zero limit or a zero window.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Quota {
-    /// The algorithm.
+    /// How the limit counts: fixed or sliding window, token or leaky bucket, or concurrency.
     pub algorithm: Algorithm,
     /// Units per window, or the bucket capacity.
     pub limit: NonZeroU64,

@@ -59,7 +59,9 @@
 //! # Layout
 //! | module | what it does |
 //! |---|---|
-//! | `conn` | connections, the shared state, connection rebuilds |
+//! | `conn` | connections, the shared state, connection rebuilds, errors |
+//! | `script` | running the scripts (functions or `EVALSHA`), loading them, `WAIT` |
+//! | `topology` | the slot map (`CLUSTER SLOTS`) and each shard's clock offset |
 //! | `protocol` | the script, the commands it is sent, its one reply format |
 //! | `slots` | slot of a key, grouping by slot, shards and their breakers |
 //! | `batch` | one call in flight per slot; what queues meanwhile goes out as one batch |
@@ -78,8 +80,9 @@ pub use protocol::SCRIPT_SOURCE;
 
 use super::algorithm::{Algorithm, Quota};
 use super::{Checked, LimitCheck, Outcome, Store, StoreError, StoreKey};
-use conn::{open, path_of, Inner, Target};
+use conn::{open, Inner, Target};
 use protocol::{keyless_peek, peeked, Mode};
+use script::path_of;
 use slots::group_by_tag;
 
 /// How long a reset's marker lives: a refund of units spent before a reset is dropped while
@@ -573,7 +576,9 @@ mod batch;
 mod conn;
 pub use conn::Auth as RedisAuth;
 mod protocol;
+mod script;
 mod slots;
+mod topology;
 
 #[cfg(test)]
 mod tests;

@@ -170,7 +170,7 @@ impl Drop for Pending<'_> {
         if self.answered {
             return;
         }
-        self.metrics.client_abort();
+        self.metrics.traffic.client_abort();
         if let Some(mut l) = self.line.take() {
             l.note.decision = "client_aborted";
             l.write(499, 0, true);

@@ -21,9 +21,9 @@ impl State {
     ) {
         if let Some(e) = &verdict.store_error {
             match e {
-                StoreError::Timeout => self.metrics().store_timeout.inc(),
-                StoreError::CircuitOpen => self.metrics().store_circuit_open.inc(),
-                _ => self.metrics().store_error.inc(),
+                StoreError::Timeout => self.metrics().store.timeout.inc(),
+                StoreError::CircuitOpen => self.metrics().store.circuit_open.inc(),
+                _ => self.metrics().store.error.inc(),
             };
         }
         let mut last_rule = u32::MAX;
@@ -35,7 +35,7 @@ impl State {
             let m = &snap.rule_metrics[*ri as usize];
             let rule = &snap.rules.rules[*ri as usize];
             if *src == Source::DenyCache && !o.allowed {
-                self.metrics().deny_cache_hits.inc();
+                self.metrics().store.deny_cache_hits.inc();
             }
             if o.penalty_started {
                 m.penalty_started.inc();

@@ -26,7 +26,7 @@ pub(super) async fn phase(gw: &Arc<State>, x: &mut Exchange<'_>) -> Result<Optio
         return Ok(None);
     };
     if plan.checks.is_empty() {
-        gw.metrics().unmatched.inc();
+        gw.metrics().traffic.unmatched.inc();
         return Ok(None);
     }
     // The verdict is not kept across the wait below: only what `decide` made of it.
@@ -34,7 +34,7 @@ pub(super) async fn phase(gw: &Arc<State>, x: &mut Exchange<'_>) -> Result<Optio
         let engine = ctx::engine(gw, &x.snap);
         let checked = engine.check(plan, x.now_us).await;
         if let Some(waited) = checked.store_wait {
-            gw.metrics().check_latency.observe(waited.as_secs_f64());
+            gw.metrics().store.check_latency.observe(waited.as_secs_f64());
         }
         let decision = engine.judge(plan, &checked.verdict);
         if let Some(denied) = decide(gw, x, &checked, decision)? {
@@ -45,7 +45,7 @@ pub(super) async fn phase(gw: &Arc<State>, x: &mut Exchange<'_>) -> Result<Optio
     if let Some((delay_us, mut refund)) = queued {
         // Leaky bucket: wait our turn. If the client leaves, this future is dropped and the
         // guard gives the slot back (and any concurrency slot: the upstream never saw it).
-        let _queued = crate::metrics::InFlight::enter(&gw.metrics().leaky_queue);
+        let _queued = crate::metrics::InFlight::enter(&gw.metrics().traffic.leaky_queue);
         tokio::time::sleep(Duration::from_micros(delay_us)).await;
         refund.spent = None;
     }
@@ -116,7 +116,7 @@ fn decide(
             let bound = (i, o, src);
             let mut windows = Vec::new();
             let b = ctx::binding_of(plan, snap, &bound, &mut windows);
-            gw.metrics().rate_limited();
+            gw.metrics().traffic.rate_limited();
             return Ok(Some(limited(gw, &b, facts.grpc, *now_us)));
         }
         admitted.binding = Some((i, o, src));

@@ -160,10 +160,10 @@ impl State {
             crate::rt::coarse_timer::timeout(self.config().upstream.request_timeout, self.upstream().send(req, retry))
                 .await;
         let waited = started.elapsed();
-        self.metrics().upstream_latency.observe(waited.as_secs_f64());
+        self.metrics().upstream.latency.observe(waited.as_secs_f64());
         // Everything but the upstream's own wait: limits, queueing, forwarding.
         let overhead = arrived.elapsed().saturating_sub(waited);
-        self.metrics().request_overhead.observe(overhead.as_secs_f64());
+        self.metrics().traffic.overhead.observe(overhead.as_secs_f64());
         if let Some(n) = note {
             n.upstream_us = u64::try_from(waited.as_micros()).unwrap_or(u64::MAX);
             match &result {
@@ -174,7 +174,7 @@ impl State {
         }
         let mut resp = match result {
             Err(_) => {
-                self.metrics().upstream_status[5].inc();
+                self.metrics().upstream.status[5].inc();
                 if let Some(suppressed) = self.upstream_log().allow() {
                     tracing::warn!(method = %method, path = %path.path(), upstream = %self.config().upstream.authority, timeout_ms = self.config().upstream.request_timeout.as_millis() as u64, suppressed, "upstream timed out (repeats logged at most once a second, `suppressed` counts the others)");
                 }
@@ -197,7 +197,7 @@ impl State {
                 return Err(GatewayError::Unavailable("the upstream connection limit is reached"));
             }
             Ok(Err(f)) => {
-                self.metrics().upstream_status[5].inc();
+                self.metrics().upstream.status[5].inc();
                 if let Some(suppressed) = self.upstream_log().allow() {
                     tracing::warn!(method = %method, path = %path.path(), upstream = %f.target, attempts = f.attempts, error = %f.error, suppressed, "upstream request failed (repeats logged at most once a second, `suppressed` counts the others)");
                 }
@@ -206,8 +206,8 @@ impl State {
             Ok(Ok(x)) => x.response,
         };
         let class = (resp.status().as_u16() / 100).clamp(1, 5) as usize - 1;
-        self.metrics().upstream_status[class].inc();
-        self.metrics().upstream_response(resp.status().as_u16());
+        self.metrics().upstream.status[class].inc();
+        self.metrics().traffic.upstream_response(resp.status().as_u16());
 
         if resp.status() == http::StatusCode::SWITCHING_PROTOCOLS {
             let Some(client_up) = client_upgrade else {

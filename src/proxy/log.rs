@@ -56,7 +56,7 @@ pub(super) fn phase(
     result: Result<Response<ProxyBody>, GatewayError>,
 ) -> Response<ProxyBody> {
     let mut resp = answer(gw, result, x.facts.grpc, x.note());
-    gw.metrics().request_duration.observe(x.arrived.elapsed().as_secs_f64());
+    gw.metrics().traffic.duration.observe(x.arrived.elapsed().as_secs_f64());
     resp.headers_mut().insert(X_REQUEST_ID.clone(), x.id);
     if gw.draining() {
         // The drain window: the client's next request goes on a new connection, which the
@@ -97,7 +97,7 @@ fn answer(
                     _ => n.decision,
                 };
             }
-            gw.metrics().local_response(e.status().as_u16());
+            gw.metrics().traffic.local_response(e.status().as_u16());
             LocalAnswer::from(e).render(grpc)
         }
     }

@@ -93,7 +93,7 @@ struct Shard {
 struct Timer {
     /// Instants count from here.
     epoch: Instant,
-    /// The shards.
+    /// One wheel per shard, so timers on different threads rarely share a lock.
     shards: Box<[Shard]>,
     /// Set (under this mutex) when a deadline lands in an empty shard, so the sleeping timer
     /// thread cannot miss it between its check and its wait.
@@ -330,7 +330,7 @@ impl Timer {
 
 /// A coarse deadline: a future that completes at (or up to a [`TICK`] after) its instant.
 pub struct Deadline {
-    /// Its tick.
+    /// The tick (of [`TICK`] each, from the epoch) at which it completes.
     tick: u64,
     /// Its entry, once registered (shard, slot, generation), and the waker stored there.
     entry: Option<(u32, u32, u32, Waker)>,

@@ -106,7 +106,7 @@ impl StopSignal {
 
 /// One connection's view of its accept loop's [`StopSignal`]; unregisters on drop.
 pub(crate) struct StopWatch {
-    /// The signal.
+    /// The accept loop's signal this connection registered with.
     signal: Arc<StopSignal>,
     /// Woken when the level rises.
     waker: Arc<AtomicWaker>,

@@ -131,11 +131,11 @@ pub enum RawPenalty {
 pub struct RawMatch {
     /// Path pattern.
     pub path: Spanned<String>,
-    /// Methods.
+    /// The methods matched (any when absent); upper-cased when compiled.
     pub methods: Option<Vec<Spanned<String>>>,
-    /// Tier.
+    /// The caller tier matched (any when absent).
     pub tier: Option<String>,
-    /// Host.
+    /// The host pattern matched (any when absent); compared without port, case-insensitively.
     pub host: Option<String>,
     /// Exact header values.
     #[serde(default)]
@@ -154,7 +154,7 @@ pub struct RawMatch {
 pub struct RawWindow {
     /// Units per window.
     pub limit: Spanned<i64>,
-    /// Window.
+    /// The window's length, a duration such as `1m` or `1h`.
     pub window: Spanned<String>,
 }
 
@@ -164,7 +164,7 @@ pub struct RawWindow {
 pub struct RawOverride {
     /// Units per window.
     pub limit: Option<Spanned<i64>>,
-    /// Window.
+    /// The overriding window's length (the rule's when absent).
     pub window: Option<Spanned<String>>,
     /// Several windows.
     pub limits: Option<Vec<Spanned<RawWindow>>>,

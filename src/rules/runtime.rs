@@ -49,7 +49,7 @@ pub struct StoredOverride {
     pub kind: String,
     /// The key value's tag (salted hash), as in the rule's store keys.
     pub tag: String,
-    /// The limits.
+    /// The limits in force for this identity instead of the rule's.
     pub limits: Vec<OverrideLimit>,
     /// Unix seconds after which it no longer applies.
     pub expires_at: u64,

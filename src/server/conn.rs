@@ -156,14 +156,14 @@ pub(super) async fn accept_loop(listener: TcpListener, w: Worker) {
             }
         };
         let Ok(permit) = conns.clone().try_acquire_owned() else {
-            gw.metrics().local_response(503);
+            gw.metrics().traffic.local_response(503);
             tokio::spawn(reject_over_capacity(stream, "too many connections"));
             continue;
         };
         let counted = match per_ip.as_ref().map(|p| (p, p.enter(peer.ip()))) {
             Some((p, Entry::Refused)) => {
                 drop(permit);
-                gw.metrics().local_response(503);
+                gw.metrics().traffic.local_response(503);
                 if let Some(suppressed) = p.log.allow() {
                     tracing::warn!(peer = %peer.ip(), cap = sc.max_connections_per_ip.unwrap_or(0), suppressed, "connection refused: its address holds server.max_connections_per_ip connections already (repeats logged at most once a second, `suppressed` counts the others)");
                 }
@@ -177,7 +177,7 @@ pub(super) async fn accept_loop(listener: TcpListener, w: Worker) {
         let gw2 = gw.clone();
         let (h1, h2, drained) = (h1.clone(), h2.clone(), drained.clone());
         let watch = signal.watch();
-        let open = crate::metrics::InFlight::enter(&gw.metrics().open_connections);
+        let open = crate::metrics::InFlight::enter(&gw.metrics().traffic.open_connections);
         let first_byte = sc.header_read_timeout;
         let tls = tls.clone();
         tokio::spawn(async move {

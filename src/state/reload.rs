@@ -115,17 +115,19 @@ impl State {
                     keys.install(v);
                 }
                 let version = snap.rules.version.clone();
-                self.metrics.set_rules_version(&version);
-                self.metrics.reload_succeeded(snap.loaded_at);
+                self.metrics.reload.set_rules_version(&version);
+                self.metrics.reload.succeeded(snap.loaded_at);
                 self.metrics
-                    .reload_changed("rules", rules.added, rules.removed, rules.changed);
+                    .reload
+                    .changed("rules", rules.added, rules.removed, rules.changed);
                 self.metrics
-                    .reload_changed("keys", keys.added, keys.removed, keys.changed);
+                    .reload
+                    .changed("keys", keys.added, keys.removed, keys.changed);
                 if rules.removed > 0 {
                     // Drop the series of rules that no longer exist.
                     let now: std::collections::HashSet<&str> = snap.rules.rules.iter().map(|r| &*r.name).collect();
                     for r in old_rules.iter().filter(|r| !now.contains(r.as_str())) {
-                        self.metrics.forget_rule(r);
+                        self.metrics.traffic.forget_rule(r);
                     }
                 }
                 // Runtime overrides survive the reload: recompiled against the new rules.
@@ -142,7 +144,7 @@ impl State {
                 }
                 // Leases were taken under the old limits: give them back.
                 self.limiter.return_leases(true).await;
-                self.metrics.reload_ok.inc();
+                self.metrics.reload.ok.inc();
                 self.activity.reloaded(crate::activity::ReloadEvent {
                     at: unix_secs(SystemTime::now()),
                     trigger: why,
@@ -177,8 +179,8 @@ impl State {
                 })
             }
             Err(e) => {
-                self.metrics.reload_error.inc();
-                self.metrics.last_reload_success.set(0);
+                self.metrics.reload.error.inc();
+                self.metrics.reload.last_success.set(0);
                 self.activity.reloaded(crate::activity::ReloadEvent {
                     at: unix_secs(SystemTime::now()),
                     trigger: why,

@@ -32,7 +32,7 @@ fn deny(rule: &str, limit: u64, retry_us: u64, at_us: u64) -> http::Response<cra
         NonZeroU64::new(limit).unwrap(),
         NonZeroU64::new(60_000_000).unwrap(),
     );
-    let b = super::Binding {
+    let b = crate::http::headers::Binding {
         rule,
         quota,
         cost: 1,

@@ -120,6 +120,19 @@ impl Upstream {
         t.fails.store(0, Ordering::Relaxed);
         self.ejected.inc();
         t.counters.ejections.inc();
+        let out_for_ms = u64::try_from(period.as_millis()).unwrap_or(u64::MAX);
+        {
+            let mut recent = self.recent.lock();
+            if recent.len() == super::RECENT_EJECTIONS {
+                recent.pop_front();
+            }
+            recent.push_back(super::Ejection {
+                target: t.label.clone(),
+                at_ms: unix_ms(),
+                out_for_ms,
+                why: why.to_string(),
+            });
+        }
         tracing::warn!(target_url = %t.label, failures = fails, out_for_ms = period.as_millis() as u64, error = %why, "upstream target ejected");
     }
 
@@ -164,4 +177,11 @@ impl Upstream {
 /// A seed for the balancer.
 pub(super) fn seed() -> u64 {
     crate::http::request_id::random_u64()
+}
+
+/// The wall clock, Unix milliseconds (0 before 1970).
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }

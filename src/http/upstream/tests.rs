@@ -94,6 +94,25 @@ fn ejection_after_consecutive_failures_doubles_and_spares_the_last_target() {
 }
 
 #[test]
+fn recent_ejections_list_the_newest_first_and_keep_only_the_last_twenty() {
+    let u = up(2);
+    assert!(u.recent_ejections().is_empty());
+    for n in 0..(super::RECENT_EJECTIONS + 5) {
+        u.targets[0].out_until_ms.store(0, Ordering::Relaxed);
+        u.failure(0, &format!("refused {n}"), true);
+    }
+    // The last target in is never ejected, so never listed.
+    u.failure(1, &"x", true);
+    let recent = u.recent_ejections();
+    assert_eq!(recent.len(), super::RECENT_EJECTIONS);
+    assert_eq!(recent[0].why, format!("refused {}", super::RECENT_EJECTIONS + 4));
+    assert_eq!(recent[super::RECENT_EJECTIONS - 1].why, "refused 5");
+    assert!(recent.iter().all(|e| e.target == u.targets[0].label && e.at_ms > 0));
+    // Consecutive ejections double the period (capped): the newest is out longest.
+    assert!(recent[0].out_for_ms >= recent[super::RECENT_EJECTIONS - 1].out_for_ms);
+}
+
+#[test]
 fn replay_rebuilds_the_request() {
     let mut headers = HeaderMap::new();
     headers.insert("x-a", HeaderValue::from_static("1"));
