@@ -16,7 +16,7 @@
 //! | [`server`] | composition root: binds listeners, starts admin, file watcher and store probe, owns shutdown; `server/conn` accepts and serves connections (h2c sniff, TLS, idle parking, drain) |
 //! | [`state`] | the shared state (config, snapshot handle, limiter, metrics; private fields); `state::reload` swaps the snapshot |
 //! | [`engine`] | the decision with no HTTP server around it: request facts → identity and plan (`engine::plan`, one `RequestPlan` per request) → the limiter's verdict → a `Decision`; no metrics, logs or responses |
-//! | [`proxy`] | the request path around the engine: validate → plan and check (the engine) → forward (`proxy::exchange`) / respond → settle → log |
+//! | [`proxy`] | the request path around the engine: named phases over one per-request context (`proxy::ctx`): validate → plan → check (the engine) → forward → settle → log, one file each |
 //! | [`rls`] | the Envoy rate-limit service front end: `ShouldRateLimit` over gRPC (and `/json`), envoyproxy/ratelimit's config files (`rls::config`), descriptor matching (`rls::matcher`), one all-or-nothing limiter check per request (`rls::decide`), the listener (`rls::serve`) |
 //! | [`background`] | low-priority threads for reloads and for freeing replaced snapshots, so neither competes with requests |
 //! | [`activity`] | what the admin dashboard shows over time: per-second rule rates, most limited hashes, store and reload history |

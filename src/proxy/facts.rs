@@ -40,8 +40,6 @@ pub(super) struct Facts {
     pub(super) connection_upgrade: bool,
     /// `TE` lists `trailers`.
     pub(super) te_trailers: bool,
-    /// When the request head reached the request path (for the latency tollgate adds).
-    pub(super) arrived: Option<std::time::Instant>,
     /// Some field name has a `_` (see `rules::underscore_spelling`).
     pub(super) underscored: bool,
     /// The trace context is already in the headers (set for the access line).

@@ -1,4 +1,5 @@
-//! Quota that depends on the response: `count_when` refunds a reservation whose response does
+//! The settle phase: quota that depends on the response, and the response's rate-limit
+//! headers. Quota that depends on the response: `count_when` refunds a reservation whose response does
 //! not match, `cost_from` settles a reservation against the cost the upstream reports in a
 //! response header or, for a streamed response, in a trailer. Also what a response holds until
 //! its upstream exchange really ends (its concurrency slots, the reservations still waiting for
@@ -32,12 +33,9 @@ use crate::limiter::{LimitCheck, Source, Verdict};
 use crate::rules::CostFrom;
 use crate::state::State;
 
+use super::ctx::{self, Exchange, Reserved};
 use super::slots::SlotGuard;
 use crate::engine::plan::RequestPlan;
-
-/// What one rule of an admitted request reserved: its checks, each with the instant its check
-/// was decided and the store that decided it.
-pub(crate) type Reserved = Vec<(LimitCheck, u64, Source)>;
 
 /// Refund `spent` in a spawned task (the response does not wait for it).
 pub(crate) fn spawn_refund(gw: &Arc<State>, spent: Reserved) {
@@ -200,6 +198,27 @@ async fn drain(mut body: ProxyBody, mut hold: Hold, within: Duration) {
     }
 }
 
+/// Settle what `x.admitted` still holds against `result` (the upstream's response, or the
+/// error that replaced it; [`State::settle_after`]), and give an admitted response the
+/// rate-limit headers of its binding limit.
+pub(super) fn phase(
+    gw: &Arc<State>,
+    x: &mut Exchange<'_>,
+    result: Result<Response<ProxyBody>, GatewayError>,
+) -> Result<Response<ProxyBody>, GatewayError> {
+    let (after, slots) = (std::mem::take(&mut x.admitted.after), x.admitted.slots.take());
+    let mut resp = gw.settle_after(&x.snap, after, result, slots)?;
+    if let (Some(bound), Some(plan)) = (&x.admitted.binding, &x.plan) {
+        let mut windows = Vec::new();
+        let b = ctx::binding_of(plan, &x.snap, bound, &mut windows);
+        let lim = &gw.config().limits;
+        // The rate-limit headers and the request id: one regrowth at most.
+        resp.headers_mut().reserve(6);
+        crate::http::headers::write(resp.headers_mut(), &b, lim.ietf_headers, lim.legacy_headers, x.now_us);
+    }
+    Ok(resp)
+}
+
 impl State {
     /// Settle what response-dependent rules reserved, now that the response (or the error that
     /// replaced it) is known: refund a `count_when` rule whose status does not match; settle a
@@ -214,6 +233,9 @@ impl State {
         result: Result<Response<ProxyBody>, GatewayError>,
         slots: Option<SlotGuard>,
     ) -> Result<Response<ProxyBody>, GatewayError> {
+        if after.is_empty() && slots.is_none() {
+            return result;
+        }
         let status = match &result {
             Ok(r) => r.status().as_u16(),
             Err(e) => e.status().as_u16(),

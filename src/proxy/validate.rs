@@ -1,16 +1,33 @@
 //! The validate phase: what a proxy must not pass on is refused before any limit is spent
 //! (CONNECT, methods spelled in another case, ambiguous framing, a missing or repeated Host, a
-//! body or header section over its cap). Each refusal is one local answer (a 4xx).
+//! body or header section over its cap, a header tollgate reads spelled with `_`). The
+//! request's target and host are settled here too (`target`). Each refusal is one local answer
+//! (a 4xx).
 
-use http::{Request, Version};
+use http::{header, Request, Version};
 
+use super::ctx::Exchange;
 use super::facts::Facts;
+use super::target;
 use crate::config::ServerConfig;
 use crate::http::respond::GatewayError;
+use crate::state::{Snapshot, State};
+
+/// Refuse `req` if it breaks any rule of this phase; settle its target and host
+/// (`x.facts.host` follows).
+pub(super) fn phase<B>(gw: &State, x: &mut Exchange<'_>, req: &mut Request<B>) -> Result<(), GatewayError> {
+    let sc = &gw.config().server;
+    request(req, &x.facts, sc)?;
+    target::settle(req, &mut x.facts, sc.encoded_slashes)?;
+    if x.facts.underscored {
+        refuse_underscore_spellings(gw, &x.snap, req.headers())?;
+    }
+    Ok(())
+}
 
 /// Refuse `req` (whose fields `f` has read) if it breaks any rule of this phase, under the
 /// server's caps in `sc`.
-pub(super) fn request<B>(req: &Request<B>, f: &Facts, sc: &ServerConfig) -> Result<(), GatewayError> {
+fn request<B>(req: &Request<B>, f: &Facts, sc: &ServerConfig) -> Result<(), GatewayError> {
     framing(req, f, sc.max_body_bytes)?;
     headers_within(req, f, sc.max_header_bytes)
 }
@@ -75,4 +92,21 @@ fn headers_within<B>(req: &Request<B>, f: &Facts, max_bytes: usize) -> Result<()
         return Err(GatewayError::HeadersTooLarge);
     }
     Ok(())
+}
+
+/// Refuse a request that spells a header tollgate reads (credentials, rule keys and
+/// conditions, method overrides) with `_` for `-`: a CGI-style upstream reads the two as one
+/// (see `rules::underscore_spelling`).
+fn refuse_underscore_spellings(gw: &State, snap: &Snapshot, headers: &http::HeaderMap) -> Result<(), GatewayError> {
+    let id = &gw.config().identity;
+    let jwt = id.jwt.as_ref().map(|j| j.header());
+    let mut reads: Vec<&http::HeaderName> = vec![&header::AUTHORIZATION, &id.api_key_header];
+    reads.extend(jwt.as_ref());
+    reads.extend(snap.rules.read_headers.iter());
+    match crate::rules::underscore_spelling(headers, &reads) {
+        Some(_) => Err(GatewayError::BadRequest(
+            "a header name spells one tollgate reads with '_' for '-' (an upstream may read it as the other)",
+        )),
+        None => Ok(()),
+    }
 }

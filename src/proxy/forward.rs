@@ -1,8 +1,9 @@
-//! The exchange with the upstream: the request made ready to forward (hop-by-hop headers
-//! stripped, `X-Forwarded-*` and `Forwarded` added, trailers asked for when needed), sent with
-//! its retry and deadline, and the response checked and streamed back (upgrades spliced).
+//! The forward phase: the request made ready for the upstream (hop-by-hop headers stripped,
+//! `X-Forwarded-*` and `Forwarded` added, trailers asked for when needed), sent with its retry
+//! and deadline, and the response checked and streamed back (upgrades spliced). A request that
+//! holds something until its exchange really ends is forwarded and settled in a task of its
+//! own ([`held`]), so that its client leaving does not end the exchange.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -17,8 +18,33 @@ use crate::http::upstream::{self as up, Replay};
 use crate::http::{forward, ProxyBody};
 use crate::state::State;
 
-use super::facts::Facts;
-use super::{access, settle, slots};
+use super::ctx::Exchange;
+use super::{access, slots};
+
+/// Forward `req` and return the upstream's response. A request that holds slots or waits to be
+/// settled keeps its upstream exchange going even if its client leaves, and is settled there
+/// ([`held`]); what it holds is then no longer in `x.admitted`.
+pub(super) async fn phase(
+    gw: &Arc<State>,
+    x: &mut Exchange<'_>,
+    req: Request<Incoming>,
+) -> Result<Response<ProxyBody>, GatewayError> {
+    // A cost reported in a trailer: ask the upstream for trailers (an HTTP/1.1 server sends
+    // them only to a request that says `TE: trailers`).
+    let want_trailers = x
+        .admitted
+        .after
+        .iter()
+        .any(|(ri, _)| x.snap.rules.rules[*ri as usize].cost_from.is_some());
+    // A request refused on its way out (CONNECT) is settled like an upstream error (the settle
+    // phase): a `count_when` rule it does not match gets its reservation back.
+    let out = gw.outbound(req, x, want_trailers)?;
+    if x.admitted.holds() {
+        held(gw, x, out).await
+    } else {
+        gw.forward(out, None, x.note()).await.map(|(r, _)| r)
+    }
+}
 
 /// A request made ready for the upstream.
 pub(super) struct Outbound {
@@ -31,20 +57,20 @@ pub(super) struct Outbound {
     /// only when it was never written; `Some(Some(copy))` from this copy.
     replay: Option<Option<Replay>>,
     /// When the request head reached the request path.
-    arrived: Option<Instant>,
+    arrived: Instant,
 }
 
 impl State {
     /// Make `req` ready to forward: strip its hop-by-hop headers, add this hop to
     /// `X-Forwarded-*` and `Forwarded`, ask for trailers when the client (or a rule reading its
     /// cost from one) wants them, and keep what a retry needs.
-    pub(super) fn outbound(
+    fn outbound(
         &self,
         mut req: Request<Incoming>,
-        facts: &Facts,
-        peer: SocketAddr,
+        x: &Exchange<'_>,
         want_trailers: bool,
     ) -> Result<Outbound, GatewayError> {
+        let facts = &x.facts;
         if req.method() == Method::CONNECT {
             return Err(GatewayError::BadRequest("CONNECT is not supported"));
         }
@@ -73,7 +99,7 @@ impl State {
         if want_trailers || facts.te_trailers {
             h.insert(header::TE, HeaderValue::from_static("trailers"));
         }
-        forward::add_forwarded_proto(h, peer.ip(), host.as_ref(), self.config().tls.is_some());
+        forward::add_forwarded_proto(h, x.peer.addr.ip(), host.as_ref(), self.config().tls.is_some());
         // HTTP/2 requests carry the host in the URI; a `Connection` may have named `Host`.
         if let Some(host) = host.filter(|_| !h.contains_key(header::HOST)) {
             h.insert(header::HOST, host);
@@ -98,7 +124,7 @@ impl State {
             });
         Ok(Outbound {
             req,
-            arrived: facts.arrived,
+            arrived: x.arrived,
             client_upgrade,
             replay,
         })
@@ -108,7 +134,7 @@ impl State {
     /// response, hop-by-hop headers stripped, with the request's `slots` for its body to hold
     /// (`None` when an upgrade took them: they stay held while the upgraded connection is
     /// open). An error ends the exchange, and releases the slots.
-    pub(super) async fn forward(
+    async fn forward(
         &self,
         out: Outbound,
         slots: Option<slots::SlotGuard>,
@@ -135,11 +161,9 @@ impl State {
                 .await;
         let waited = started.elapsed();
         self.metrics().upstream.latency.observe(waited.as_secs_f64());
-        if let Some(arrived) = arrived {
-            // Everything but the upstream's own wait: limits, queueing, forwarding.
-            let overhead = arrived.elapsed().saturating_sub(waited);
-            self.metrics().traffic.overhead.observe(overhead.as_secs_f64());
-        }
+        // Everything but the upstream's own wait: limits, queueing, forwarding.
+        let overhead = arrived.elapsed().saturating_sub(waited);
+        self.metrics().traffic.overhead.observe(overhead.as_secs_f64());
         if let Some(n) = note {
             n.upstream_us = u64::try_from(waited.as_micros()).unwrap_or(u64::MAX);
             match &result {
@@ -218,47 +242,42 @@ impl State {
         forward::strip_hop_by_hop(resp.headers_mut(), None);
         Ok((resp.map(ProxyBody::Upstream), slots))
     }
+}
 
-    /// [`State::forward`] for a request that holds something until its upstream exchange
-    /// really ends (concurrency `slots`, reservations of response-dependent rules in `after`),
-    /// then settled ([`State::settle_after`]). The exchange runs in a task of its own, so a
-    /// client that goes away (this future dropped) does not end it: the upstream request goes
-    /// on within `request_timeout`, its response is settled all the same, and a body no client
-    /// reads is drained (`settle::HeldBody`) before the slots are released.
-    pub(super) async fn forward_held(
-        self: &Arc<Self>,
-        snap: &Arc<crate::state::Snapshot>,
-        out: Outbound,
-        held: (Option<slots::SlotGuard>, Vec<(u32, settle::Reserved)>),
-        note: Option<&mut access::Note>,
-    ) -> Result<Response<ProxyBody>, GatewayError> {
-        let (slots, after) = held;
-        let (gw, snap) = (self.clone(), snap.clone());
-        let logged = note.is_some();
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        tokio::spawn(async move {
-            let mut n = logged.then(access::Note::default);
-            let (result, slots) = match gw.forward(out, slots, n.as_mut()).await {
-                Ok((r, s)) => (Ok(r), s),
-                Err(e) => (Err(e), None),
-            };
-            let result = gw.settle_after(&snap, after, result, slots);
-            // Without a client to take it, the response is dropped here: a body that still
-            // holds something is then read to its end by a task of its own.
-            let _ = tx.send((result, n));
-        });
-        match rx.await {
-            Ok((result, n)) => {
-                if let (Some(note), Some(n)) = (note, n) {
-                    (note.target, note.attempts, note.upstream_us) = (n.target, n.attempts, n.upstream_us);
-                }
-                result
+/// [`State::forward`] for a request that holds something until its upstream exchange really
+/// ends (concurrency slots, reservations of response-dependent rules), taken from
+/// `x.admitted`, then settled ([`State::settle_after`]). The exchange runs in a task of its
+/// own, so a client that goes away (this future dropped) does not end it: the upstream
+/// request goes on within `request_timeout`, its response is settled all the same, and a body
+/// no client reads is drained (`settle::HeldBody`) before the slots are released.
+async fn held(gw: &Arc<State>, x: &mut Exchange<'_>, out: Outbound) -> Result<Response<ProxyBody>, GatewayError> {
+    let (slots, after) = (x.admitted.slots.take(), std::mem::take(&mut x.admitted.after));
+    let (gw, snap) = (gw.clone(), x.snap.clone());
+    let note = x.note();
+    let logged = note.is_some();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let mut n = logged.then(access::Note::default);
+        let (result, slots) = match gw.forward(out, slots, n.as_mut()).await {
+            Ok((r, s)) => (Ok(r), s),
+            Err(e) => (Err(e), None),
+        };
+        let result = gw.settle_after(&snap, after, result, slots);
+        // Without a client to take it, the response is dropped here: a body that still
+        // holds something is then read to its end by a task of its own.
+        let _ = tx.send((result, n));
+    });
+    match rx.await {
+        Ok((result, n)) => {
+            if let (Some(note), Some(n)) = (note, n) {
+                (note.target, note.attempts, note.upstream_us) = (n.target, n.attempts, n.upstream_us);
             }
-            // The task ended without an answer (it panicked): the exchange is over.
-            Err(_) => Err(GatewayError::BadGateway(
-                "the upstream exchange ended unexpectedly".into(),
-            )),
+            result
         }
+        // The task ended without an answer (it panicked): the exchange is over.
+        Err(_) => Err(GatewayError::BadGateway(
+            "the upstream exchange ended unexpectedly".into(),
+        )),
     }
 }
 
