@@ -230,7 +230,16 @@ async fn explain_route(gw: &Arc<State>, req: &Request<Incoming>, query: &str) ->
         headers: &headers,
         peer: ip,
     };
-    let plan = crate::engine::plan::plan(&snap, &runtime, gw.keys(), &gw.config().identity, parts, now_secs);
+    let plan = crate::engine::plan::plan(
+        crate::engine::plan::PlanContext {
+            snap: &snap,
+            runtime: &runtime,
+            keys: gw.keys(),
+            now_secs,
+        },
+        &gw.config().identity,
+        parts,
+    );
     let checks: Vec<LimitCheck> = plan
         .checks
         .iter()

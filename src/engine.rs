@@ -79,7 +79,16 @@ impl Engine<'_> {
     /// Identify the caller and plan every limit `facts` must pass at `now_us`, with the limits
     /// set at run time in `runtime`. Pure: no I/O.
     pub fn plan(&self, runtime: &RuntimeOverrides, facts: Facts<'_>, now_us: u64) -> RequestPlan {
-        plan::plan(self.snap, runtime, self.keys, self.identity, facts, now_us / 1_000_000)
+        plan::plan(
+            plan::PlanContext {
+                snap: self.snap,
+                runtime,
+                keys: self.keys,
+                now_secs: now_us / 1_000_000,
+            },
+            self.identity,
+            facts,
+        )
     }
 
     /// Check and spend `plan`'s limits, all or nothing. Its concurrency checks get a holder

@@ -132,7 +132,16 @@ pub fn explain(
         headers,
         peer: ip,
     };
-    let plan = crate::engine::plan::plan(snap, runtime, keys, &config.identity, parts, now_secs);
+    let plan = crate::engine::plan::plan(
+        crate::engine::plan::PlanContext {
+            snap,
+            runtime,
+            keys,
+            now_secs,
+        },
+        &config.identity,
+        parts,
+    );
     let ident = &plan.identity;
     let norm = normalize(uri.path());
     let overridden = crate::rules::method_override(headers);

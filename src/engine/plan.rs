@@ -116,15 +116,10 @@ pub struct RequestParts<'a> {
     pub peer: IpAddr,
 }
 
-/// Build the plan of `req` against `snap` and the runtime overrides in force.
-pub fn plan(
-    snap: &Snapshot,
-    runtime: &RuntimeOverrides,
-    keys: &KeyBuilder,
-    identity: &IdentityConfig,
-    req: RequestParts<'_>,
-    now_secs: u64,
-) -> RequestPlan {
+/// Build the plan of `req` against `cx` (the rules and runtime overrides in force, the key
+/// builder, now) with `identity`'s settings.
+pub fn plan(cx: PlanContext<'_>, identity: &IdentityConfig, req: RequestParts<'_>) -> RequestPlan {
+    let (snap, now_secs) = (cx.snap, cx.now_secs);
     let (ident, refused) = identify_checked(req.headers, req.peer, &snap.keys, identity, now_secs);
     if refused.is_some() {
         return RequestPlan {
@@ -160,12 +155,6 @@ pub fn plan(
             ident.id.clone()
         } else {
             crate::identity::ip_text(ident.ip)
-        };
-        let cx = PlanContext {
-            snap,
-            runtime,
-            keys,
-            now_secs,
         };
         let mut acc = Planned::default();
         for ri in selected {

@@ -91,14 +91,12 @@ impl KeyRegistry {
             let (Some(id), Some(sha)) = (e.id, e.sha256) else {
                 return Ok(());
             };
-            b.add(
-                id.text,
-                id.at,
-                sha.text,
-                sha.at,
-                e.tier.map(|t| t.text),
-                e.org.map(|o| o.text),
-            )
+            b.add(NewKey {
+                id: (id.text, id.at),
+                sha256: (sha.text, sha.at),
+                tier: e.tier.map(|t| t.text),
+                org: e.org.map(|o| o.text),
+            })
         });
         match scan {
             keyfile::Scan::Read { error: Some(e) } => Some(Err(e)),
@@ -113,14 +111,12 @@ impl KeyRegistry {
         let at = |l: &serde_saphyr::Location| (l.line(), l.column());
         for k in raw.keys {
             let k = k.value;
-            b.add(
-                &k.id.value,
-                at(&k.id.referenced),
-                &k.sha256.value,
-                at(&k.sha256.referenced),
-                k.tier.as_deref(),
-                k.org.as_deref(),
-            )?;
+            b.add(NewKey {
+                id: (&k.id.value, at(&k.id.referenced)),
+                sha256: (&k.sha256.value, at(&k.sha256.referenced)),
+                tier: k.tier.as_deref(),
+                org: k.org.as_deref(),
+            })?;
         }
         Ok(b.finish())
     }
@@ -193,6 +189,18 @@ fn count_sha256(path: &Path) -> std::io::Result<usize> {
     }
 }
 
+/// One key entry as read, each value with its line and column.
+struct NewKey<'a> {
+    /// The key's id.
+    id: (&'a str, (u64, u64)),
+    /// The hex SHA-256 of the key.
+    sha256: (&'a str, (u64, u64)),
+    /// Its tier, when written.
+    tier: Option<&'a str>,
+    /// Its org, when written.
+    org: Option<&'a str>,
+}
+
 /// Builds a registry entry by entry, validating each: 64 hex digits, ids and hashes unique.
 struct Builder<'p> {
     path: &'p Path,
@@ -224,16 +232,15 @@ impl<'p> Builder<'p> {
         }
     }
 
-    /// One key; `id_at` and `sha_at` are the line and column of its `id` and `sha256` values.
-    fn add(
-        &mut self,
-        id: &str,
-        id_at: (u64, u64),
-        sha256: &str,
-        sha_at: (u64, u64),
-        tier: Option<&str>,
-        org: Option<&str>,
-    ) -> Result<(), ConfigError> {
+    /// One key: refused (at the position of the value at fault) when its hash is not 64 hex
+    /// digits or its id or hash is already taken.
+    fn add(&mut self, k: NewKey<'_>) -> Result<(), ConfigError> {
+        let NewKey {
+            id: (id, id_at),
+            sha256: (sha256, sha_at),
+            tier,
+            org,
+        } = k;
         let path = self.path;
         let err = |(line, col): (u64, u64), message: String| ConfigError {
             file: path.to_path_buf(),

@@ -15,15 +15,9 @@ use crate::rt::value_buf::{Text, ValueBuf};
 /// The 429 JSON body. Written directly (this is the hot deny path): rule names are validated
 /// to `[A-Za-z0-9_.-]`, so nothing in it needs escaping.
 /// Written on the stack and moved into the body's one allocation.
-fn write_rate_limited_body(
-    s: &mut impl std::fmt::Write,
-    rule: &str,
-    limit: u64,
-    window_us: u64,
-    secs: u64,
-    reset_at_secs: u64,
-) {
+fn write_rate_limited_body(s: &mut impl std::fmt::Write, rule: &str, inputs: &Inputs429) {
     use std::fmt::Write;
+    let (limit, window_us, secs, reset_at_secs) = (inputs.quota, inputs.window_us, inputs.secs, inputs.reset_at);
     let (wn, unit) = headers::WindowText(window_us).parts();
     let mut wbuf = itoa::Buffer::new();
     let mut window = Text::<24>::new();
@@ -63,7 +57,18 @@ fn write_rate_limited_body(
 #[cfg(test)]
 pub(super) fn rate_limited_body(rule: &str, limit: u64, window_us: u64, secs: u64, reset_at_secs: u64) -> bytes::Bytes {
     let mut s = Text::<512>::new();
-    write_rate_limited_body(&mut s, rule, limit, window_us, secs, reset_at_secs);
+    let inputs = Inputs429 {
+        secs,
+        t: secs,
+        remaining: 0,
+        quota: limit,
+        window_us,
+        reset_at: reset_at_secs,
+        ietf: false,
+        legacy: false,
+        concurrency: false,
+    };
+    write_rate_limited_body(&mut s, rule, &inputs);
     bytes::Bytes::from_owner(s)
 }
 
@@ -212,14 +217,7 @@ thread_local! {
 /// body: the body and the values share this thread's value chunk.
 fn build_429(h: &mut http::HeaderMap, b: &Binding<'_>, inputs: &Inputs429, now_us: u64) -> Option<bytes::Bytes> {
     let mut buf = ValueBuf::new();
-    write_rate_limited_body(
-        &mut buf,
-        b.rule,
-        inputs.quota,
-        inputs.window_us,
-        inputs.secs,
-        inputs.reset_at,
-    );
+    write_rate_limited_body(&mut buf, b.rule, inputs);
     buf.end_body();
     buf.put(itoa::Buffer::new().format(inputs.secs).as_bytes());
     buf.end(&RETRY_AFTER);
