@@ -142,20 +142,10 @@ impl Bound {
     async fn bind(gw: &Arc<State>) -> Result<Self, StartError> {
         let listen = gw.config().listen;
         let (listener, more) = bind(listen, workers(gw)).map_err(|source| StartError::Bind { addr: listen, source })?;
-        let admin_listen = gw.config().admin_listen;
-        let admin = TcpListener::bind(admin_listen)
-            .await
-            .map_err(|source| StartError::Bind {
-                addr: admin_listen,
-                source,
-            })?;
+        let (admin, admin_addr) = bind_admin(gw).await?;
         let addr = listener
             .local_addr()
             .map_err(|source| StartError::Bind { addr: listen, source })?;
-        let admin_addr = admin.local_addr().map_err(|source| StartError::Bind {
-            addr: admin_listen,
-            source,
-        })?;
         let tls = match &gw.config().tls {
             Some(t) => {
                 let (cfg, resolver) = crate::http::tls::server_config(t)?;
@@ -172,6 +162,15 @@ impl Bound {
             tls,
         })
     }
+}
+
+/// Bind the admin listener (`admin_listen`), and the address it got.
+async fn bind_admin(gw: &State) -> Result<(TcpListener, SocketAddr), StartError> {
+    let at = gw.config().admin_listen;
+    let bind_err = |source| StartError::Bind { addr: at, source };
+    let admin = TcpListener::bind(at).await.map_err(bind_err)?;
+    let addr = admin.local_addr().map_err(bind_err)?;
+    Ok((admin, addr))
 }
 
 /// How many workers accept connections: 1 on the work-stealing runtime (its threads share the
@@ -370,17 +369,7 @@ pub async fn start_rls_only(config: GatewayConfig) -> Result<Running, StartError
             ))
         })?,
     };
-    let admin_listen = gw.config().admin_listen;
-    let admin = TcpListener::bind(admin_listen)
-        .await
-        .map_err(|source| StartError::Bind {
-            addr: admin_listen,
-            source,
-        })?;
-    let admin_addr = admin.local_addr().map_err(|source| StartError::Bind {
-        addr: admin_listen,
-        source,
-    })?;
+    let (admin, admin_addr) = bind_admin(&gw).await?;
     let (tx, rx) = watch::channel(false);
     spawn_store_tasks(&gw, &rx);
     let rls = start_rls(&gw, settings, listen, rx).await?;
