@@ -148,8 +148,11 @@ impl Exporter {
 /// Which allowed requests are exported.
 #[derive(Debug, Clone, Copy)]
 struct Sampling {
-    /// A trace is picked when its id's low 64 bits are below this.
+    /// A trace is picked when its id's low 64 bits, hashed with `key`, are below this.
     threshold: u64,
+    /// This process's secret for the hash: a caller chooses the trace id it sends, and without
+    /// the key could choose one that is always picked (and fill the export queue).
+    key: u64,
     /// `sample_ratio` is 1.
     all: bool,
     /// Follow an incoming sampled flag.
@@ -161,6 +164,7 @@ impl Sampling {
         Sampling {
             // `ratio * 2^64` (the cast saturates).
             threshold: (ratio * 18_446_744_073_709_551_616.0) as u64,
+            key: crate::http::request_id::random_u64(),
             all: ratio >= 1.0,
             parent_based,
         }
@@ -172,8 +176,17 @@ impl Sampling {
         }
         let mut low = [0u8; 8];
         low.copy_from_slice(&t.trace_id[8..]);
-        self.all || u64::from_be_bytes(low) < self.threshold
+        self.all || keyed(u64::from_be_bytes(low), self.key) < self.threshold
     }
+}
+
+/// `v` mixed with `key` (the splitmix64 finaliser): uniform over u64 for any `v`, and not
+/// predictable without `key`.
+fn keyed(v: u64, key: u64) -> u64 {
+    let mut z = v ^ key;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 /// The resource every span is exported under: `service.name` (and `service.version`).

@@ -566,6 +566,24 @@ fn bad_input_gets_a_grpc_error_and_moves_no_counter() {
         "truncated message",
     );
     assert_ne!(r["error"], "OK");
+    // One counter named with two limits (the configured one and an override) in one request:
+    // each would have compared the count before the other's hits (hostile-client case).
+    let r = bad(
+        &mut c,
+        json!({"op": "call", "addr": a, "domain": "messaging", "descriptors": [
+            {"entries": [["to_number", "9"]], "hits": 50},
+            {"entries": [["to_number", "9"]], "hits": 50, "limit": [1000, "DAY"]},
+        ]}),
+        "one counter, two limits",
+    );
+    assert_eq!(r["error"], "INVALID_ARGUMENT", "{r}");
+    // An override whose unit is unknown: refused, never "no limit" (hostile-client case).
+    let r = bad(
+        &mut c,
+        json!({"op": "call", "addr": a, "domain": "messaging", "descriptors": [{"entries": [["to_number", "9"]], "limit": [1, "UNKNOWN"]}]}),
+        "override with an unknown unit",
+    );
+    assert_eq!(r["error"], "INVALID_ARGUMENT", "{r}");
     // Still serving, and no counter moved.
     let r = c.call(&a, "messaging", &[&[("to_number", "9")]]);
     expect(&r, 0, "OK", Some((100, "DAY")), 98);

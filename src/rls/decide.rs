@@ -154,8 +154,11 @@ pub fn plan(domains: &Domains, keys: &KeyBuilder, req: &RateLimitRequest) -> Res
             d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str())).collect();
         let m = match (domain, &d.limit) {
             (None, _) => None,
-            (Some(_), Some(o)) => override_limits(&req.domain, o.requests_per_unit, o.unit)
-                .map(|l| (Arc::new(l), entries.iter().map(|(_, v)| *v).collect())),
+            (Some(_), Some(o)) => match override_limits(&req.domain, o.requests_per_unit, o.unit) {
+                Some(l) => Some((Arc::new(l), entries.iter().map(|(_, v)| *v).collect())),
+                // An unknown unit would otherwise leave the descriptor with no limit at all.
+                None => return refuse(format!("limit.unit: unknown unit {}", o.unit)),
+            },
             (Some(dom), None) => matcher::find(dom, &entries).map(|m| (m.limits.clone(), m.values)),
         };
         matched.push(m);
@@ -187,7 +190,7 @@ pub fn plan(domains: &Domains, keys: &KeyBuilder, req: &RateLimitRequest) -> Res
                     plan.blocked |= !limits.shadow;
                     Slot::Blocked
                 }
-                Some(q) => Slot::Check(plan.add(keys.key(&tag, "rls", n), q, cost, limits)),
+                Some(q) => Slot::Check(plan.add(keys.key(&tag, "rls", n), q, cost, limits)?),
             };
             slots.push((*l, slot));
         }
@@ -240,15 +243,24 @@ impl Plan {
     /// The index of the check of `key`: a new one, or the same counter met again in this
     /// request with its cost added (two checks of one counter in one call would each see the
     /// count before the other's spending).
-    fn add(&mut self, key: crate::limiter::StoreKey, quota: Quota, cost: u64, limits: &Limits) -> usize {
-        if let Some(i) = self
-            .checks
-            .iter()
-            .position(|c| c.check.key == key && c.check.quota == quota)
-        {
+    ///
+    /// One counter named with two different limits in one request (a descriptor and the same
+    /// descriptor with its own `limit`, or two different `limit`s) is refused: each limit would
+    /// compare the count before the other's hits, and admit past both.
+    fn add(
+        &mut self,
+        key: crate::limiter::StoreKey,
+        quota: Quota,
+        cost: u64,
+        limits: &Limits,
+    ) -> Result<usize, Refusal> {
+        if let Some(i) = self.checks.iter().position(|c| c.check.key == key) {
+            if self.checks[i].check.quota != quota {
+                return refuse("one descriptor is named twice in this request with different limits");
+            }
             let c = &mut self.checks[i].check;
             c.cost = c.cost.saturating_add(cost);
-            return i;
+            return Ok(i);
         }
         let mut check = LimitCheck::new(key, quota, cost);
         check.shadow = limits.shadow;
@@ -257,7 +269,7 @@ impl Plan {
             policy: limits.failure,
             leasable: crate::limiter::lease::algorithm_leases(quota.algorithm),
         });
-        self.checks.len() - 1
+        Ok(self.checks.len() - 1)
     }
 
     /// Check the plan's limits (all or nothing) and answer. `now_us` is the limiter's clock.

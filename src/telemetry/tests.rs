@@ -84,3 +84,14 @@ fn a_span_has_the_request_ids_and_times() {
     let has = |k: &str| d.attributes.iter().any(|kv| kv.key.as_str() == k);
     assert!(has("tollgate.binding.limit") && has("tollgate.rule") && !has("tollgate.upstream.target"));
 }
+
+#[test]
+fn a_caller_cannot_choose_trace_ids_that_are_always_picked() {
+    // Ids whose low 64 bits are tiny were always under the threshold before the keyed hash.
+    let s = Sampling::new(0.01, false);
+    let picked = (0..10_000u64).filter(|i| s.picks(&trace(*i, true, 0))).count();
+    assert!(
+        (40..=200).contains(&picked),
+        "{picked} of 10000 small ids picked at 1 %"
+    );
+}
