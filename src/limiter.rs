@@ -165,12 +165,12 @@ impl Limiter {
                 if c.shadow {
                     continue;
                 }
-                if let Some(pass_at) = deny.peek(c, now) {
+                if let Some(wait) = deny.peek(c, now) {
                     let o =
                         outcomes.get_or_insert_with(|| checks.iter().map(|_| (full(), Source::DenyCache)).collect());
                     // The store's own wait, counted down: not the cache entry's life (≤ 1 s),
                     // which would tell the client to come back before it can pass.
-                    let wait = pass_at.saturating_sub(now).max(1);
+                    let wait = wait.max(1);
                     o[i].0 = Outcome {
                         allowed: false,
                         reset_us: wait,
@@ -291,7 +291,7 @@ impl Limiter {
                     && o.retry_after_us > 0
                     && !checked.failed.iter().any(|(f, _)| *f == i)
                 {
-                    deny.insert(c, now + o.retry_after_us.min(DENY_CACHE_MAX_US), now + o.retry_after_us);
+                    deny.insert(c, now, now + o.retry_after_us.min(DENY_CACHE_MAX_US), now + o.retry_after_us);
                 }
             }
             // A refresh that found no new denial lets the next requests ask the store.

@@ -1531,7 +1531,7 @@ fn rotation_child() {
                     penalty: None,
                     lease: None,
                 };
-                deny.insert(&check, now + 3_600_000_000, now + 3_600_000_000);
+                deny.insert(&check, now, now + 3_600_000_000, now + 3_600_000_000);
                 if i % 100_000 == 0 {
                     assert!(deny.len() <= CAP, "deny cache holds {} entries (cap {CAP})", deny.len());
                 }

@@ -36,6 +36,9 @@ struct Entry {
     recheck_at: u64,
     /// The instant the store said the key can pass again (≥ `recheck_at`).
     pass_at: u64,
+    /// The instant of the request whose store answer this is: a request that began earlier
+    /// but looks later is told `pass_at - since` at most, never more than the store said.
+    since: u64,
     /// True once a request was sent to the store to refresh this entry (`recheck_at` then
     /// marks the end of that request's grace).
     refreshing: bool,
@@ -112,22 +115,25 @@ impl DenyCache {
         }
     }
 
-    /// The instant the store said `c` can pass, if a denial under `c`'s effective limit is
-    /// answered from the cache at `now` (as [`DenyCache::get`]'s [`Lookup::Hit`], marking no
-    /// refresh): a request with several limits looks at all of them first, so it is told the
-    /// longest wait of the whole request, not the first one found.
+    /// How long until the store said `c` can pass (µs), if a denial under `c`'s effective
+    /// limit is answered from the cache at `now` (as [`DenyCache::get`]'s [`Lookup::Hit`],
+    /// marking no refresh): a request with several limits looks at all of them first, so it is
+    /// told the longest wait of the whole request, not the first one found. Never more than the
+    /// store's own wait: a request whose `now` was read before the denial was stored counts
+    /// from the denial's instant.
     pub fn peek(&self, c: &LimitCheck, now: u64) -> Option<u64> {
         let (s, h) = self.slot(&c.key);
         let shard = self.shards[s].lock();
         shard
             .get(&h)
             .filter(|e| e.limit == self.limit_of(c) && e.recheck_at > now)
-            .map(|e| e.pass_at)
+            .map(|e| e.pass_at.saturating_sub(now.max(e.since)))
     }
 
     /// Remember that `c` (its key under its effective limit) is denied until `pass_at`, as the
-    /// store said; the cache answers for it until `recheck_at` (at most `pass_at`).
-    pub fn insert(&self, c: &LimitCheck, recheck_at: u64, pass_at: u64) {
+    /// store said to a request at `since`; the cache answers for it until `recheck_at` (at most
+    /// `pass_at`).
+    pub fn insert(&self, c: &LimitCheck, since: u64, recheck_at: u64, pass_at: u64) {
         let until = recheck_at.min(pass_at);
         let limit = self.limit_of(c);
         let (s, h) = self.slot(&c.key);
@@ -160,6 +166,7 @@ impl DenyCache {
                 limit,
                 recheck_at: until,
                 pass_at: pass_at.max(until),
+                since: since.min(until),
                 refreshing: false,
             },
         );

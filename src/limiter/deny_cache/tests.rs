@@ -21,7 +21,7 @@ fn check(key: &str, limit: u64) -> LimitCheck {
 fn a_denial_is_answered_until_its_recheck_with_the_stores_pass_instant() {
     let cache = DenyCache::new(64);
     let c = check("k", 3);
-    cache.insert(&c, 10 * SEC + SEC, 10 * SEC + 60 * SEC);
+    cache.insert(&c, 10 * SEC, 10 * SEC + SEC, 10 * SEC + 60 * SEC);
     assert_eq!(cache.get(&c, 10 * SEC, GRACE), Lookup::Hit(70 * SEC));
     assert_eq!(cache.get(&c, 11 * SEC - 1, GRACE), Lookup::Hit(70 * SEC));
     // Another effective limit on the same key never gets this denial.
@@ -29,11 +29,23 @@ fn a_denial_is_answered_until_its_recheck_with_the_stores_pass_instant() {
     assert_eq!(cache.get(&check("other", 3), 10 * SEC, GRACE), Lookup::Miss);
 }
 
+/// A request that read its clock before another's denial was stored, and looks afterwards, is
+/// told the store's wait, never more (a 4 s penalty once said `Retry-After: 5` this way).
+#[test]
+fn a_request_older_than_the_denial_is_told_no_more_than_the_stores_wait() {
+    let cache = DenyCache::new(64);
+    let c = check("k", 3);
+    cache.insert(&c, 10 * SEC, 11 * SEC, 14 * SEC);
+    assert_eq!(cache.peek(&c, 10 * SEC - 300_000), Some(4 * SEC));
+    assert_eq!(cache.peek(&c, 10 * SEC + 500_000), Some(3 * SEC + 500_000));
+    assert_eq!(cache.peek(&c, 11 * SEC), None);
+}
+
 #[test]
 fn one_caller_refreshes_a_due_entry_while_the_others_are_still_answered() {
     let cache = DenyCache::new(64);
     let c = check("k", 3);
-    cache.insert(&c, 11 * SEC, 70 * SEC);
+    cache.insert(&c, 10 * SEC, 11 * SEC, 70 * SEC);
     let due = 11 * SEC;
     assert_eq!(cache.get(&c, due, GRACE), Lookup::Refresh);
     // During the refresh, every other caller is answered from the entry.
@@ -41,7 +53,7 @@ fn one_caller_refreshes_a_due_entry_while_the_others_are_still_answered() {
         assert_eq!(cache.get(&c, t, GRACE), Lookup::Hit(70 * SEC), "at {t}");
     }
     // The refresher found a new denial: it replaces the entry and ends the refresh.
-    cache.insert(&c, 12 * SEC, 69 * SEC);
+    cache.insert(&c, 10 * SEC, 12 * SEC, 69 * SEC);
     cache.refreshed(&c.key);
     assert_eq!(cache.get(&c, due + GRACE, GRACE), Lookup::Hit(69 * SEC));
     assert_eq!(cache.get(&c, 12 * SEC, GRACE), Lookup::Refresh);
@@ -51,7 +63,7 @@ fn one_caller_refreshes_a_due_entry_while_the_others_are_still_answered() {
 fn a_refresh_that_finds_no_denial_lets_every_caller_ask_the_store() {
     let cache = DenyCache::new(64);
     let c = check("k", 3);
-    cache.insert(&c, 11 * SEC, 70 * SEC);
+    cache.insert(&c, 10 * SEC, 11 * SEC, 70 * SEC);
     assert_eq!(cache.get(&c, 11 * SEC, GRACE), Lookup::Refresh);
     cache.refreshed(&c.key);
     assert_eq!(cache.get(&c, 11 * SEC + 1, GRACE), Lookup::Miss);
@@ -63,7 +75,7 @@ fn a_refresh_that_finds_no_denial_lets_every_caller_ask_the_store() {
 fn a_refresher_that_never_reports_back_holds_the_entry_only_for_its_grace() {
     let cache = DenyCache::new(64);
     let c = check("k", 3);
-    cache.insert(&c, 11 * SEC, 70 * SEC);
+    cache.insert(&c, 10 * SEC, 11 * SEC, 70 * SEC);
     assert_eq!(cache.get(&c, 11 * SEC, GRACE), Lookup::Refresh);
     // Its client left: no insert, no `refreshed`. After the grace, another caller refreshes.
     assert_eq!(cache.get(&c, 11 * SEC + GRACE, GRACE), Lookup::Refresh);
@@ -74,11 +86,11 @@ fn a_refresher_that_never_reports_back_holds_the_entry_only_for_its_grace() {
 fn a_key_whose_wait_is_over_is_never_answered_nor_held() {
     let cache = DenyCache::new(64);
     let c = check("k", 3);
-    cache.insert(&c, 11 * SEC, 11 * SEC);
+    cache.insert(&c, 10 * SEC, 11 * SEC, 11 * SEC);
     assert_eq!(cache.get(&c, 11 * SEC, GRACE), Lookup::Miss);
     assert_eq!(cache.get(&c, 11 * SEC, GRACE), Lookup::Miss);
     // A refresh's grace never reaches past the store's pass instant.
-    cache.insert(&c, 11 * SEC, 11 * SEC + 10);
+    cache.insert(&c, 10 * SEC, 11 * SEC, 11 * SEC + 10);
     assert_eq!(cache.get(&c, 11 * SEC, GRACE), Lookup::Refresh);
     assert_eq!(cache.get(&c, 11 * SEC + 10, GRACE), Lookup::Miss);
 }
