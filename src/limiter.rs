@@ -291,7 +291,12 @@ impl Limiter {
                     && o.retry_after_us > 0
                     && !checked.failed.iter().any(|(f, _)| *f == i)
                 {
-                    deny.insert(c, now, now + o.retry_after_us.min(DENY_CACHE_MAX_US), now + o.retry_after_us);
+                    deny.insert(
+                        c,
+                        now,
+                        now + o.retry_after_us.min(DENY_CACHE_MAX_US),
+                        now + o.retry_after_us,
+                    );
                 }
             }
             // A refresh that found no new denial lets the next requests ask the store.
