@@ -52,7 +52,7 @@ impl State {
         // Dropped with this future if the client leaves before the response, `x` counts the
         // request and logs it (`access::Pending`).
         let result = self.phases(&mut x, req).await;
-        log::phase(&self, x, result)
+        log::phase(&self, &mut x, result)
     }
 
     /// The phases between the request's arrival and its log: the response, or the error that

@@ -222,7 +222,7 @@ pub struct Outcome {
 impl Outcome {
     /// A decision at `now` with no wait, penalty or lease: what an algorithm's arithmetic
     /// returns before the leaky-bucket wait, the penalty box and leases look at it.
-    fn decided(now: u64, allowed: bool, remaining: u64, reset_us: u64, retry_after_us: u64) -> Self {
+    pub(crate) fn decided(now: u64, allowed: bool, remaining: u64, reset_us: u64, retry_after_us: u64) -> Self {
         Outcome {
             allowed,
             remaining,

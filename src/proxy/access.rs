@@ -236,8 +236,9 @@ impl<'a> Pending<'a> {
         }
     }
 
-    /// The response is made: hand over the line (to [`LoggedBody`]).
-    pub fn answered(mut self) -> Option<Line> {
+    /// The response is made: hand over the line (to [`LoggedBody`]). Dropped after this, it
+    /// counts and logs nothing.
+    pub fn answered(&mut self) -> Option<Line> {
         self.answered = true;
         self.line.take()
     }

@@ -61,12 +61,14 @@ pub(super) fn open(gw: &State, x: &mut Exchange<'_>, req: &mut Request<Incoming>
 /// `Connection: close`; its body writes the access line when it ends.
 pub(super) fn phase(
     gw: &State,
-    mut x: Exchange<'_>,
+    x: &mut Exchange<'_>,
     result: Result<Response<ProxyBody>, GatewayError>,
 ) -> Response<ProxyBody> {
     let mut resp = answer(gw, result, x.facts.grpc, x.note());
     gw.metrics().traffic.duration.observe(x.arrived.elapsed().as_secs_f64());
-    resp.headers_mut().insert(X_REQUEST_ID.clone(), x.id);
+    // Taken, not cloned: the request id has no other reader once the response is made.
+    let id = std::mem::replace(&mut x.id, http::HeaderValue::from_static(""));
+    resp.headers_mut().insert(X_REQUEST_ID.clone(), id);
     if gw.draining() {
         // The drain window: the client's next request goes on a new connection, which the
         // balancer no longer sends here (HTTP/2 connections got GOAWAY instead).

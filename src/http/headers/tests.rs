@@ -6,15 +6,7 @@ use super::*;
 use crate::limiter::Algorithm;
 
 fn o(allowed: bool, remaining: u64, reset_us: u64, retry_after_us: u64) -> Outcome {
-    Outcome {
-        allowed,
-        remaining,
-        reset_us,
-        retry_after_us,
-        delay_us: 0,
-        at_us: 1_800_000_000_400_000,
-        ..Outcome::default()
-    }
+    Outcome::decided(1_800_000_000_400_000, allowed, remaining, reset_us, retry_after_us)
 }
 
 #[test]

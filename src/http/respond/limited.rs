@@ -10,6 +10,7 @@ use http::{header, HeaderValue, Response, StatusCode};
 use super::super::headers::{self, Binding};
 use super::super::{full, ProxyBody};
 use super::{grpc, GrpcCode};
+use crate::http::request_id::X_REQUEST_ID;
 use crate::rt::value_buf::{Text, ValueBuf};
 
 /// The 429 JSON body. Written directly (this is the hot deny path): rule names are validated
@@ -102,7 +103,8 @@ static RETRY_AFTER: http::HeaderName = header::RETRY_AFTER;
 /// text: the last one made on this thread is kept ([`Last429`]) and copied while every value it
 /// was made from is equal (a header map clone shares the values; building one hashes each name).
 /// Otherwise the body, `Retry-After` and the rate-limit values are written into this thread's
-/// value chunk and shared from it ([`ValueBuf`]).
+/// value chunk and shared from it ([`ValueBuf`]). Its `X-Request-Id` is empty, for the caller
+/// to set.
 pub fn rate_limited(b: &Binding<'_>, ietf: bool, legacy: bool, now_us: u64) -> Response<ProxyBody> {
     let inputs = Inputs429::of(b, ietf, legacy, now_us);
     limited_http(b, &inputs, now_us)
@@ -222,9 +224,12 @@ fn build_429(h: &mut http::HeaderMap, b: &Binding<'_>, inputs: &Inputs429, now_u
     buf.put(itoa::Buffer::new().format(inputs.secs).as_bytes());
     buf.end(&RETRY_AFTER);
     headers::write_values(&mut buf, b, inputs.ietf, inputs.legacy, now_us);
-    // Room for these, the rate-limit headers and `X-Request-Id`, so a built map never regrows
-    // (a reused one is a clone, sized to what it holds: `X-Request-Id` grows it once).
+    // Room for these and the rate-limit headers, so a built map never regrows.
     h.reserve(12);
+    // The request id's place, which the caller fills (the proxy's log phase does on every
+    // answer): a reused 429 is a clone, sized to what it holds, and a new name would regrow
+    // it (one reallocation per denial).
+    h.insert(X_REQUEST_ID.clone(), HeaderValue::from_static(""));
     h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     buf.finish(h)
