@@ -30,7 +30,7 @@
 //! | [`metrics`] | Prometheus metrics by family (`metrics/{traffic,store,upstream,reload,process,rls}`), each registering its own; handles resolved at rule load |
 //! | [`clock`] | injectable time ([`clock::FakeClock`] for tests) |
 //! | [`demo`] | `tollgate demo`: an echo upstream plus the gateway on the memory store |
-//! | [`rt`] | runtime plumbing apart from the domain code: coarse timers, idle parking of keep-alive connections, per-thread header-value chunks, stop signals; each with its measured gain (see its index) |
+//! | [`rt`] | runtime plumbing apart from the domain code: coarse timers, idle parking of keep-alive connections, per-thread header-value chunks, stop signals, per-thread memos (the last 429); each with its measured gain (see its index) |
 //! | [`telemetry`] | OTLP span export (`tracing.otlp`): the request span handed over by `proxy::access`, a bounded queue, the export thread, `tracing-opentelemetry` for background spans |
 //! | [`log_throttle`] | rate-limited logging of errors that repeat during an outage |
 //! | [`describe`] | plain-language descriptions of the loaded config for `check` and the admin API |

@@ -11,6 +11,7 @@ use super::super::headers::{self, Binding};
 use super::super::{full, ProxyBody};
 use super::{grpc, GrpcCode};
 use crate::http::request_id::X_REQUEST_ID;
+use crate::rt::memo::Memo;
 use crate::rt::value_buf::{Text, ValueBuf};
 
 /// The 429 JSON body. Written directly (this is the hot deny path): rule names are validated
@@ -76,20 +77,22 @@ pub(super) fn rate_limited_body(rule: &str, limit: u64, window_us: u64, secs: u6
 /// Append `t` as RFC 3339 UTC seconds (`2026-11-30T08:00:00Z`). Denials come in bursts, so the
 /// text of the last second formatted is kept per thread and reused while it matches.
 fn push_rfc3339(s: &mut impl std::fmt::Write, t: SystemTime) {
-    use std::cell::RefCell;
     thread_local! {
-        static LAST: RefCell<(u64, String)> = const { RefCell::new((u64::MAX, String::new())) };
+        static LAST: Memo<(u64, String)> = const { Memo::new() };
     }
     let secs = t.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    LAST.with(|last| {
-        let mut last = last.borrow_mut();
-        if last.0 != secs {
-            use std::fmt::Write;
-            last.1.clear();
-            let _ = write!(last.1, "{}", humantime::format_rfc3339_seconds(t));
-            last.0 = secs;
+    let _ = LAST.try_with(|last| {
+        let reused = last.reuse(|(at, _)| *at == secs, |(_, text)| s.write_str(text));
+        if reused.is_none() {
+            last.keep(|old| {
+                use std::fmt::Write;
+                let mut text = old.map(|(_, t)| t).unwrap_or_default();
+                text.clear();
+                let _ = write!(text, "{}", humantime::format_rfc3339_seconds(t));
+                let _ = s.write_str(&text);
+                (secs, text)
+            });
         }
-        let _ = s.write_str(&last.1);
     });
 }
 
@@ -130,30 +133,31 @@ fn limited_http(b: &Binding<'_>, inputs: &Inputs429, now_us: u64) -> Response<Pr
     *resp.status_mut() = StatusCode::TOO_MANY_REQUESTS;
     let reused = LAST_429
         .try_with(|last| {
-            let last = last.try_borrow().ok()?;
-            let last = last.as_ref().filter(|l| l.inputs == inputs && &*l.rule == b.rule)?;
-            *resp.headers_mut() = last.headers.clone();
-            *resp.body_mut() = full(last.body.clone());
-            Some(())
+            last.reuse(
+                |l| l.inputs == inputs && &*l.rule == b.rule,
+                |l| (l.headers.clone(), l.body.clone()),
+            )
         })
         .ok()
         .flatten();
-    if reused.is_some() {
+    if let Some((headers, body)) = reused {
+        *resp.headers_mut() = headers;
+        *resp.body_mut() = full(body);
         return resp;
     }
     let body = build_429(resp.headers_mut(), b, &inputs, now_us).unwrap_or_default();
     let _ = LAST_429.try_with(|last| {
-        if let Ok(mut last) = last.try_borrow_mut() {
-            let mut rule = last.take().map(|l| l.rule).unwrap_or_default();
+        last.keep(|old| {
+            let mut rule = old.map(|l| l.rule).unwrap_or_default();
             rule.clear();
             rule.push_str(b.rule);
-            *last = Some(Last429 {
+            Last429 {
                 inputs,
                 rule,
                 headers: resp.headers().clone(),
                 body: body.clone(),
-            });
-        }
+            }
+        })
     });
     *resp.body_mut() = full(body);
     resp
@@ -212,7 +216,7 @@ struct Last429 {
 
 thread_local! {
     /// The last 429 made on this thread (one per worker under `thread_per_core`).
-    static LAST_429: std::cell::RefCell<Option<Last429>> = const { std::cell::RefCell::new(None) };
+    static LAST_429: Memo<Last429> = const { Memo::new() };
 }
 
 /// Write the 429 of `b` (its values already worked out in `inputs`) into `h` and return its
