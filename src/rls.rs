@@ -105,6 +105,12 @@ impl Rls {
         };
         let now = self.gw.clock().now_us();
         let (resp, verdict) = plan.run(self.gw.limiter(), now, self.settings.headers).await;
+        for (name, st) in plan.metric_names().zip(&resp.statuses) {
+            if let Some((name, configured)) = name {
+                let over = st.code == Code::OverLimit as i32;
+                m.limit_answered(domain, (name, configured), name != configured, over);
+            }
+        }
         if let Some(e) = &verdict.store_error {
             tracing::debug!(error = %e, domain, "rls: the store could not answer; failure policies applied");
         }

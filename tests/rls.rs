@@ -422,6 +422,19 @@ fn readme_examples_1_to_11_on_redis() {
         &[&[("user", "alice"), ("action", "write"), ("resource", "documents")]],
     );
     expect(&r, 0, "OK", None, 0);
+    // The metric names envoyproxy/ratelimit's README gives for example 10: the runtime values
+    // of the value_to_metric entries (a wildcard's whole value), the key alone elsewhere.
+    let m = node.metrics();
+    for name in [
+        "example10.route_api.http_method_GET.subject_id",
+        "example10_wildcard.user_alice.action_readfile.resource",
+    ] {
+        let domain = name.split('.').next().unwrap_or_default();
+        let line = format!(
+            "tollgate_rls_limit_descriptors_total{{domain=\"{domain}\",descriptor=\"{name}\",outcome=\"within_limit\"}}"
+        );
+        assert_eq!(metric(&m, &line).as_deref(), Some("1"), "{line} in\n{m}");
+    }
 
     // Example 11: files/* share one threshold; files_no_share/* each have their own.
     for _ in 0..5 {

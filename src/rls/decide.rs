@@ -82,11 +82,14 @@ enum Planned {
     Limited {
         limits: Arc<Limits>,
         slots: SmallVec<[(RlsLimit, Slot); 2]>,
+        /// Its metric name when it shows request values (`matcher::Matched::detailed`).
+        detailed: Option<String>,
     },
 }
 
-/// A descriptor's match: the limits, and the value each entry's counter is keyed by.
-type Match<'a> = (Arc<Limits>, SmallVec<[&'a str; 4]>);
+/// A descriptor's match: the limits, the value each entry's counter is keyed by, and its
+/// metric name when it shows request values.
+type Match<'a> = (Arc<Limits>, SmallVec<[&'a str; 4]>, Option<String>);
 
 /// A request's plan: per descriptor what it became, and the checks for the limiter.
 #[derive(Debug, Default)]
@@ -155,21 +158,21 @@ pub fn plan(domains: &Domains, keys: &KeyBuilder, req: &RateLimitRequest) -> Res
         let m = match (domain, &d.limit) {
             (None, _) => None,
             (Some(_), Some(o)) => match override_limits(&req.domain, o.requests_per_unit, o.unit) {
-                Some(l) => Some((Arc::new(l), entries.iter().map(|(_, v)| *v).collect())),
+                Some(l) => Some((Arc::new(l), entries.iter().map(|(_, v)| *v).collect(), None)),
                 // An unknown unit would otherwise leave the descriptor with no limit at all.
                 None => return refuse(format!("limit.unit: unknown unit {}", o.unit)),
             },
-            (Some(dom), None) => matcher::find(dom, &entries).map(|m| (m.limits.clone(), m.values)),
+            (Some(dom), None) => matcher::find(dom, &entries).map(|m| (m.limits.clone(), m.values, m.detailed)),
         };
         matched.push(m);
     }
     let replaced: Vec<&str> = matched
         .iter()
         .flatten()
-        .flat_map(|(l, _)| l.replaces.iter().map(String::as_str))
+        .flat_map(|(l, _, _)| l.replaces.iter().map(String::as_str))
         .collect();
     for (d, m) in req.descriptors.iter().zip(matched.iter()) {
-        let Some((limits, values)) = m else {
+        let Some((limits, values, detailed)) = m else {
             plan.descriptors.push(Planned::Nothing);
             continue;
         };
@@ -197,6 +200,7 @@ pub fn plan(domains: &Domains, keys: &KeyBuilder, req: &RateLimitRequest) -> Res
         plan.descriptors.push(Planned::Limited {
             limits: limits.clone(),
             slots,
+            detailed: detailed.clone(),
         });
     }
     if plan.blocked {
@@ -272,8 +276,20 @@ impl Plan {
         Ok(self.checks.len() - 1)
     }
 
+    /// Per descriptor, in the request's order, the metric name of the limit it met (the one
+    /// showing request values, else the entry's own) and the entry's own; `None` when no
+    /// limit applies.
+    pub fn metric_names(&self) -> impl Iterator<Item = Option<(&str, &str)>> + '_ {
+        self.descriptors.iter().map(|d| match d {
+            Planned::Limited { limits, detailed, .. } => {
+                Some((detailed.as_deref().unwrap_or(&limits.metric), limits.metric.as_str()))
+            }
+            Planned::Nothing | Planned::Unlimited => None,
+        })
+    }
+
     /// Check the plan's limits (all or nothing) and answer. `now_us` is the limiter's clock.
-    pub async fn run(self, limiter: &Limiter, now_us: u64, headers: RlsHeaders) -> (RateLimitResponse, Verdict) {
+    pub async fn run(&self, limiter: &Limiter, now_us: u64, headers: RlsHeaders) -> (RateLimitResponse, Verdict) {
         let verdict = if self.checks.is_empty() {
             Verdict::default()
         } else {
@@ -298,7 +314,7 @@ impl Plan {
             let st = match d {
                 Planned::Nothing => status(Code::Ok, None, 0, None),
                 Planned::Unlimited => status(Code::Ok, None, u32::MAX, None),
-                Planned::Limited { limits, slots } => {
+                Planned::Limited { limits, slots, .. } => {
                     let cx = Cx {
                         verdict,
                         checks: &self.checks,

@@ -188,3 +188,58 @@ async fn unknown_domains_and_unmatched_descriptors_are_ok_without_a_limit() {
     let domains: &Domains = &r.domains();
     assert_eq!(domains.by_name.len(), 1);
 }
+
+/// Per configured limit, one series under its entry's name (envoyproxy/ratelimit's stats key);
+/// `detailed_metric` names it by the request's values, `value_to_metric` shows the value of an
+/// entry matched by its key alone or a wildcard; an unmatched descriptor moves no limit series.
+#[tokio::test]
+async fn each_limit_is_counted_under_its_descriptor_name_detailed_when_configured() {
+    let domain = "domain: m
+descriptors:
+  - key: plain
+    rate_limit: { unit: minute, requests_per_unit: 1 }
+  - key: detailed
+    detailed_metric: true
+    rate_limit: { unit: minute, requests_per_unit: 5 }
+  - key: route
+    value: /api/*
+    value_to_metric: true
+    rate_limit: { unit: minute, requests_per_unit: 5 }
+  - key: tenant
+    descriptors:
+      - key: user
+        value_to_metric: true
+        rate_limit: { unit: minute, requests_per_unit: 5 }
+";
+    let (_dir, r) = rls(&[("m.yaml", domain)]).await;
+    ask(&r, "m", &[&[("plain", "a")]]).await;
+    let over = ask(&r, "m", &[&[("plain", "b")]]).await;
+    assert_eq!(over.overall_code, Code::Ok as i32, "each value its own counter");
+    let over = ask(&r, "m", &[&[("plain", "a")]]).await;
+    assert_eq!(over.overall_code, Code::OverLimit as i32);
+    ask(&r, "m", &[&[("detailed", "x1")]]).await;
+    ask(&r, "m", &[&[("route", "/api/v1")]]).await;
+    ask(&r, "m", &[&[("tenant", "acme"), ("user", "ann")]]).await;
+    ask(&r, "m", &[&[("nothing", "here")]]).await;
+    let m = r.metrics();
+    let get = |d: &str, outcome: &'static str| {
+        m.limits
+            .get_or_create(&crate::metrics::RlsLimitLabels {
+                domain: "m".into(),
+                descriptor: d.into(),
+                outcome,
+            })
+            .get()
+    };
+    assert_eq!(get("m.plain", "within_limit"), 2);
+    assert_eq!(get("m.plain", "over_limit"), 1);
+    assert_eq!(get("m.detailed_x1", "within_limit"), 1);
+    assert_eq!(get("m.detailed", "within_limit"), 0, "named by the request's value");
+    assert_eq!(get("m.route_/api/v1", "within_limit"), 1);
+    assert_eq!(
+        get("m.tenant.user_ann", "within_limit"),
+        1,
+        "only the value_to_metric entry shows its value"
+    );
+    assert_eq!(m.detailed_overflow.get(), 0);
+}

@@ -100,6 +100,18 @@ pub struct RlsNode {
 }
 
 impl RlsNode {
+    /// The admin listener's `/metrics` exposition (headers included).
+    pub fn metrics(&self) -> String {
+        use std::io::Read;
+        let addr = self.gw.admin.trim_start_matches("http://");
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: tollgate\r\nConnection: close\r\n\r\n")
+            .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out
+    }
+
     /// Write (atomically) the domain file `name` of the config directory.
     pub fn write_domain(&self, name: &str, yaml: &str) {
         atomic_write(&self.config_dir.join(name), yaml);
