@@ -20,7 +20,7 @@ mod upstream;
 pub use otlp::OtlpCounters;
 pub use process::Process;
 pub use reload::{Reload, Tls};
-pub use rls::{RlsLabels, RlsLimitLabels, RlsMetrics, MAX_DETAILED_SERIES};
+pub use rls::{RlsDomain, RlsDomainTotals, RlsLabels, RlsLimitLabels, RlsMetrics, MAX_DETAILED_SERIES};
 pub use store::{ShardLabels, Store};
 pub use traffic::{Decision, Final, RuleMetrics, Traffic};
 pub use upstream::{TargetCounters, Upstream};

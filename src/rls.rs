@@ -45,6 +45,7 @@ impl Rls {
     /// Load the config directory of `settings` (refused: the error, `file:line:col`).
     pub fn new(gw: Arc<State>, settings: RlsSettings) -> Result<Arc<Self>, ConfigError> {
         let domains = config::load_dir(&settings.config_dir, settings.failure)?;
+        gw.metrics().rls.set_domains(summary(&domains));
         Ok(Arc::new(Rls {
             gw,
             settings,
@@ -139,6 +140,7 @@ impl Rls {
             Ok(d) => {
                 let n = d.by_name.len();
                 tracing::info!(domains = n, dir = %self.settings.config_dir.display(), "rls config reloaded");
+                self.metrics().set_domains(summary(&d));
                 self.domains.store(Arc::new(d));
                 self.metrics().reloads.inc();
                 Ok(n)
@@ -183,3 +185,23 @@ pub fn fingerprint(dir: &std::path::Path) -> Vec<(PathBuf, u64, Option<std::time
 
 #[cfg(test)]
 mod tests;
+
+/// The domains in force for the dashboard: each name, its file and its entries with a limit,
+/// by name.
+fn summary(d: &Domains) -> Vec<crate::metrics::RlsDomain> {
+    let mut v: Vec<_> = d
+        .by_name
+        .values()
+        .map(|d| crate::metrics::RlsDomain {
+            name: d.name.clone(),
+            file: d
+                .file
+                .file_name()
+                .map(|f| f.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            limits: d.limits,
+        })
+        .collect();
+    v.sort_by(|a, b| a.name.cmp(&b.name));
+    v
+}

@@ -148,7 +148,7 @@ fn dashboard_in_headless_chromium_matches_metrics_and_shows_no_identity() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     let up = rt.block_on(echo());
     let dir = tempfile::tempdir().unwrap();
-    let (port, admin_port) = (free_port(), free_port());
+    let (port, rls_port, admin_port) = (free_port(), free_port(), free_port());
     let key_hash = {
         use sha2::{Digest, Sha256};
         hex::encode(Sha256::digest(API_KEY.as_bytes()))
@@ -159,11 +159,18 @@ fn dashboard_in_headless_chromium_matches_metrics_and_shows_no_identity() {
     )
     .unwrap();
     std::fs::write(dir.path().join("rules.yaml"), RULES).unwrap();
+    // The Envoy rate-limit service too, with one domain: 2 a minute per tenant.
+    std::fs::create_dir_all(dir.path().join("ratelimit")).unwrap();
+    std::fs::write(
+        dir.path().join("ratelimit").join("bench.yaml"),
+        "domain: bench\ndescriptors:\n  - key: tenant\n    rate_limit: { unit: minute, requests_per_unit: 2 }\n",
+    )
+    .unwrap();
     let cfg = dir.path().join("gateway.yaml");
     std::fs::write(
         &cfg,
         format!(
-            "listen: 127.0.0.1:{port}\nadmin_listen: 127.0.0.1:{admin_port}\nupstream:\n  url: http://{up}\nrules_file: rules.yaml\nkeys_file: keys.yaml\nadmin:\n  token_env: DASHBOARD_TEST_TOKEN\n"
+            "listen: 127.0.0.1:{port}\nadmin_listen: 127.0.0.1:{admin_port}\nupstream:\n  url: http://{up}\nrules_file: rules.yaml\nkeys_file: keys.yaml\nadmin:\n  token_env: DASHBOARD_TEST_TOKEN\nrls:\n  listen: 127.0.0.1:{rls_port}\n  config_dir: ratelimit\n"
         ),
     )
     .unwrap();
@@ -172,7 +179,7 @@ fn dashboard_in_headless_chromium_matches_metrics_and_shows_no_identity() {
         .arg(&cfg)
         .env("DASHBOARD_TEST_TOKEN", TOKEN)
         .env("RUST_LOG", "info");
-    let gw = BinaryGateway::spawn(&mut cmd, dir.path().join("tollgate.log"), &[port, admin_port]);
+    let gw = BinaryGateway::spawn(&mut cmd, dir.path().join("tollgate.log"), &[port, rls_port, admin_port]);
     let c = client();
     let admin = gw.admin.clone();
     let page = format!("http://operator:{TOKEN}@127.0.0.1:{admin_port}/");
@@ -243,6 +250,21 @@ fn dashboard_in_headless_chromium_matches_metrics_and_shows_no_identity() {
             .await
             .unwrap();
         assert_eq!(r.status(), 422);
+    });
+
+    // Three calls of one tenant to the rate-limit service: 2 OK, the third over the limit.
+    rt.block_on(async {
+        let body = r#"{"domain":"bench","descriptors":[{"entries":[{"key":"tenant","value":"acme"}]}]}"#;
+        for want in [200, 200, 429] {
+            let r = c
+                .post(format!("http://127.0.0.1:{rls_port}/json"))
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), want);
+        }
     });
 
     let metrics = rt.block_on(get_text(&c, format!("{admin}/metrics")));
@@ -335,6 +357,12 @@ fn dashboard_in_headless_chromium_matches_metrics_and_shows_no_identity() {
     assert!(
         dom.contains("this target: ") && dom.contains("× since start"),
         "per-target figures:\n{dom}"
+    );
+    // The rate-limit service's domain, with its answers.
+    assert!(dom.contains(r#"<li data-rls-domain="bench">"#), "rls domains:\n{dom}");
+    assert!(
+        dom.contains("2 calls OK · 1 over the limit · 1 descriptors over the limit since start"),
+        "rls totals:\n{dom}"
     );
     // The recent-ejections list is rendered, empty: the one target was never taken out.
     assert!(

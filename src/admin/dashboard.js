@@ -101,6 +101,21 @@
     });
   }
 
+  function rlsDomains(d) {
+    var card = $("rls-card");
+    card.hidden = !d.rls;
+    if (!d.rls) return;
+    var ul = $("rls-domains");
+    ul.replaceChildren();
+    if (d.rls.domains.length === 0) ul.appendChild(el("li", { cls: "muted", text: "no domain loaded" }));
+    d.rls.domains.forEach(function (r) {
+      ul.appendChild(el("li", { "data-rls-domain": r.name },
+        el("div", {}, el("code", { text: r.name }), " ", el("span", { cls: "muted small", text: r.file + " · " + num(r.limits) + " limits" })),
+        el("div", { cls: "muted small", "data-rls-totals": "", text: num(r.calls_ok) + " calls OK · " + num(r.calls_over_limit) +
+          " over the limit · " + num(r.descriptors_over_limit) + " descriptors over the limit since start" })));
+    });
+  }
+
   function showDetail(hash) {
     detailHash = hash;
     var box = $("detail");
@@ -185,7 +200,7 @@
     var overall = d.store.state === "ok" && d.rules.last_reload_ok ? "ok" : (d.store.state === "ok" ? "degraded" : d.store.state);
     var o = pill(overall); o.id = "overall"; $("overall").replaceWith(o);
     $("updated").textContent = "updated " + new Date(d.now * 1000).toLocaleTimeString();
-    store(d); rulesCard(d); upstreams(d); limited(d); traffic(d);
+    store(d); rulesCard(d); upstreams(d); rlsDomains(d); limited(d); traffic(d);
     refreshes += 1;
     document.body.setAttribute("data-refreshes", String(refreshes));
     document.body.setAttribute("data-sampled-at", String(d.sampled_at));

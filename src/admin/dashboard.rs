@@ -180,6 +180,18 @@ pub fn json(gw: &State) -> Value {
             "failures_last_minute": up.failures,
             "last_failure_at": up.last_failure_at,
         })).collect::<Vec<_>>(),
+        // The Envoy rate-limit service's domains in force, each with its answers since start;
+        // `null` when the service does not run.
+        "rls": gw.config().rls.as_ref().map(|_| json!({
+            "domains": m.rls.domains().into_iter().map(|(d, t)| json!({
+                "name": d.name,
+                "file": d.file,
+                "limits": d.limits,
+                "calls_ok": t.calls_ok,
+                "calls_over_limit": t.calls_over_limit,
+                "descriptors_over_limit": t.descriptors_over_limit,
+            })).collect::<Vec<_>>(),
+        })),
         // The last ejections, newest first: which target, when (Unix seconds, like `now`), for
         // how long, and the failure that took it out.
         "recent_ejections": gw.upstream().recent_ejections().into_iter().map(|e| json!({

@@ -34,6 +34,28 @@ pub struct RlsLimitLabels {
     pub outcome: &'static str,
 }
 
+/// One domain in force, as the dashboard lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RlsDomain {
+    /// The domain.
+    pub name: String,
+    /// The file it was read from (its name in the config directory).
+    pub file: String,
+    /// Its descriptor entries with a limit.
+    pub limits: usize,
+}
+
+/// What the service answered for one domain since start (read from the counters).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RlsDomainTotals {
+    /// Calls answered `OK`.
+    pub calls_ok: u64,
+    /// Calls answered `OVER_LIMIT`.
+    pub calls_over_limit: u64,
+    /// Descriptors over their limit.
+    pub descriptors_over_limit: u64,
+}
+
 /// The Envoy rate-limit service's metrics.
 #[derive(Debug, Clone, Default)]
 pub struct RlsMetrics {
@@ -42,6 +64,8 @@ pub struct RlsMetrics {
     /// `tollgate_rls_detailed_metric_overflow_total`: descriptors counted under their
     /// configured name because [`MAX_DETAILED_SERIES`] request-valued names were in use.
     pub detailed_overflow: Counter,
+    /// The domains in force (set when the config directory loads), for the dashboard.
+    domains: std::sync::Arc<std::sync::RwLock<Vec<RlsDomain>>>,
     /// The request-valued names labelled so far (at most [`MAX_DETAILED_SERIES`]).
     detailed: std::sync::Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
     /// `tollgate_rls_descriptors_total{domain,outcome}`.
@@ -112,6 +136,38 @@ impl RlsMetrics {
                 outcome: if over { "over_limit" } else { "within_limit" },
             })
             .inc();
+    }
+
+    /// The domains now in force replace the list the dashboard shows.
+    pub fn set_domains(&self, domains: Vec<RlsDomain>) {
+        *self.domains.write().unwrap_or_else(std::sync::PoisonError::into_inner) = domains;
+    }
+
+    /// The domains in force, by name, each with its totals since start.
+    pub fn domains(&self) -> Vec<(RlsDomain, RlsDomainTotals)> {
+        let domains = self
+            .domains
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        domains
+            .into_iter()
+            .map(|d| {
+                let get = |f: &Family<RlsLabels, Counter>, outcome: &'static str| {
+                    f.get_or_create(&RlsLabels {
+                        domain: d.name.clone(),
+                        outcome,
+                    })
+                    .get()
+                };
+                let totals = RlsDomainTotals {
+                    calls_ok: get(&self.calls, "ok"),
+                    calls_over_limit: get(&self.calls, "over_limit"),
+                    descriptors_over_limit: get(&self.descriptors, "over_limit"),
+                };
+                (d, totals)
+            })
+            .collect()
     }
 
     /// `name` may label a series: it already does, or there is room for one more.
