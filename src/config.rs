@@ -256,7 +256,12 @@ pub struct GatewayConfig {
     /// Who may use the admin API.
     pub admin: admin::AdminConfig,
     /// Where admitted requests go: the targets, protocol, TLS, timeouts, caps and ejection.
+    /// A placeholder nothing is sent to when `proxied` is false.
     pub upstream: UpstreamConfig,
+    /// The file has an `upstream:`: `tollgate run` serves the proxy. Without one (a file for
+    /// `tollgate rls` alone) there are no proxy, no upstream and, unless `rules_file` is
+    /// given, no rules.
+    pub proxied: bool,
     /// TLS on the proxy listener (`None`: plain HTTP).
     pub tls: Option<ListenerTls>,
     /// Which requests get an access line (all, none, or a sampled fraction).
@@ -378,7 +383,14 @@ impl GatewayConfig {
         let admin_listen = addr(f, &raw.admin_listen, "127.0.0.1:9090")?;
         let admin = admin::compile(f, &raw.admin, admin_listen, raw.admin_listen.as_ref(), &mut notes)?;
 
-        let upstream = net::upstream(f, dir, &raw.upstream, &mut notes)?;
+        let upstream = match &raw.upstream {
+            Some(u) => net::upstream(f, dir, u, &mut notes)?,
+            None if raw.rls.is_some() => net::unused_upstream(f, dir)?,
+            None => return Err(ConfigError::file(
+                f,
+                "missing field `upstream` (only a file with an `rls:` section, for `tollgate rls`, may leave it out)",
+            )),
+        };
         let store = store_section(f, dir, &raw.store, env, &mut notes)?;
         let identity = identity_section(f, dir, &raw.identity)?;
         let limits = limits_section(f, &raw.limits)?;
@@ -404,6 +416,7 @@ impl GatewayConfig {
             admin_listen,
             admin,
             upstream,
+            proxied: raw.upstream.is_some(),
             tls,
             access_log,
             rules_file: rel(raw.rules_file.as_ref().map_or("rules.yaml", |r| r.value.as_str())),

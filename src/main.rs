@@ -161,6 +161,10 @@ fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             };
+            if !cfg.proxied {
+                tracing::error!(config = %config.display(), "tollgate: cannot start: the gateway file has no `upstream:` for the proxy (`tollgate rls --config` serves the rate-limit service alone)");
+                return ExitCode::FAILURE;
+            }
             let single = cfg.server.runtime == tollgate::config::Runtime::ThreadPerCore;
             runtime_of(single, async move {
                 let running = tollgate::server::start(cfg).await.map_err(|e| e.to_string())?;
@@ -302,11 +306,15 @@ fn check(config: &std::path::Path) -> ExitCode {
     match load_all(config) {
         Ok((cfg, snap)) => {
             println!("{}: ok", config.display());
-            println!(
-                "  listen {}{}",
-                cfg.listen,
-                if cfg.tls.is_some() { " (TLS)" } else { "" }
-            );
+            if cfg.proxied {
+                println!(
+                    "  listen {}{}",
+                    cfg.listen,
+                    if cfg.tls.is_some() { " (TLS)" } else { "" }
+                );
+            } else {
+                println!("  no proxy: no upstream (for `tollgate rls`, the rate-limit service alone)");
+            }
             let access = match (&cfg.admin.token_env, &cfg.admin.token_file, cfg.admin.insecure) {
                 (Some(env), Some(_), _) => format!("token from ${env}, and the tokens of admin.token_file"),
                 (Some(env), None, _) => format!("token from ${env}"),
@@ -316,20 +324,26 @@ fn check(config: &std::path::Path) -> ExitCode {
             };
             println!("  admin  {} ({access})", cfg.admin_listen);
             let targets: Vec<String> = cfg.upstream.targets.iter().map(|t| t.url.to_string()).collect();
-            println!(
-                "  upstream {} ({}, connect timeout {}, request timeout {})",
-                targets.join(", "),
-                cfg.upstream.protocol.as_str(),
-                humantime::format_duration(cfg.upstream.connect_timeout),
-                humantime::format_duration(cfg.upstream.request_timeout)
-            );
+            if cfg.proxied {
+                println!(
+                    "  upstream {} ({}, connect timeout {}, request timeout {})",
+                    targets.join(", "),
+                    cfg.upstream.protocol.as_str(),
+                    humantime::format_duration(cfg.upstream.connect_timeout),
+                    humantime::format_duration(cfg.upstream.request_timeout)
+                );
+            }
             println!("  store {}", describe::store(&cfg));
-            println!(
-                "  rules {} ({} rules, version {})",
-                cfg.rules_file.display(),
-                snap.rules.rules.len(),
-                snap.rules.version
-            );
+            if cfg.proxied || cfg.rules_file.exists() {
+                println!(
+                    "  rules {} ({} rules, version {})",
+                    cfg.rules_file.display(),
+                    snap.rules.rules.len(),
+                    snap.rules.version
+                );
+            } else {
+                println!("  rules: none");
+            }
             for r in &snap.rules.rules {
                 println!("    {}", describe::rule(r));
             }

@@ -109,9 +109,15 @@ fn file_digest(path: &std::path::Path) -> Option<[u8; 32]> {
 
 /// Load rules and keys into a snapshot, resolving metric handles.
 pub fn load_snapshot(config: &GatewayConfig, metrics: &Metrics) -> Result<Snapshot, ConfigError> {
-    let rules = RuleSet::load(&config.rules_file, config.limits.max_rules)
-        .map_err(|e| e.named_in(&config.path, "rules_file", config.rules_file_at))?
-        .with_slot_ttl(u64::try_from(config.store.concurrency_ttl.as_micros()).unwrap_or(u64::MAX));
+    // A file for `tollgate rls` alone needs no rules: none, unless it names a rules file.
+    let no_rules = !config.proxied && config.rules_file_at.is_none() && !config.rules_file.exists();
+    let rules = if no_rules {
+        RuleSet::from_str(&config.rules_file, "rules: []\n")
+    } else {
+        RuleSet::load(&config.rules_file, config.limits.max_rules)
+    }
+    .map_err(|e| e.named_in(&config.path, "rules_file", config.rules_file_at))?
+    .with_slot_ttl(u64::try_from(config.store.concurrency_ttl.as_micros()).unwrap_or(u64::MAX));
     let keys = match &config.keys_file {
         Some(k) => KeyRegistry::load_max(k, config.limits.max_keys)
             .map_err(|e| e.named_in(&config.path, "keys_file", config.keys_file_at))?,

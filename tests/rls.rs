@@ -6,6 +6,7 @@
 
 mod support;
 
+use std::process::Command;
 use std::time::Duration;
 
 use serde_json::{json, Value};
@@ -879,4 +880,39 @@ descriptors:
             ),
         }
     }
+}
+
+/// A gateway file for the rate-limit service alone needs neither an upstream nor rules:
+/// `tollgate rls` serves it, `tollgate check` accepts it, and `tollgate run` (the proxy)
+/// refuses it, saying why.
+#[test]
+fn a_file_without_upstream_or_rules_runs_the_rate_limit_service_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("config")).unwrap();
+    std::fs::write(dir.path().join("config").join("ex2.yaml"), EX2).unwrap();
+    let (port, admin_port) = (free_port(), free_port());
+    let file = dir.path().join("gateway.yaml");
+    std::fs::write(
+        &file,
+        format!("admin_listen: 127.0.0.1:{admin_port}\nrls:\n  listen: 127.0.0.1:{port}\n  config_dir: config\n"),
+    )
+    .unwrap();
+    let (ok, out) = tollgate_check(&file);
+    assert!(ok, "check accepts it: {out}");
+    let run = Command::new(env!("CARGO_BIN_EXE_tollgate"))
+        .args(["run", "--config"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&run.stderr).to_string() + &String::from_utf8_lossy(&run.stdout);
+    assert!(!run.status.success(), "run has no proxy to serve: {said}");
+    assert!(said.contains("no `upstream:`"), "{said}");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tollgate"));
+    cmd.args(["rls", "--config"]).arg(&file);
+    let _gw = BinaryGateway::spawn(&mut cmd, dir.path().join("tollgate.log"), &[port, admin_port]);
+    let mut c = RlsClient::start();
+    let addr = format!("127.0.0.1:{port}");
+    let r = c.call(&addr, "messaging", &[&[("to_number", "5")]]);
+    assert_eq!(r["overall"], "OK", "{r}");
+    expect(&r, 0, "OK", Some((100, "DAY")), 99);
 }

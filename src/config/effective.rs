@@ -7,7 +7,7 @@ use std::path::Path;
 
 use serde_saphyr::Spanned;
 
-use super::raw::RawGateway;
+use super::raw::{RawGateway, RawUpstream};
 use super::{redact_url, EnvOverrides, GatewayConfig};
 
 /// One setting: its dotted name, its value in force, and where that value came from.
@@ -37,7 +37,9 @@ fn dur(d: std::time::Duration) -> String {
 pub fn settings(file: &Path, raw: &RawGateway, cfg: &GatewayConfig, env: &EnvOverrides) -> Vec<Setting> {
     let mut out = Vec::new();
     let mut push = |name: &'static str, value: String, source: String| out.push(Setting { name, value, source });
-    let (s, st, u, l) = (&raw.server, &raw.store, &raw.upstream.value, &raw.limits);
+    let no_upstream = RawUpstream::default();
+    let u = raw.upstream.as_ref().map_or(&no_upstream, |u| &u.value);
+    let (s, st, l) = (&raw.server, &raw.store, &raw.limits);
     push(
         "listen",
         cfg.listen.to_string(),
@@ -65,7 +67,11 @@ pub fn settings(file: &Path, raw: &RawGateway, cfg: &GatewayConfig, env: &EnvOve
     let targets: Vec<String> = cfg.upstream.targets.iter().map(|t| t.url.to_string()).collect();
     push(
         "upstream.targets",
-        targets.join(", "),
+        if cfg.proxied {
+            targets.join(", ")
+        } else {
+            "none (no upstream: the rate-limit service alone, tollgate rls)".to_string()
+        },
         at(file, u.url.as_ref()).replace("default", &at(file, u.targets.as_ref())),
     );
     push(
@@ -321,8 +327,10 @@ fn tls(file: &Path, raw: &RawGateway, cfg: &GatewayConfig, out: &mut Vec<Setting
         ),
     };
     push("tls", listener, at(file, raw.tls.as_ref()));
+    let no_upstream = RawUpstream::default();
+    let raw_up = raw.upstream.as_ref().map_or(&no_upstream, |u| &u.value);
     let u = &cfg.upstream.tls;
-    let raw_u = raw.upstream.value.tls.as_ref();
+    let raw_u = raw_up.tls.as_ref();
     let mut parts = vec![match &u.ca_file {
         Some(ca) => format!("CA {}", ca.display()),
         None => "system roots".to_string(),
@@ -343,7 +351,7 @@ fn tls(file: &Path, raw: &RawGateway, cfg: &GatewayConfig, out: &mut Vec<Setting
             Some(h) => format!("GET {} every {}, timeout {}", h.path, dur(h.interval), dur(h.timeout)),
             None => "off (passive ejection only)".to_string(),
         },
-        at(file, raw.upstream.value.health_check.as_ref().map(|h| &h.path)),
+        at(file, raw_up.health_check.as_ref().map(|h| &h.path)),
     );
     push(
         "upstream.eject_after",
@@ -352,7 +360,7 @@ fn tls(file: &Path, raw: &RawGateway, cfg: &GatewayConfig, out: &mut Vec<Setting
             cfg.upstream.eject_after,
             dur(cfg.upstream.eject_for)
         ),
-        at(file, raw.upstream.value.eject_after.as_ref()),
+        at(file, raw_up.eject_after.as_ref()),
     );
     let st = &raw.store;
     push(

@@ -155,6 +155,13 @@ fn target(f: &Path, s: &Spanned<String>) -> Result<Target, ConfigError> {
     Ok(Target { url, tls, host, addr })
 }
 
+/// The upstream of a gateway file without one (`tollgate rls` alone): a placeholder that no
+/// request is sent to, so that the state every front end shares can be built the same way.
+pub fn unused_upstream(f: &Path, dir: &Path) -> Result<UpstreamConfig, ConfigError> {
+    let raw: Spanned<RawUpstream> = crate::yaml::parse_str(f, "url: http://127.0.0.1:9\n")?;
+    upstream(f, dir, &raw, &mut Vec::new())
+}
+
 /// Validate `upstream:`: the targets, their protocol and TLS, ejection, the health check, the
 /// timeouts and caps.
 pub fn upstream(

@@ -20,8 +20,9 @@ pub struct RawGateway {
     /// Admin API access.
     #[serde(default)]
     pub admin: RawAdmin,
-    /// The upstream API.
-    pub upstream: Spanned<RawUpstream>,
+    /// The upstream API (required but for a file with `rls:`, which `tollgate rls` serves
+    /// with no proxy).
+    pub upstream: Option<Spanned<RawUpstream>>,
     /// TLS on the proxy listener.
     pub tls: Option<Spanned<RawTls>>,
     /// One structured line per request: `true`, `false`, or a sampled fraction in (0, 1].
@@ -141,7 +142,7 @@ pub struct RawStoreTls {
 }
 
 /// `upstream:`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawUpstream {
     /// `http://host:port` or `https://host:port` (one target).

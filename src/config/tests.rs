@@ -236,6 +236,7 @@ fn upstream_targets_tls_and_access_log_validate_with_positions() {
     assert_eq!(c.upstream.targets.len(), 1);
 
     let cases = [
+        ("listen: 127.0.0.1:1\n", "gateway.yaml", "missing field `upstream`"),
         (
             "upstream: { url: http://h:1, targets: [http://h:2] }\n",
             "gateway.yaml:1:18:",
