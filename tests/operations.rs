@@ -1107,8 +1107,10 @@ fn a_client_that_leaves_is_logged_and_counted_and_durations_cover_the_whole_body
     assert_eq!(field(&early, "decision"), "client_aborted", "{early}");
     assert_eq!(field(&early, "client_aborted"), true, "{early}");
     let d = field(&early, "duration_ms").as_f64().unwrap();
+    // The client gives up 300 ms after its timer started; the gateway's clock starts when the
+    // head arrives, later by the connect and the send (245 ms seen on a loaded machine).
     assert!(
-        (250.0..2000.0).contains(&d),
+        (150.0..2000.0).contains(&d),
         "the real duration until the client left: {d}"
     );
     let mid = find("/stream");
