@@ -174,5 +174,45 @@ fn bench_memory_store(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench_matching, bench_identity, bench_memory_store);
+/// The token-usage scan of a response body (`cost_from: {json: …}`): an OpenAI event stream of
+/// ~2 KB (the bench/run `tokens` row's), and a 1 MB JSON completion with its usage at the end.
+fn bench_usage_scan(c: &mut Criterion) {
+    use tollgate::usage::{BodyKind, JsonPath, Scanner};
+    let paths = [JsonPath::parse("usage.total_tokens").expect("a valid path")];
+    let mut sse = String::new();
+    for _ in 0..10 {
+        sse.push_str("data: {\"id\":\"chatcmpl-bench\",\"object\":\"chat.completion.chunk\",\"created\":1796600000,\"model\":\"bench\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"word word word \"},\"finish_reason\":null}],\"usage\":null}\n\n");
+    }
+    sse.push_str("data: {\"choices\":[],\"usage\":{\"prompt_tokens\":12,\"completion_tokens\":30,\"total_tokens\":42}}\n\ndata: [DONE]\n\n");
+    let big = format!(
+        "{{\"id\":\"x\",\"choices\":[{{\"message\":{{\"role\":\"assistant\",\"content\":\"{}\"}}}}],\"usage\":{{\"total_tokens\":42}}}}",
+        "word \\\"quoted\\\" ".repeat(1_000_000 / 16)
+    );
+    let mut g = c.benchmark_group("usage_scan");
+    for (name, body, kind) in [
+        ("event_stream_2kb", sse.as_bytes(), BodyKind::EventStream),
+        ("json_1mb", big.as_bytes(), BodyKind::Json),
+    ] {
+        g.throughput(Throughput::Bytes(body.len() as u64));
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                let mut s = Scanner::new(&paths, kind);
+                for chunk in body.chunks(16 * 1024) {
+                    s.feed(chunk);
+                }
+                s.finish();
+                assert_eq!(s.found(0), Some(42));
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    bench_matching,
+    bench_identity,
+    bench_memory_store,
+    bench_usage_scan
+);
 criterion_main!(benches);

@@ -99,41 +99,33 @@ local ALGOS = {
   { eval = cc_eval, spend = cc_take, refund = cc_release, renew = cc_renew },
 }
 
-local mode = ARGV[1]
-local now
-if ARGV[2] == nil or ARGV[2] == '' then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-else
-  now = tonumber(ARGV[2])
-end
-if not tg_whole(now, 0, TG_MAX_NOW) then
-  return redis.error_reply('ERR tollgate: bad arguments (now)')
-end
-
+-- Per-call state. The helpers below are defined once, when the library loads (a function
+-- library) or once per run (EVAL); every call starts afresh in tg_run, which sets all of it.
+local KEYS, ARGV, mode, now
 -- The parsed limits: limit i has ALGO[i], LIMIT[i], ... (parsed once, used by evaluation and
 -- spending); its key is KEYS[KEY[i]] and its penalty key KEYS[PKEY[i]] (nil without one).
-local ALGO, LIMIT, INTERVAL, COST, SHADOW, MEMBER, KEY, PKEY, PBASE, PMAX = {}, {}, {}, {}, {}, {}, {}, {}, {}, {}
+local ALGO, LIMIT, INTERVAL, COST, SHADOW, MEMBER, KEY, PKEY, PBASE, PMAX
 -- The reset marker key of limit i: KEYS[MKEY[i]] (nil when not sent, see KEYS above).
-local MKEY = {}
+local MKEY
 -- Calendar alignment of limit i (unit 0 = none; see tg_cal in common.lua).
-local CALU, CALO = {}, {}
+local CALU, CALO
 -- Lease wanted by limit i and its life in us (nil without flag 8).
-local LWANT, LLIFE = {}, {}
-local nlimits, nkeys = 0, 0
+local LWANT, LLIFE
+local nlimits, nkeys
+local reply
 
 -- Limit i's reset marker: the instant of its last reset and when leases may be granted again
 -- (nil, nil without one; the older form "<at>" blocks leases while it lives).
 local function reset_marker(i)
-  local v = redis.call('GET', KEYS[MKEY[i]])
+  local v = rcall('GET', KEYS[MKEY[i]])
   if not v then
     return nil, nil
   end
-  local a, u = string.match(v, '^(%d+):(%d+)$')
+  local a, u = smatch(v, '^(%d+):(%d+)$')
   if a then
-    return tonumber(a), tonumber(u)
+    return tonum(a), tonum(u)
   end
-  return tonumber(v), math.huge
+  return tonum(v), math.huge
 end
 
 -- True when limit i may take a lease now: no reset is settling on it.
@@ -146,14 +138,15 @@ end
 -- argument, or nil unless every number is whole and within the bounds (common.lua), the flags
 -- are known and the holder well formed.
 local function parse_limit(b)
-  local code = tg_num(ARGV[b + 1])
-  local limit = tg_num(ARGV[b + 2])
-  local interval = tg_num(ARGV[b + 3])
-  local cost = tg_num(ARGV[b + 4])
-  local flags = tg_num(ARGV[b + 5])
-  if not tg_whole(code, 1, 6) or not tg_whole(limit, 1, TG_MAX_UNITS)
-    or not tg_whole(interval, 1, TG_MAX_SPAN) or not tg_whole(cost, 0, TG_MAX_UNITS)
-    or not tg_whole(flags, 0, 15) then
+  local code = tg_uint(ARGV[b + 1])
+  local limit = tg_uint(ARGV[b + 2])
+  local interval = tg_uint(ARGV[b + 3])
+  local cost = tg_uint(ARGV[b + 4])
+  local flags = tg_uint(ARGV[b + 5])
+  -- Whole and non-negative (tg_uint): each bound is one comparison.
+  if not (code and limit and interval and cost and flags) or code < 1 or code > 6
+    or limit < 1 or limit > TG_MAX_UNITS or interval < 1 or interval > TG_MAX_SPAN
+    or cost > TG_MAX_UNITS or flags > 15 then
     return nil
   end
   if (code == 1 or code == 2) and limit * interval > TG_MAX_SPAN then
@@ -170,7 +163,7 @@ local function parse_limit(b)
   b = b + 5
   if code == 6 then
     local m = ARGV[b + 1]
-    if m == nil or #m > 64 or not string.match(m, '^[%w:]+$') then
+    if m == nil or #m > 64 or not smatch(m, '^[%w:]+$') then
       return nil
     end
     MEMBER[i] = m
@@ -216,9 +209,9 @@ local function penalty_of(i)
   if not PKEY[i] then
     return nil
   end
-  local v = redis.call('GET', KEYS[PKEY[i]])
-  local untl, len = string.match(v or '', '^(%d+):(%d+)$')
-  untl, len = tonumber(untl), tonumber(len)
+  local v = rcall('GET', KEYS[PKEY[i]])
+  local untl, len = smatch(v or '', '^(%d+):(%d+)$')
+  untl, len = tonum(untl), tonum(len)
   if untl and len and untl > now then
     return untl - now, len
   end
@@ -228,17 +221,15 @@ end
 -- Put limit i in its penalty box for `len` from now.
 local function penalize(i, len)
   local untl = now + len
-  redis.call('SET', KEYS[PKEY[i]], string.format('%d:%d', untl, len), 'PXAT', tg_at_ms(untl))
+  rcall('SET', KEYS[PKEY[i]], sfmt('%d:%d', untl, len), 'PXAT', tg_at_ms(untl))
 end
-
-local reply = { now }
 
 -- The reply, packed: one string of little-endian doubles, in chunks (unpack() puts every value
 -- on the Lua stack, which holds about 8000).
 local function pack(values)
   local parts = {}
   for i = 1, #values, 1000 do
-    local j = math.min(i + 999, #values)
+    local j = mmin(i + 999, #values)
     parts[#parts + 1] = struct.pack('<' .. string.rep('d', j - i + 1), unpack(values, i, j))
   end
   return table.concat(parts)
@@ -250,7 +241,7 @@ local function decide(i, cost, write)
   local left, len = penalty_of(i)
   if left then
     if write and PMAX[i] > PBASE[i] then
-      local longer = math.min(math.max(2 * len, PBASE[i]), PMAX[i])
+      local longer = mmin(mmax(2 * len, PBASE[i]), PMAX[i])
       penalize(i, longer)
       return 4, 0, longer, longer, 0
     end
@@ -263,14 +254,15 @@ local function decide(i, cost, write)
   end
   if write and PKEY[i] then
     penalize(i, PBASE[i])
-    return 4, remaining, math.max(reset, PBASE[i]), math.max(retry, PBASE[i]), delay
+    return 4, remaining, mmax(reset, PBASE[i]), mmax(retry, PBASE[i]), delay
   end
   return 0, remaining, reset, retry, delay
 end
 
-if mode == 'check' then
+-- check: the batch (see the header).
+local function run_check()
   local argc = #ARGV
-  local requests = tonumber(ARGV[3])
+  local requests = tonum(ARGV[3])
   if requests == nil then
     return redis.error_reply('ERR tollgate: bad arguments (want a request count)')
   end
@@ -279,8 +271,8 @@ if mode == 'check' then
   local FIRST, COUNT, DEADLINE = {}, {}, {}
   local b = 3
   for r = 1, requests do
-    local m, dl = tg_num(ARGV[b + 1]), tg_num(ARGV[b + 2])
-    if m == nil or m < 0 or b + 2 + 5 * m > argc or not tg_whole(dl, 0, TG_MAX_NOW) then
+    local m, dl = tg_uint(ARGV[b + 1]), tg_uint(ARGV[b + 2])
+    if m == nil or dl == nil or b + 2 + 5 * m > argc or dl > TG_MAX_NOW then
       return redis.error_reply('ERR tollgate: bad arguments (request layout)')
     end
     FIRST[r], COUNT[r], DEADLINE[r] = nlimits, m, dl
@@ -336,7 +328,7 @@ if mode == 'check' then
               g = tb_lease(key, now, LIMIT[i], INTERVAL[i], LWANT[i], LLIFE[i])
             else
               local _, r = ALGO[i].eval(key, now, LIMIT[i], INTERVAL[i], 0)
-              g = math.min(LWANT[i], math.floor(r / 2))
+              g = mmin(LWANT[i], floor(r / 2))
               if g >= 1 then
                 ALGO[i].spend(key, now, LIMIT[i], INTERVAL[i], g, MEMBER[i])
               end
@@ -353,14 +345,15 @@ if mode == 'check' then
   return pack(reply)
 end
 
-if mode == 'reset' then
-  local life, lease = tonumber(ARGV[3]), tonumber(ARGV[4])
+-- reset: the marker keys (see the header).
+local function run_reset()
+  local life, lease = tonum(ARGV[3]), tonum(ARGV[4])
   if #ARGV ~= 4 or not tg_whole(life, 1, TG_MAX_SPAN) or not tg_whole(lease, 0, TG_MAX_SPAN) then
     return redis.error_reply('ERR tollgate: bad arguments (want reset, now, life_ms, lease_ms)')
   end
-  local at = string.format('%d:%d', now, now + lease * 1000)
+  local at = sfmt('%d:%d', now, now + lease * 1000)
   for i = 1, #KEYS do
-    redis.call('SET', KEYS[i], at, 'PX', string.format('%d', life))
+    rcall('SET', KEYS[i], at, 'PX', sfmt('%d', life))
   end
   return pack(reply)
 end
@@ -372,59 +365,82 @@ local function reset_since(i)
   return m ~= nil and now <= m
 end
 
--- peek, refund, renew: the limits one after the other from ARGV[3].
-local b = 2
-while b < #ARGV do
-  b = parse_limit(b)
-  if b == nil then
-    return redis.error_reply('ERR tollgate: bad arguments for limit ' .. (nlimits + 1))
+-- peek, refund, debit, renew: the limits one after the other from ARGV[3].
+local function run_other()
+  local b = 2
+  while b < #ARGV do
+    b = parse_limit(b)
+    if b == nil then
+      return redis.error_reply('ERR tollgate: bad arguments for limit ' .. (nlimits + 1))
+    end
   end
+  if nkeys ~= #KEYS then
+    return redis.error_reply('ERR tollgate: bad arguments (want mode, now, the limits)')
+  end
+  if mode == 'peek' then
+    for i = 1, nlimits do
+      local o = #reply
+      local exists = rcall('EXISTS', KEYS[KEY[i]]) == 1 or (PKEY[i] and penalty_of(i))
+      if exists then
+        local code, remaining, reset, retry, delay = decide(i, 0, false)
+        reply[o + 1] = code
+        reply[o + 2] = remaining
+        reply[o + 3] = reset
+        reply[o + 4] = retry
+        reply[o + 5] = delay
+      else
+        reply[o + 1] = 2
+        reply[o + 2] = 0
+        reply[o + 3] = 0
+        reply[o + 4] = 0
+        reply[o + 5] = 0
+      end
+    end
+    return pack(reply)
+  elseif mode == 'refund' then
+    for i = 1, nlimits do
+      if ALGO[i] == ALGOS[6] or not reset_since(i) then
+        tg_cal(CALU[i], CALO[i])
+        ALGO[i].refund(KEYS[KEY[i]], now, LIMIT[i], INTERVAL[i], COST[i], MEMBER[i])
+      end
+    end
+    return pack(reply)
+  elseif mode == 'debit' or mode == 'renew' then
+    -- The algorithms that take this mode (ALGOS: debit for the buckets and windows, renew for
+    -- concurrency); the others are skipped. A calendar only matters to the windows.
+    for i = 1, nlimits do
+      local f = ALGO[i][mode]
+      if f then
+        tg_cal(CALU[i], CALO[i])
+        f(KEYS[KEY[i]], now, LIMIT[i], INTERVAL[i], COST[i], MEMBER[i])
+      end
+    end
+    return pack(reply)
+  end
+  return redis.error_reply('ERR tollgate: unknown mode')
 end
-if nkeys ~= #KEYS then
-  return redis.error_reply('ERR tollgate: bad arguments (want mode, now, the limits)')
+
+-- One call: KEYS and ARGV as the header describes. Everything per call is set here.
+local function tg_run(keys, argv)
+  KEYS, ARGV, mode = keys, argv, argv[1]
+  tg_begin(mode)
+  if ARGV[2] == nil or ARGV[2] == '' then
+    local t = rcall('TIME')
+    now = tonum(t[1]) * 1000000 + tonum(t[2])
+  else
+    now = tonum(ARGV[2])
+  end
+  if not tg_whole(now, 0, TG_MAX_NOW) then
+    return redis.error_reply('ERR tollgate: bad arguments (now)')
+  end
+  ALGO, LIMIT, INTERVAL, COST, SHADOW, MEMBER, KEY, PKEY, PBASE, PMAX = {}, {}, {}, {}, {}, {}, {}, {}, {}, {}
+  MKEY, CALU, CALO, LWANT, LLIFE = {}, {}, {}, {}, {}
+  nlimits, nkeys = 0, 0
+  reply = { now }
+  if mode == 'check' then
+    return run_check()
+  elseif mode == 'reset' then
+    return run_reset()
+  end
+  return run_other()
 end
-if mode == 'peek' then
-  for i = 1, nlimits do
-    local o = #reply
-    local exists = redis.call('EXISTS', KEYS[KEY[i]]) == 1 or (PKEY[i] and penalty_of(i))
-    if exists then
-      local code, remaining, reset, retry, delay = decide(i, 0, false)
-      reply[o + 1] = code
-      reply[o + 2] = remaining
-      reply[o + 3] = reset
-      reply[o + 4] = retry
-      reply[o + 5] = delay
-    else
-      reply[o + 1] = 2
-      reply[o + 2] = 0
-      reply[o + 3] = 0
-      reply[o + 4] = 0
-      reply[o + 5] = 0
-    end
-  end
-  return pack(reply)
-elseif mode == 'refund' then
-  for i = 1, nlimits do
-    if ALGO[i] == ALGOS[6] or not reset_since(i) then
-      tg_cal(CALU[i], CALO[i])
-      ALGO[i].refund(KEYS[KEY[i]], now, LIMIT[i], INTERVAL[i], COST[i], MEMBER[i])
-    end
-  end
-  return pack(reply)
-elseif mode == 'debit' then
-  for i = 1, nlimits do
-    if ALGO[i].debit then
-      tg_cal(CALU[i], CALO[i])
-      ALGO[i].debit(KEYS[KEY[i]], now, LIMIT[i], INTERVAL[i], COST[i], MEMBER[i])
-    end
-  end
-  return pack(reply)
-elseif mode == 'renew' then
-  for i = 1, nlimits do
-    if ALGO[i].renew then
-      ALGO[i].renew(KEYS[KEY[i]], now, LIMIT[i], INTERVAL[i], COST[i], MEMBER[i])
-    end
-  end
-  return pack(reply)
-end
-return redis.error_reply('ERR tollgate: unknown mode')

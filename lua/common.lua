@@ -13,6 +13,11 @@
 -- redis.call with "%.17g" (exact for these integers) and a number in a reply by truncation.
 -- `tostring` is NOT exact ("%.14g"): build strings from numbers with string.format('%d', x).
 
+-- The library functions the script calls most, as upvalues (a global lookup costs a table
+-- probe per use). A function library's top level may not read globals, so tg_begin fills
+-- them on the first call.
+local floor, mmax, mmin, sfmt, smatch, rcall, tonum
+
 -- Bounds (mirrors of src/limiter/algorithm.rs): the gateway's validation keeps every rule
 -- within them, and the script refuses any argument outside them (negative, fractional,
 -- non-finite or huge), so a direct caller can neither mint quota nor stall Redis.
@@ -23,13 +28,13 @@ local TG_MAX_NOW = 4503599627370496      -- 2^52 us: year 2112
 
 -- True when x is a whole number in [lo, hi] (false for nil, NaN and infinities).
 local function tg_whole(x, lo, hi)
-  return x ~= nil and x == x and x >= lo and x <= hi and x == math.floor(x)
+  return x ~= nil and x == x and x >= lo and x <= hi and x == floor(x)
 end
 
 -- ceil(a / b) for whole a >= 0, b > 0 below 2^53, exactly (a double division can round across
 -- an integer).
 local function tg_div_ceil(a, b)
-  local q = math.floor(a / b)
+  local q = floor(a / b)
   if q * b > a then
     q = q - 1
   end
@@ -40,8 +45,8 @@ local function tg_div_ceil(a, b)
 end
 
 -- Writes allowed in this call (check and refund); peek writes nothing, and converts state of
--- another shape only in its own view (TG_SEEN).
-local TG_WRITE = ARGV[1] ~= 'peek'
+-- another shape only in its own view (TG_SEEN). Set per call by tg_begin.
+local TG_WRITE
 
 -- Run a read command; a WRONGTYPE error reads as "no state" with `bad` set: the key holds a
 -- limit of another algorithm (a reload changed it), which the readers convert. Any other error
@@ -63,8 +68,12 @@ end
 -- script's own time base: with `now` from Redis TIME this is exactly "PEXPIRE ttl rounded up";
 -- with an explicit `now` (tests) expiry follows that clock, not the wall clock, so a test
 -- driving time by hand sees the same states as one driven by Redis time.
+--
+-- As a decimal string, the form Redis reads: a number argument of redis.call is formatted with
+-- "%.17g", which for these magnitudes takes glibc's multi-precision path; "%d" is exact for
+-- every integer below 2^53 and several times cheaper.
 local function tg_at_ms(us)
-  return math.floor((us + 999) / 1000)
+  return sfmt('%d', floor((us + 999) / 1000))
 end
 
 -- An integer Redis can return: a non-finite or huge double (only reachable with cost > limit,
@@ -83,22 +92,23 @@ end
 -- another shape for another algorithm, e.g. HMGET i c vs HMGET i p c), and every write either
 -- replaces the entry with exactly what a fresh read would now return (tg_remember) or drops it
 -- (tg_forget).
-local TG_SEEN = {}
+-- Three parallel tables keyed by key name (no table per entry): the family that read it, the
+-- read's result and its `bad` flag.
+local TG_SEEN, TG_SEEN_R, TG_SEEN_BAD
 
 local function tg_read_key(kind, key, cmd, ...)
-  local e = TG_SEEN[key]
-  if e and e.kind == kind then
-    return e.r, e.bad
+  if TG_SEEN[key] == kind then
+    return TG_SEEN_R[key], TG_SEEN_BAD[key]
   end
   local r, bad = tg_read(cmd, key, ...)
-  TG_SEEN[key] = { kind = kind, r = r, bad = bad }
+  TG_SEEN[key], TG_SEEN_R[key], TG_SEEN_BAD[key] = kind, r, bad
   return r, bad
 end
 
 -- After a write: `r` is what `kind`'s read of `key` now returns (numbers where Redis would
 -- return their decimal strings; readers convert with tonumber either way).
 local function tg_remember(kind, key, r)
-  TG_SEEN[key] = { kind = kind, r = r, bad = false }
+  TG_SEEN[key], TG_SEEN_R[key], TG_SEEN_BAD[key] = kind, r, false
 end
 
 local function tg_forget(key)
@@ -122,24 +132,24 @@ local function tg_days_from_civil(y, m, d)
   if m <= 2 then
     y = y - 1
   end
-  local era = math.floor(y / 400)
+  local era = floor(y / 400)
   local yoe = y - era * 400
   local mm = m + 9
   if m > 2 then
     mm = m - 3
   end
-  local doy = math.floor((153 * mm + 2) / 5) + d - 1
-  local doe = yoe * 365 + math.floor(yoe / 4) - math.floor(yoe / 100) + doy
+  local doy = floor((153 * mm + 2) / 5) + d - 1
+  local doe = yoe * 365 + floor(yoe / 4) - floor(yoe / 100) + doy
   return era * 146097 + doe - 719468
 end
 
 local function tg_civil_from_days(z)
   z = z + 719468
-  local era = math.floor(z / 146097)
+  local era = floor(z / 146097)
   local doe = z - era * 146097
-  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524) - math.floor(doe / 146096)) / 365)
-  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
-  local mp = math.floor((5 * doy + 2) / 153)
+  local yoe = floor((doe - floor(doe / 1460) + floor(doe / 36524) - floor(doe / 146096)) / 365)
+  local doy = doe - (365 * yoe + floor(yoe / 4) - floor(yoe / 100))
+  local mp = floor((5 * doy + 2) / 153)
   local m = mp - 9
   if mp < 10 then
     m = mp + 3
@@ -154,15 +164,15 @@ end
 -- The index of the window (length w, or the calendar unit) holding instant t.
 local function tg_index(t, w)
   if TG_CAL_UNIT == 0 then
-    return math.floor(t / w)
+    return floor(t / w)
   end
   local l = t + TG_CAL_OFF * 1000000
   if TG_CAL_UNIT == 1 then
-    return math.floor(l / TG_DAY)
+    return floor(l / TG_DAY)
   elseif TG_CAL_UNIT == 2 then
-    return math.floor((l + 3 * TG_DAY) / (7 * TG_DAY))
+    return floor((l + 3 * TG_DAY) / (7 * TG_DAY))
   end
-  local y, m = tg_civil_from_days(math.floor(l / TG_DAY))
+  local y, m = tg_civil_from_days(floor(l / TG_DAY))
   return y * 12 + m - 1
 end
 
@@ -177,7 +187,7 @@ local function tg_start(index, w)
   elseif TG_CAL_UNIT == 2 then
     l = index * 7 * TG_DAY - 3 * TG_DAY
   else
-    l = tg_days_from_civil(math.floor(index / 12), index % 12 + 1, 1) * TG_DAY
+    l = tg_days_from_civil(floor(index / 12), index % 12 + 1, 1) * TG_DAY
   end
   return l - TG_CAL_OFF * 1000000
 end
@@ -185,15 +195,15 @@ end
 -- The shape string of a hash-kept limit, "<family>:<window>" (f: fixed, s: sliding window),
 -- plus ":c<unit>:<offset>" for a calendar window; memoised for the plain ones (every request of
 -- a batch asks for the same few).
-local TG_SHAPES = { f = {}, s = {} }
+local TG_SHAPES
 
 local function tg_shape(fam, w)
   if TG_CAL_UNIT ~= 0 then
-    return fam .. ':' .. string.format('%d', w) .. ':c' .. TG_CAL_UNIT .. ':' .. string.format('%d', TG_CAL_OFF)
+    return fam .. ':' .. sfmt('%d', w) .. ':c' .. TG_CAL_UNIT .. ':' .. sfmt('%d', TG_CAL_OFF)
   end
   local v = TG_SHAPES[fam][w]
   if v == nil then
-    v = fam .. ':' .. string.format('%d', w)
+    v = fam .. ':' .. sfmt('%d', w)
     TG_SHAPES[fam][w] = v
   end
   return v
@@ -204,48 +214,48 @@ end
 -- for that limit's `span` (its window, or a bucket's capacity * interval) where the old state
 -- keeps timestamps (a sliding log). Mirrors `used` in src/limiter/algorithm.rs.
 local function tg_used(key, now, span)
-  local t = redis.call('TYPE', key)['ok']
+  local t = rcall('TYPE', key)['ok']
   if t == 'string' then
-    local tat, iv = string.match(redis.call('GET', key) or '', '^(%d+):(%d+)$')
-    tat, iv = tonumber(tat), tonumber(iv)
+    local tat, iv = smatch(rcall('GET', key) or '', '^(%d+):(%d+)$')
+    tat, iv = tonum(tat), tonum(iv)
     if not tat or not iv or iv <= 0 or tat <= now then
       return 0
     end
     return tg_div_ceil(tat - now, iv)
   elseif t == 'hash' then
-    local r = redis.call('HMGET', key, 'i', 'p', 'c', 'q')
+    local r = rcall('HMGET', key, 'i', 'p', 'c', 'q')
     local q = r[4] or ''
-    local fam, w = string.match(q, '^(%a):(%d+)')
-    local cu, co = string.match(q, ':c(%d):(%-?%d+)$')
-    w = tonumber(w)
-    local i = tonumber(r[1])
+    local fam, w = smatch(q, '^(%a):(%d+)')
+    local cu, co = smatch(q, ':c(%d):(%-?%d+)$')
+    w = tonum(w)
+    local i = tonum(r[1])
     if not w or w <= 0 or not i then
       return 0
     end
     -- Read the stored state under ITS calendar, then restore the current limit's.
     local su, so = TG_CAL_UNIT, TG_CAL_OFF
-    tg_cal(tonumber(cu) or 0, tonumber(co) or 0)
+    tg_cal(tonum(cu) or 0, tonum(co) or 0)
     local index = tg_index(now, w)
     local start, len = tg_start(index, w), tg_start(index + 1, w) - tg_start(index, w)
     tg_cal(su, so)
     if fam == 'f' then
       if i == index then
-        return tonumber(r[3]) or 0
+        return tonum(r[3]) or 0
       end
       return 0
     elseif fam == 's' then
       local prev, curr = 0, 0
       if i == index then
-        prev, curr = tonumber(r[2]) or 0, tonumber(r[3]) or 0
+        prev, curr = tonum(r[2]) or 0, tonum(r[3]) or 0
       elseif i + 1 == index then
-        prev = tonumber(r[3]) or 0
+        prev = tonum(r[3]) or 0
       end
       local elapsed = now - start
-      return math.max(math.ceil(prev * (len - elapsed) / len + curr), 0)
+      return mmax(math.ceil(prev * (len - elapsed) / len + curr), 0)
     end
     return 0
   elseif t == 'zset' then
-    return redis.call('ZCOUNT', key, string.format('(%d', math.max(now - span, 0)), '+inf')
+    return rcall('ZCOUNT', key, sfmt('(%d', mmax(now - span, 0)), '+inf')
   end
   return 0
 end
@@ -253,7 +263,25 @@ end
 -- tonumber, memoised by string: a batch repeats the same few limit arguments ("1000000" ...)
 -- for every request, and Lua's string-to-number conversion (strtod) is one of the costliest
 -- steps of a script run. Lua interns strings, so the lookup is one hash probe.
-local TG_NUM = {}
+local TG_NUM, TG_UINT
+
+-- A whole number in [0, 2^53] (the bounds of every count, limit and instant), memoised like
+-- tg_num, or nil for anything else (negative, fractional, non-finite, not a number): the
+-- check every limit argument starts with, so that what remains is a comparison per bound.
+local function tg_uint(s)
+  local v = TG_UINT[s]
+  if v == nil then
+    if s == nil then
+      return nil
+    end
+    v = tonum(s)
+    if v == nil or v ~= v or v < 0 or v > 9007199254740992 or v ~= floor(v) then
+      v = false
+    end
+    TG_UINT[s] = v
+  end
+  return v or nil
+end
 
 local function tg_num(s)
   if s == nil then
@@ -261,10 +289,23 @@ local function tg_num(s)
   end
   local v = TG_NUM[s]
   if v == nil then
-    v = tonumber(s)
+    v = tonum(s)
     if v ~= nil then
       TG_NUM[s] = v
     end
   end
   return v
+end
+
+-- The start of every call: the per-call state above, afresh. The memo tables are per call so
+-- that whatever a caller sends, they hold no more than that call's arguments.
+local function tg_begin(mode)
+  if not rcall then
+    floor, mmax, mmin, sfmt, smatch = math.floor, math.max, math.min, string.format, string.match
+    rcall, tonum = redis.call, tonumber
+  end
+  TG_WRITE = mode ~= 'peek'
+  TG_SEEN, TG_SEEN_R, TG_SEEN_BAD = {}, {}, {}
+  TG_NUM, TG_UINT, TG_SHAPES = {}, {}, { f = {}, s = {} }
+  TG_CAL_UNIT, TG_CAL_OFF = 0, 0
 end

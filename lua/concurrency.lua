@@ -23,13 +23,13 @@ local CC_RETRY = 1000000
 local function cc_count(key, now)
   tg_forget(key)
   if TG_WRITE then
-    local _, bad = tg_read('ZREMRANGEBYSCORE', key, '-inf', string.format('%d', now))
+    local _, bad = tg_read('ZREMRANGEBYSCORE', key, '-inf', sfmt('%d', now))
     if bad then
       return 0
     end
-    return redis.call('ZCARD', key)
+    return rcall('ZCARD', key)
   end
-  local n, bad = tg_read('ZCOUNT', key, string.format('(%d', now), '+inf')
+  local n, bad = tg_read('ZCOUNT', key, sfmt('(%d', now), '+inf')
   if bad then
     return 0
   end
@@ -41,14 +41,14 @@ local function cc_eval(key, now, limit, ttl, cost)
   if n + cost <= limit then
     return true, limit - n - cost, 0, 0, 0
   end
-  return false, math.max(limit - n, 0), CC_RETRY, CC_RETRY, 0
+  return false, mmax(limit - n, 0), CC_RETRY, CC_RETRY, 0
 end
 
 -- The key lives as long as its latest slot.
 local function cc_expire(key)
-  local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+  local last = rcall('ZRANGE', key, -1, -1, 'WITHSCORES')
   if last[2] then
-    redis.call('PEXPIREAT', key, tg_at_ms(tonumber(last[2])))
+    rcall('PEXPIREAT', key, tg_at_ms(tonum(last[2])))
   end
 end
 
@@ -57,11 +57,11 @@ local function cc_take(key, now, limit, ttl, cost, member)
   if cost == 0 then
     return
   end
-  local t = redis.call('TYPE', key)['ok']
+  local t = rcall('TYPE', key)['ok']
   if t ~= 'zset' and t ~= 'none' then
-    redis.call('DEL', key)
+    rcall('DEL', key)
   end
-  redis.call('ZADD', key, string.format('%d', now + ttl), member)
+  rcall('ZADD', key, sfmt('%d', now + ttl), member)
   cc_expire(key)
   tg_forget(key)
 end
@@ -74,9 +74,9 @@ end
 
 -- Push `member`'s slot out to now + ttl, if it still holds one (renew mode).
 local function cc_renew(key, now, limit, ttl, cost, member)
-  local score = tonumber((tg_read('ZSCORE', key, member)))
+  local score = tonum((tg_read('ZSCORE', key, member)))
   if score and score > now then
-    redis.call('ZADD', key, 'XX', string.format('%d', now + ttl), member)
+    rcall('ZADD', key, 'XX', sfmt('%d', now + ttl), member)
     cc_expire(key)
   end
   tg_forget(key)

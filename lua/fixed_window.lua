@@ -17,8 +17,8 @@
 -- Write (or, in peek, only remember) a fresh window `index` holding `count` units.
 local function fw_put(key, index, count, w, q)
   if TG_WRITE then
-    redis.call('HSET', key, 'i', index, 'c', count, 'q', q)
-    redis.call('PEXPIREAT', key, tg_at_ms(tg_start(index + 1, w)))
+    rcall('HSET', key, 'i', sfmt('%d', index), 'c', sfmt('%d', count), 'q', q)
+    rcall('PEXPIREAT', key, tg_at_ms(tg_start(index + 1, w)))
   end
   tg_remember('fw', key, { index, count, q })
 end
@@ -31,12 +31,12 @@ local function fw_get(key, now, limit, w)
     return nil, 0
   end
   if not bad and r[3] == q then
-    return tonumber(r[1]), tonumber(r[2]) or 0
+    return tonum(r[1]), tonum(r[2]) or 0
   end
-  local used = math.min(tg_used(key, now, w), limit)
+  local used = mmin(tg_used(key, now, w), limit)
   local index = tg_index(now, w)
   if TG_WRITE then
-    redis.call('DEL', key)
+    rcall('DEL', key)
   end
   if used <= 0 then
     tg_remember('fw', key, false)
@@ -57,7 +57,7 @@ local function fw_eval(key, now, limit, w, cost)
   if count + cost <= limit then
     return true, limit - count - cost, reset, 0, 0
   end
-  return false, math.max(limit - count, 0), reset, reset, 0
+  return false, mmax(limit - count, 0), reset, reset, 0
 end
 
 local function fw_spend(key, now, limit, w, cost)
@@ -65,7 +65,7 @@ local function fw_spend(key, now, limit, w, cost)
   local i, c = fw_get(key, now, limit, w)
   if i == index then
     -- Same window: the key already expires at its end (set when the window began).
-    tg_remember('fw', key, { index, redis.call('HINCRBY', key, 'c', cost), tg_shape('f', w) })
+    tg_remember('fw', key, { index, rcall('HINCRBY', key, 'c', sfmt('%d', cost)), tg_shape('f', w) })
   else
     fw_put(key, index, cost, w, tg_shape('f', w))
   end
@@ -77,8 +77,8 @@ end
 local function fw_adjust(key, now, w, delta)
   local index = tg_index(now, w)
   local r = tg_read('HMGET', key, 'i', 'c', 'q')
-  if r and tonumber(r[1]) == index and r[3] == tg_shape('f', w) then
-    redis.call('HSET', key, 'c', math.max((tonumber(r[2]) or 0) + delta, 0))
+  if r and tonum(r[1]) == index and r[3] == tg_shape('f', w) then
+    rcall('HSET', key, 'c', mmax((tonum(r[2]) or 0) + delta, 0))
     tg_forget(key)
   end
 end
@@ -101,10 +101,10 @@ local function fw_debit(key, now, limit, w, cost)
   if i == index then
     count = c
   end
-  local new = math.max(count, math.min(count + cost, 2 * limit))
+  local new = mmax(count, mmin(count + cost, 2 * limit))
   if i == index then
     -- Same window: the key already expires at its end.
-    redis.call('HSET', key, 'c', new)
+    rcall('HSET', key, 'c', new)
     tg_remember('fw', key, { index, new, q })
   else
     fw_put(key, index, new, w, q)

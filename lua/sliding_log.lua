@@ -30,29 +30,29 @@ end
 
 -- Score of the (n+1)-th entry inside the window (n from 0), oldest first.
 local function sl_nth(key, lo, n)
-  local r = redis.call('ZRANGEBYSCORE', key, lo, '+inf', 'WITHSCORES', 'LIMIT', n, 1)
-  return tonumber(r[2])
+  local r = rcall('ZRANGEBYSCORE', key, lo, '+inf', 'WITHSCORES', 'LIMIT', n, 1)
+  return tonum(r[2])
 end
 
 -- Add `n` entries at `now` (members "<now>:<seq>", seq from `seq`), in chunks.
 local function sl_add(key, now, seq, n)
-  local prefix = string.format('%d:', now)
+  local prefix = sfmt('%d:', now)
   local args = {}
   for j = 0, n - 1 do
     args[#args + 1] = now
-    args[#args + 1] = prefix .. string.format('%012d', seq + j)
+    args[#args + 1] = prefix .. sfmt('%012d', seq + j)
     if #args >= 2000 then
-      redis.call('ZADD', key, unpack(args))
+      rcall('ZADD', key, unpack(args))
       args = {}
     end
   end
   if #args > 0 then
-    redis.call('ZADD', key, unpack(args))
+    rcall('ZADD', key, unpack(args))
   end
 end
 
 local function sl_eval(key, now, limit, w, cost)
-  local lo = string.format('(%d', sl_floor(now, w))
+  local lo = sfmt('(%d', sl_floor(now, w))
   if TG_WRITE then
     -- Entries that left the window go whenever a check evaluates the key, admitted or not (the
     -- memory store prunes at the same point, so both hold the same entries for a later reload
@@ -62,17 +62,17 @@ local function sl_eval(key, now, limit, w, cost)
   local count, bad = tg_read('ZCOUNT', key, lo, '+inf')
   if bad then
     -- Another algorithm's state: carry its units over as entries at now.
-    local used = math.min(tg_used(key, now, w), limit)
+    local used = mmin(tg_used(key, now, w), limit)
     if not TG_WRITE then
       if used + cost <= limit then
         return true, limit - used - cost, w, 0, 0
       end
-      return false, math.max(limit - used, 0), w, w, 0
+      return false, mmax(limit - used, 0), w, w, 0
     end
-    redis.call('DEL', key)
+    rcall('DEL', key)
     if used > 0 then
       sl_add(key, now, 0, used)
-      redis.call('PEXPIREAT', key, tg_at_ms(now + w))
+      rcall('PEXPIREAT', key, tg_at_ms(now + w))
     end
     count = used
   end
@@ -90,23 +90,23 @@ local function sl_eval(key, now, limit, w, cost)
   if k <= count then
     tk = sl_nth(key, lo, k - 1) or now
   end
-  return false, math.max(limit - count, 0), oldest + w - now, tk + w - now, 0
+  return false, mmax(limit - count, 0), oldest + w - now, tk + w - now, 0
 end
 
 local function sl_spend(key, now, limit, w, cost)
   -- sl_eval, at this `now`, pruned the key (and converted one of another type).
   if cost > 0 then
     local seq = 0
-    local top = redis.call('ZREVRANGEBYSCORE', key, now, now, 'LIMIT', 0, 1)
+    local top = rcall('ZREVRANGEBYSCORE', key, now, now, 'LIMIT', 0, 1)
     if top[1] then
-      local s = string.match(top[1], ':(%d+)$')
+      local s = smatch(top[1], ':(%d+)$')
       if s then
-        seq = tonumber(s) + 1
+        seq = tonum(s) + 1
       end
     end
     sl_add(key, now, seq, cost)
   end
-  redis.call('PEXPIREAT', key, tg_at_ms(now + w))
+  rcall('PEXPIREAT', key, tg_at_ms(now + w))
 end
 
 -- Give back `cost` units: remove the `cost` newest entries at or before `now`. With the `now`
@@ -116,6 +116,6 @@ end
 local function sl_refund(key, now, limit, w, cost)
   local r = tg_read('ZREVRANGEBYSCORE', key, now, '-inf', 'LIMIT', 0, cost)
   if r and #r > 0 then
-    redis.call('ZREM', key, unpack(r))
+    rcall('ZREM', key, unpack(r))
   end
 end

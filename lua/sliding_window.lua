@@ -20,8 +20,8 @@
 -- Write (or, in peek, only remember) window `index` with counts prev, curr.
 local function sw_put(key, index, prev, curr, w, q)
   if TG_WRITE then
-    redis.call('HSET', key, 'i', index, 'p', prev, 'c', curr, 'q', q)
-    redis.call('PEXPIREAT', key, tg_at_ms(tg_start(index + 2, w)))
+    rcall('HSET', key, 'i', sfmt('%d', index), 'p', prev, 'c', curr, 'q', q)
+    rcall('PEXPIREAT', key, tg_at_ms(tg_start(index + 2, w)))
   end
   tg_remember('sw', key, { index, prev, curr, q })
 end
@@ -33,9 +33,9 @@ local function sw_roll(key, now, limit, w)
   local q = tg_shape('s', w)
   local r, bad = tg_read_key('sw', key, 'HMGET', 'i', 'p', 'c', 'q')
   if bad or (r and r[1] and r[4] ~= q) then
-    local used = math.min(tg_used(key, now, w), limit)
+    local used = mmin(tg_used(key, now, w), limit)
     if TG_WRITE then
-      redis.call('DEL', key)
+      rcall('DEL', key)
     end
     if used <= 0 then
       tg_remember('sw', key, false)
@@ -46,12 +46,12 @@ local function sw_roll(key, now, limit, w)
   end
   local i = nil
   if r and r[1] then
-    i = tonumber(r[1])
+    i = tonum(r[1])
   end
   if i == index then
-    return index, tonumber(r[2]) or 0, tonumber(r[3]) or 0, true
+    return index, tonum(r[2]) or 0, tonum(r[3]) or 0, true
   elseif i ~= nil and i + 1 == index then
-    return index, tonumber(r[3]) or 0, 0, false
+    return index, tonum(r[3]) or 0, 0, false
   end
   return index, 0, 0, false
 end
@@ -68,24 +68,24 @@ local function sw_eval(key, now, limit, w, cost)
     if curr + cost > 0 then
       reset = e2 - now
     end
-    return true, math.max(math.floor(limit - estimate - cost), 0), reset, 0, 0
+    return true, mmax(floor(limit - estimate - cost), 0), reset, 0, 0
   end
   local retry
   if curr + cost <= limit then
     -- Wait inside this window for the previous window's weight to decay.
     local e = math.ceil(w - (limit - curr - cost) * w / prev)
-    retry = math.max(e - elapsed, 1)
+    retry = mmax(e - elapsed, 1)
   else
     -- Wait for the next window, where this window's count becomes `previous`.
     local nw = e2 - e1
-    local e = math.max(math.ceil(nw - (limit - cost) * nw / curr), 0)
+    local e = mmax(math.ceil(nw - (limit - cost) * nw / curr), 0)
     retry = (w - elapsed) + e
   end
   local reset = e1 - now
   if curr > 0 then
     reset = e2 - now
   end
-  return false, math.max(math.floor(limit - estimate), 0), reset, tg_int(retry), 0
+  return false, mmax(floor(limit - estimate), 0), reset, tg_int(retry), 0
 end
 
 local function sw_spend(key, now, limit, w, cost)
@@ -93,7 +93,7 @@ local function sw_spend(key, now, limit, w, cost)
   local q = tg_shape('s', w)
   if same then
     -- Same window: only the count moves; the expiry, set when the window began, stands.
-    tg_remember('sw', key, { index, prev, redis.call('HINCRBY', key, 'c', cost), q })
+    tg_remember('sw', key, { index, prev, rcall('HINCRBY', key, 'c', sfmt('%d', cost)), q })
   else
     sw_put(key, index, prev, curr + cost, w, q)
   end
@@ -108,12 +108,12 @@ local function sw_adjust(key, now, w, delta)
   if not r or not r[1] or r[4] ~= tg_shape('s', w) then
     return
   end
-  local i = tonumber(r[1])
+  local i = tonum(r[1])
   if i == index then
-    redis.call('HSET', key, 'c', math.max((tonumber(r[3]) or 0) + delta, 0))
+    rcall('HSET', key, 'c', mmax((tonum(r[3]) or 0) + delta, 0))
     tg_forget(key)
   elseif i == index + 1 then
-    redis.call('HSET', key, 'p', math.max((tonumber(r[2]) or 0) + delta, 0))
+    rcall('HSET', key, 'p', mmax((tonum(r[2]) or 0) + delta, 0))
     tg_forget(key)
   end
 end
@@ -130,10 +130,10 @@ end
 local function sw_debit(key, now, limit, w, cost)
   local index, prev, curr, same = sw_roll(key, now, limit, w)
   local q = tg_shape('s', w)
-  local new = math.max(curr, math.min(curr + cost, 2 * limit))
+  local new = mmax(curr, mmin(curr + cost, 2 * limit))
   if same then
     -- Same window: only the count moves; the expiry, set when the window began, stands.
-    redis.call('HSET', key, 'c', new)
+    rcall('HSET', key, 'c', new)
     tg_remember('sw', key, { index, prev, new, q })
   else
     sw_put(key, index, prev, new, w, q)

@@ -18,9 +18,9 @@
 
 -- Write (or, in peek, only remember) the bucket state tat under interval t.
 local function bucket_put(key, tat, t)
-  local v = string.format('%d:%d', tat, t)
+  local v = sfmt('%d:%d', tat, t)
   if TG_WRITE then
-    redis.call('SET', key, v, 'PXAT', tg_at_ms(tat))
+    rcall('SET', key, v, 'PXAT', tg_at_ms(tat))
   end
   tg_remember('bucket', key, v)
 end
@@ -34,14 +34,14 @@ local function bucket_get(key, now, limit, t)
   end
   local tat, iv
   if not bad then
-    tat, iv = string.match(v, '^(%d+):(%d+)$')
+    tat, iv = smatch(v, '^(%d+):(%d+)$')
   end
-  if tonumber(iv) == t then
-    return tonumber(tat)
+  if tonum(iv) == t then
+    return tonum(tat)
   end
-  local used = math.min(tg_used(key, now, limit * t), limit)
+  local used = mmin(tg_used(key, now, limit * t), limit)
   if TG_WRITE then
-    redis.call('DEL', key)
+    rcall('DEL', key)
   end
   tg_forget(key)
   if used <= 0 then
@@ -62,16 +62,16 @@ local function bucket_eval(key, now, limit, t, cost, leaky)
     tat = now
   end
   local cap = limit * t
-  local base = math.max(tat, now)
+  local base = mmax(tat, now)
   local new_tat = base + cost * t
   if new_tat - now <= cap then
     local delay = 0
     if leaky then
       delay = base - now
     end
-    return true, math.floor((cap - (new_tat - now)) / t), new_tat - now, 0, delay
+    return true, floor((cap - (new_tat - now)) / t), new_tat - now, 0, delay
   end
-  return false, math.floor(math.max(cap - (base - now), 0) / t), base - now,
+  return false, floor(mmax(cap - (base - now), 0) / t), base - now,
     new_tat - cap - now, 0
 end
 
@@ -92,11 +92,11 @@ end
 -- another shape (converted since the check) keeps its units.
 local function tb_refund(key, now, limit, t, cost)
   local v = tg_read('GET', key)
-  local tat, iv = string.match(v or '', '^(%d+):(%d+)$')
-  if not tat or tonumber(iv) ~= t then
+  local tat, iv = smatch(v or '', '^(%d+):(%d+)$')
+  if not tat or tonum(iv) ~= t then
     return
   end
-  redis.call('SET', key, string.format('%d:%d', tonumber(tat) - cost * t, t), 'KEEPTTL')
+  rcall('SET', key, sfmt('%d:%d', tonum(tat) - cost * t, t), 'KEEPTTL')
   tg_forget(key)
 end
 
@@ -110,7 +110,7 @@ local function tb_debit(key, now, limit, t, cost)
   if tat and tat > now then
     base = tat
   end
-  local new = math.min(base + cost * t, now + 2 * limit * t)
+  local new = mmin(base + cost * t, now + 2 * limit * t)
   if tat and tat > new then
     new = tat
   end
@@ -128,9 +128,9 @@ local function tb_lease(key, now, limit, t, want, life)
     tat = now
   end
   local cap = limit * t
-  local r = math.floor((cap - (tat - now)) / t)
-  local base = math.max(tat, now + life)
-  local g = math.min(want, math.floor(r / 2), math.floor((cap - (base - now)) / t))
+  local r = floor((cap - (tat - now)) / t)
+  local base = mmax(tat, now + life)
+  local g = mmin(want, floor(r / 2), floor((cap - (base - now)) / t))
   if g >= 1 then
     bucket_put(key, base + g * t, t)
   end

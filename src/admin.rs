@@ -347,6 +347,22 @@ async fn keys(gw: &Arc<State>, m: Method, p: &str, peer: SocketAddr) -> Response
                 "reset_ms": s.as_ref().map_or(0, |o| o.reset_us / 1000),
                 "tracked": s.is_some(),
             });
+            // A limit that settles against a reported cost: what is spent splits into what
+            // this node's requests still hold reserved and what has been charged.
+            let rule = snap.rules.rules.get(c.planned_rule as usize);
+            if let Some(sp) = rule
+                .map(|r| r.spend_of_slot(c.spend))
+                .filter(|sp| sp.cost_from.is_some())
+            {
+                let used = q
+                    .limit
+                    .get()
+                    .saturating_sub(s.as_ref().map_or(q.limit.get(), |o| o.remaining));
+                let reserved = gw.limiter().reserved_at(&c.check.key);
+                v["unit"] = json!(sp.cost_from.and_then(|cf| cf.unit.as_deref()));
+                v["reserved"] = json!(reserved);
+                v["charged"] = json!(used.saturating_sub(reserved));
+            }
             if let (Value::Object(o), Value::Object(w)) = (&mut v, quota_json(q)) {
                 o.extend(w);
             }
@@ -402,5 +418,6 @@ async fn status(gw: &State) -> Response<ProxyBody> {
         "last_reload_success_at": gw.metrics().reload.last_success_timestamp.get(),
         "config_file_changed": gw.metrics().reload.config_file_changed.get() == 1,
         "version": env!("CARGO_PKG_VERSION"),
+        "adaptive": gw.adaptive().map(|a| a.status()),
     }))
 }

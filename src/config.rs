@@ -32,6 +32,10 @@ use crate::identity::jwt::JwtKeys;
 /// `server.max_connections_per_ip` when unset (and `max_connections` is at least four times it).
 pub const DEFAULT_MAX_CONNECTIONS_PER_IP: usize = 64;
 
+/// `store.timeout` when unset in a file with an `rls:` section: half of Envoy's default 20 ms
+/// timeout for a `ShouldRateLimit` call.
+pub const RLS_STORE_TIMEOUT: Duration = Duration::from_millis(10);
+
 /// `upstream.max_connections_per_target` when unset.
 pub const DEFAULT_MAX_CONNECTIONS_PER_TARGET: usize = 1024;
 
@@ -287,6 +291,8 @@ pub struct GatewayConfig {
     pub otlp: Option<otlp::OtlpConfig>,
     /// The Envoy rate-limit service (`rls:`), when configured.
     pub rls: Option<rls::RlsSettings>,
+    /// Adaptive concurrency toward the upstream (`upstream.adaptive`; `None`: off).
+    pub adaptive: Option<crate::adaptive::AdaptiveConfig>,
     /// Things an operator should know that are not errors (an ignored environment override, a
     /// risky combination). `check` prints them; `run` logs each as a warning at start.
     pub notes: Vec<String>,
@@ -391,7 +397,12 @@ impl GatewayConfig {
                 "missing field `upstream` (only a file with an `rls:` section, for `tollgate rls`, may leave it out)",
             )),
         };
-        let store = store_section(f, dir, &raw.store, env, &mut notes)?;
+        let mut store = store_section(f, dir, &raw.store, env, &mut notes)?;
+        if raw.rls.is_some() && raw.store.timeout.is_none() {
+            // Envoy gives the whole rate-limit call 20 ms by default: the store's part of it
+            // stays well under that, so a slow store is answered by the failure policy in time.
+            store.timeout = RLS_STORE_TIMEOUT;
+        }
         let identity = identity_section(f, dir, &raw.identity)?;
         let limits = limits_section(f, &raw.limits)?;
         let server = server_section(f, &raw.server, upstream.request_timeout, &mut notes)?;
@@ -409,8 +420,13 @@ impl GatewayConfig {
             Some(r) => Some(rls::compile(f, dir, r)?),
             None => None,
         };
+        let adaptive = match raw.upstream.as_ref().and_then(|u| u.value.adaptive.as_ref()) {
+            Some(a) => Some(crate::adaptive::AdaptiveConfig::compile(f, a)?),
+            None => None,
+        };
         Ok(GatewayConfig {
             rls,
+            adaptive,
             path: path.to_path_buf(),
             listen,
             admin_listen,

@@ -119,12 +119,28 @@ pub fn rule(r: &Rule) -> String {
     if let Some(m) = &r.count_when {
         s.push_str(&format!(" count_when=[{}]", m.to_text()));
     }
-    if let Some(cf) = &r.cost_from {
-        s.push_str(&format!(" cost_from={} (max {}", cf.header, cf.max));
+    for (n, sp) in r.spends().enumerate() {
+        let Some(cf) = sp.cost_from else { continue };
+        if n > 0 {
+            s.push_str(&format!(" limit{}:", usize::from(sp.slot) + 1));
+        }
+        s.push_str(&format!(" cost_from={} (max {}", cf.source, cf.max));
+        if let Some(u) = &cf.unit {
+            s.push_str(&format!(", in {u}"));
+        }
         if let Some(q) = &cf.in_flight {
             s.push_str(&format!(", at most {} in flight per key", q.limit));
         }
         s.push(')');
+        if let Some(e) = sp.estimate {
+            let paths: Vec<&str> = e.paths.iter().map(|p| p.as_str()).collect();
+            s.push_str(&format!(
+                " estimate=json {} (default {}, within {} bytes)",
+                paths.join("|"),
+                e.default,
+                e.within
+            ));
+        }
     }
     if let Some(p) = &r.penalty {
         if p.escalates() {

@@ -10,6 +10,7 @@ pub mod breaker;
 mod check;
 pub mod deny_cache;
 mod held;
+pub use held::PendingGuard;
 pub mod keys;
 pub mod lease;
 pub mod memory;
@@ -64,6 +65,13 @@ pub struct Limiter {
     /// This node's leases of hot keys (`store.leases`); `None` on the memory store or when
     /// leases are off.
     leases: Option<lease::Leases>,
+    /// Units this node's requests reserved and have not settled yet, by store key (rules whose
+    /// cost the response body reports): what `/keys` shows as reserved. Held only to add or
+    /// subtract (never across an `.await`).
+    reserved: parking_lot::Mutex<std::collections::HashMap<StoreKey, u64>>,
+    /// Upstream exchanges and settlements still under way after their client's request ended
+    /// (a client that left, a cost still to settle): shutdown waits for them.
+    pending: Arc<held::Pending>,
 }
 
 /// A check [`Limiter::begin`] could not decide without the store: what [`Limiter::ask`] needs
@@ -105,6 +113,8 @@ impl Limiter {
             timeout,
             clock,
             held: Default::default(),
+            reserved: Default::default(),
+            pending: Default::default(),
             next_holder: std::sync::atomic::AtomicU64::new(random_holder_start()),
             leases: None,
         }

@@ -9,6 +9,8 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
+mod adaptive;
+mod cost;
 mod otlp;
 mod process;
 mod reload;
@@ -17,6 +19,8 @@ mod store;
 mod traffic;
 mod upstream;
 
+pub use adaptive::AdaptiveMetrics;
+pub use cost::{CostHandles, CostMetrics, Unreported};
 pub use otlp::OtlpCounters;
 pub use process::Process;
 pub use reload::{Reload, Tls};
@@ -76,6 +80,10 @@ pub struct Metrics {
     pub otlp: OtlpCounters,
     /// The Envoy rate-limit service.
     pub rls: RlsMetrics,
+    /// Adaptive concurrency (`upstream.adaptive`).
+    pub adaptive: AdaptiveMetrics,
+    /// Costs the upstream reports (`cost_from`): charged, reservation error, unreported.
+    pub cost: CostMetrics,
 }
 
 impl Metrics {
@@ -89,7 +97,11 @@ impl Metrics {
         let reload = Reload::register(&mut registry);
         let otlp = OtlpCounters::register(&mut registry);
         let rls = RlsMetrics::register(&mut registry);
+        let adaptive = AdaptiveMetrics::register(&mut registry);
+        let cost = CostMetrics::register(&mut registry);
         Arc::new(Metrics {
+            cost,
+            adaptive,
             rls,
             registry,
             traffic,

@@ -5,7 +5,9 @@
 //! |---|---|---|
 //! | validate | `proxy/validate.rs` | framing, Host, method case and header caps; the target and host settled (`proxy/target.rs`); `_` spellings of read headers refused |
 //! | plan | `proxy/plan.rs` | the engine identifies the caller and picks the limits (no I/O) |
+//! | estimate | `proxy/estimate.rs` | a limit that reserves from the body (`estimate`) has the body's start read and its cost set |
 //! | check | `proxy/check.rs` | the limiter checks and spends them, the engine judges: a 429 / 503 now, or what the admitted request holds; a leaky bucket's wait |
+//! | admit | `proxy/admit.rs` | adaptive concurrency: room under the upstream's learned limit, or a 503 naming the request's priority class |
 //! | forward | `proxy/forward.rs` | the outbound request (hop-by-hop, forwarding headers, upgrades), the upstream exchange |
 //! | settle | `proxy/settle.rs` | `count_when` / `cost_from` settlement after the response; its rate-limit headers |
 //! | log | `proxy/log.rs` | the access line (`proxy/access.rs`) and the request's metrics; errors rendered as local answers |
@@ -27,8 +29,10 @@ use crate::state::State;
 
 pub mod access;
 mod account;
+mod admit;
 mod check;
 mod ctx;
+mod estimate;
 pub(crate) mod facts;
 mod forward;
 mod log;
@@ -65,8 +69,15 @@ impl State {
     ) -> Result<Response<ProxyBody>, GatewayError> {
         validate::phase(self, x, &mut req)?;
         plan::phase(self, x, &req)?;
+        // The body, cut off past `server.max_body_bytes`, as it goes upstream.
+        let max_body = usize::try_from(self.config().server.max_body_bytes).unwrap_or(usize::MAX);
+        let mut req = req.map(|b| ProxyBody::Request(http_body_util::Limited::new(b, max_body)));
+        estimate::phase(self, x, &mut req).await?;
         if let Some(limited) = check::phase(self, x).await? {
             return Ok(limited);
+        }
+        if let Err(refused) = admit::phase(self, x).await {
+            return settle::phase(self, x, Err(refused));
         }
         let result = forward::phase(self, x, req).await;
         settle::phase(self, x, result)

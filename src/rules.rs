@@ -100,13 +100,40 @@ impl StatusMatch {
     }
 }
 
-/// `cost_from`: the response header (or trailer) that reports a request's real cost.
+/// Where the upstream reports a request's real cost.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CostSource {
+    /// A response header, or a trailer of that name.
+    Header(HeaderName),
+    /// A number at a dotted path of the JSON response body, or of any event of an
+    /// event-stream response (the largest found counts), read as the body streams through.
+    Json(crate::usage::JsonPath),
+}
+
+impl std::fmt::Display for CostSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CostSource::Header(h) => write!(f, "header {h}"),
+            CostSource::Json(p) => write!(f, "json {p}"),
+        }
+    }
+}
+
+/// `cost_from`: where the upstream reports a request's real cost (a response header or
+/// trailer, or a JSON field of the response body).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CostFrom {
-    /// The header name.
-    pub header: HeaderName,
+    /// Where the cost is reported.
+    pub source: CostSource,
     /// Largest cost it may report; larger values count as this.
     pub max: u64,
+    /// What the cost counts (`tokens`): the limit's `q` and `r` then count these units one by
+    /// one, and `RateLimit-Policy` names them (`qu`). `None`: requests of `cost`.
+    pub unit: Option<Arc<str>>,
+    /// A whole, valid body without the number is charged `max` (`missing: max`), not the
+    /// reservation: a client that can keep the upstream from reporting (a stream asked
+    /// without usage) then gains nothing by it.
+    pub missing_max: bool,
     /// The cap on this rule's requests in flight per key (`cost_from.in_flight`), as a
     /// concurrency quota: what a key can spend before its requests settle is at most this many
     /// times `max - cost`. `None` when `max` is the estimate (nothing to settle upwards).
@@ -114,6 +141,22 @@ pub struct CostFrom {
 }
 
 impl CostFrom {
+    /// The header that reports the cost, when it is one.
+    pub fn header(&self) -> Option<&HeaderName> {
+        match &self.source {
+            CostSource::Header(h) => Some(h),
+            CostSource::Json(_) => None,
+        }
+    }
+
+    /// The JSON path that reports the cost, when it is one.
+    pub fn json(&self) -> Option<&crate::usage::JsonPath> {
+        match &self.source {
+            CostSource::Json(p) => Some(p),
+            CostSource::Header(_) => None,
+        }
+    }
+
     /// The cost a header value reports, capped at `max`; `None` when it is not a whole number.
     pub fn parse(&self, v: &http::HeaderValue) -> Option<u64> {
         self.parse_all(std::iter::once(v))
@@ -142,6 +185,51 @@ impl CostFrom {
         cost
     }
 }
+
+/// `estimate`: what a request reserves before it is forwarded, read from its JSON body (the
+/// largest number at any of `paths`), at least 1 and at most the cost source's `max`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Estimate {
+    /// Dotted paths into the request body (`max_tokens`).
+    pub paths: Vec<crate::usage::JsonPath>,
+    /// The reservation when a complete, valid body has none of the paths.
+    pub default: u64,
+    /// Paths of a multiplier (`n`): the reservation is the number found times the largest of
+    /// these (1 when none is found).
+    pub times: Vec<crate::usage::JsonPath>,
+    /// How many bytes of the request body are read to find them. A body that does not end
+    /// within them, is not valid JSON or is compressed reserves `max`.
+    pub within: usize,
+}
+
+/// What one request spends of one limit: a fixed cost, or a reservation settled against the
+/// cost the upstream reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Spend {
+    /// Units reserved per request when there is no `estimate` (and the estimate's fallback).
+    pub cost: u64,
+    /// Where the real cost is reported.
+    pub cost_from: Option<CostFrom>,
+    /// The reservation read from the request body.
+    pub estimate: Option<Estimate>,
+}
+
+/// A limit's spend, borrowed from its rule: the limit's own, or the rule's.
+#[derive(Debug, Clone, Copy)]
+pub struct SpendRef<'a> {
+    /// Units per request (the fixed cost, or the estimate's stand-in before the body is read).
+    pub cost: u64,
+    /// Where the real cost is reported.
+    pub cost_from: Option<&'a CostFrom>,
+    /// The reservation read from the request body.
+    pub estimate: Option<&'a Estimate>,
+    /// Which spend it is: the limit's position when the limit has its own, else
+    /// [`RULE_SPEND`]. Reservations of one spend settle against one reported cost.
+    pub slot: u8,
+}
+
+/// The spend slot of a limit that spends as its rule says.
+pub const RULE_SPEND: u8 = u8::MAX;
 
 /// Specificity of a rule; larger is more specific.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -200,13 +288,93 @@ pub struct Rule {
     pub count_when: Option<StatusMatch>,
     /// The real cost comes from the response: reserve `cost`, then settle the difference.
     pub cost_from: Option<CostFrom>,
+    /// The reservation comes from the request body (`estimate`), settled by `cost_from`.
+    pub estimate: Option<Estimate>,
+    /// Limits that spend in their own way (`limits: [{…, cost_from: …}]`), by position; empty
+    /// when every limit spends as the rule says. Past its end, or `None`: the rule's.
+    pub limit_spends: Vec<Option<Spend>>,
     /// How specific the rule's match is: among rules of one kind, only the most specific match applies.
     pub specificity: Specificity,
     /// Line of the rule in its file.
     pub line: u64,
+    /// The priority class its requests get under adaptive concurrency, with where it is
+    /// written (line, column): checked against the gateway's classes when the rules load.
+    pub priority: Option<(Arc<str>, u64, u64)>,
 }
 
 impl Rule {
+    /// What one request spends of the rule's limit at position `n` (of its limits, or of an
+    /// override's, by position).
+    pub fn spend(&self, n: usize) -> SpendRef<'_> {
+        match self.limit_spends.get(n) {
+            Some(Some(s)) => SpendRef {
+                cost: s.cost,
+                cost_from: s.cost_from.as_ref(),
+                estimate: s.estimate.as_ref(),
+                slot: u8::try_from(n).unwrap_or(RULE_SPEND),
+            },
+            _ => SpendRef {
+                cost: self.cost,
+                cost_from: self.cost_from.as_ref(),
+                estimate: self.estimate.as_ref(),
+                slot: RULE_SPEND,
+            },
+        }
+    }
+
+    /// The spend of slot `slot` ([`SpendRef::slot`]).
+    pub fn spend_of_slot(&self, slot: u8) -> SpendRef<'_> {
+        self.spend(if slot == RULE_SPEND {
+            usize::MAX
+        } else {
+            usize::from(slot)
+        })
+    }
+
+    /// Every spend of the rule: its own, then each limit's.
+    pub fn spends(&self) -> impl Iterator<Item = SpendRef<'_>> {
+        std::iter::once(self.spend(usize::MAX)).chain(
+            self.limit_spends
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.is_some())
+                .map(|(n, _)| self.spend(n)),
+        )
+    }
+
+    /// What the rate-limit headers of its limit at position `n` count ([`crate::http::headers::Unit`]).
+    pub fn header_unit(&self, n: usize) -> crate::http::headers::Unit {
+        let s = self.spend(n);
+        match s.cost_from.and_then(|c| c.unit.clone()) {
+            Some(name) => crate::http::headers::Unit {
+                cost: 1,
+                name: Some(name),
+            },
+            None => crate::http::headers::Unit {
+                cost: s.cost,
+                name: None,
+            },
+        }
+    }
+
+    /// Some limit settles against a reported cost (`cost_from`).
+    pub fn settles_cost(&self) -> bool {
+        self.spends().any(|s| s.cost_from.is_some())
+    }
+
+    /// Some limit reserves from the request body (`estimate`).
+    pub fn estimates(&self) -> bool {
+        self.spends().any(|s| s.estimate.is_some())
+    }
+
+    /// The cap on requests in flight per key of a rule that settles (`cost_from.in_flight`):
+    /// the smallest of its cost sources' caps.
+    pub fn in_flight_cap(&self) -> Option<Quota> {
+        self.spends()
+            .filter_map(|s| s.cost_from.and_then(|c| c.in_flight))
+            .min_by_key(|q| q.limit)
+    }
+
     /// The limits that apply to `identity`: its override if any, else the rule's.
     pub fn limits_for(&self, identity: &Identity) -> &[Quota] {
         self.limits_for_id(&identity.id)

@@ -272,6 +272,15 @@ fn spawn_workers(
         if let Some(r) = rls {
             let _ = r.await;
         }
+        // Exchanges whose client left, and costs still to settle, finish first (at most the
+        // upstream's deadline and a store call): what a client owes is charged before exit.
+        let within = gw_done.config().upstream.request_timeout + gw_done.config().store.timeout * 4;
+        if !gw_done.limiter().settled(within).await {
+            tracing::warn!(
+                waited_ms = within.as_millis() as u64,
+                "shutdown: some upstream exchanges or settlements were still under way; their estimates stay spent"
+            );
+        }
         // Nothing is admitted any more: give every lease's unused units back to the fleet.
         gw_done.limiter().return_leases(true).await;
         let _ = release.send(true);

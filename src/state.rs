@@ -40,6 +40,8 @@ pub struct Snapshot {
     pub keys: KeyRegistry,
     /// Metric handles, one per rule, same order.
     pub rule_metrics: Vec<RuleMetrics>,
+    /// Per rule: the cost metrics of each spend that settles (`cost_from`), by spend slot.
+    pub cost_metrics: Vec<Vec<(u8, crate::metrics::CostHandles)>>,
     /// When this snapshot was loaded.
     pub loaded_at: SystemTime,
     /// Per rule: the store keys of a `global` rule's limits (empty for other kinds), built
@@ -48,10 +50,21 @@ pub struct Snapshot {
     /// Some rule spends by response (`count_when` or `cost_from`): only then does the request
     /// path look at what each rule reserved after the response.
     pub settles: bool,
+    /// Some rule reserves from the request body (`estimate`): only then does the request path
+    /// read a body before its check.
+    pub estimates: bool,
+    /// Per rule, per limit: what its rate-limit headers count ([`crate::http::headers::Unit`]);
+    /// empty for a rule whose limits all count requests of its `cost`.
+    pub rule_units: Vec<Vec<crate::http::headers::Unit>>,
     /// Per rule, per limit: the rate-limit header values every response it binds carries
     /// unchanged (`RateLimit-Policy`, `X-RateLimit-Limit`), made once here.
     pub rule_headers: Vec<Vec<crate::http::headers::FixedValues>>,
+    /// Per rule: the position of its priority class in `upstream.adaptive.classes`
+    /// ([`NO_CLASS`] when it names none).
+    pub rule_class: Vec<u8>,
 }
+
+pub use crate::adaptive::NO_CLASS;
 
 /// The gateway's shared state.
 pub struct State {
@@ -94,6 +107,8 @@ pub struct State {
     drained_requests: AtomicU64,
     /// Span export over OTLP (`tracing.otlp`; `None`: off).
     exporter: Option<Arc<crate::telemetry::Exporter>>,
+    /// Adaptive concurrency toward the upstream (`upstream.adaptive`; `None`: off).
+    adaptive: Option<Arc<crate::adaptive::Adaptive>>,
 }
 
 /// Seconds since the Unix epoch (0 before it).
@@ -123,7 +138,20 @@ pub fn load_snapshot(config: &GatewayConfig, metrics: &Metrics) -> Result<Snapsh
             .map_err(|e| e.named_in(&config.path, "keys_file", config.keys_file_at))?,
         None => KeyRegistry::empty(),
     };
+    let rule_class = crate::adaptive::rule_classes(&rules, config.adaptive.as_ref(), &config.rules_file)?;
     let rule_metrics = rules.rules.iter().map(|r| metrics.traffic.rule(&r.name)).collect();
+    let cost_metrics = rules
+        .rules
+        .iter()
+        .map(|r| {
+            r.spends()
+                .filter_map(|s| {
+                    s.cost_from
+                        .map(|cf| (s.slot, metrics.cost.handles(&r.name, &cf.source.to_string())))
+                })
+                .collect()
+        })
+        .collect();
     let kb = key_builder(config);
     let global_keys = rules
         .rules
@@ -136,25 +164,38 @@ pub fn load_snapshot(config: &GatewayConfig, metrics: &Metrics) -> Result<Snapsh
             (0..r.limits.len()).map(|n| kb.key(&tag, &r.name, n)).collect()
         })
         .collect();
-    let settles = rules
-        .rules
-        .iter()
-        .any(|r| r.count_when.is_some() || r.cost_from.is_some());
-    let rule_headers = rules
+    let settles = rules.rules.iter().any(|r| r.count_when.is_some() || r.settles_cost());
+    let estimates = rules.rules.iter().any(|r| r.estimates());
+    let rule_units: Vec<Vec<crate::http::headers::Unit>> = rules
         .rules
         .iter()
         .map(|r| {
+            if r.limit_spends.is_empty() && r.cost_from.as_ref().is_none_or(|c| c.unit.is_none()) {
+                return Vec::new();
+            }
+            (0..r.limits.len()).map(|n| r.header_unit(n)).collect()
+        })
+        .collect();
+    let rule_headers = rules
+        .rules
+        .iter()
+        .zip(&rule_units)
+        .map(|(r, units)| {
             (0..r.limits.len())
-                .filter_map(|at| crate::http::headers::FixedValues::new(&r.name, &r.limits, at, r.cost))
+                .filter_map(|at| crate::http::headers::FixedValues::new(&r.name, &r.limits, at, r.cost, units))
                 .collect()
         })
         .collect();
     Ok(Snapshot {
+        rule_class,
         settles,
+        estimates,
+        rule_units,
         rule_headers,
         rules,
         keys,
         rule_metrics,
+        cost_metrics,
         loaded_at: SystemTime::now(),
         global_keys,
     })
@@ -334,6 +375,10 @@ impl State {
             None => None,
         };
         let overrides_key = format!("{{{}:overrides}}", config.store.key_prefix);
+        let adaptive = config
+            .adaptive
+            .as_ref()
+            .map(|c| crate::adaptive::Adaptive::new(c.clone(), metrics.adaptive.gauges(c.classes())));
         let gw = Arc::new(State {
             snapshot: ArcSwap::from_pointee(snap),
             runtime: ArcSwap::from_pointee(RuntimeOverrides::default()),
@@ -354,8 +399,14 @@ impl State {
             drain: tokio::sync::watch::channel(false).0,
             drained_requests: AtomicU64::new(0),
             exporter,
+            adaptive,
         });
         Ok(gw)
+    }
+
+    /// The adaptive concurrency limiter (`None`: `upstream.adaptive` is off).
+    pub fn adaptive(&self) -> Option<&Arc<crate::adaptive::Adaptive>> {
+        self.adaptive.as_ref()
     }
 
     /// The runtime overrides in force.

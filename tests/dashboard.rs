@@ -446,3 +446,75 @@ async fn store_history_records_the_breaker_opening_and_closing() {
     assert!(ev.last().unwrap().starts_with("started: "), "{ev:?}");
     gw.stop().await;
 }
+
+/// With `upstream.adaptive`, the page shows the limit, in flight, the limit's history as a chart
+/// and the classes with their admissions and refusals, as `/status` reports them.
+#[test]
+fn adaptive_concurrency_card_shows_the_limit_history_and_the_classes() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let up = rt.block_on(echo());
+    let dir = tempfile::tempdir().unwrap();
+    let (port, admin_port) = (free_port(), free_port());
+    std::fs::write(
+        dir.path().join("rules.yaml"),
+        "rules:\n  - { name: checkout, match: { path: \"/checkout\" }, key: global, limit: 1000000, window: 1h, priority: critical }\n  - { name: api, match: { path: \"/**\" }, key: global, limit: 1000000, window: 1h }\n",
+    )
+    .unwrap();
+    let cfg = dir.path().join("gateway.yaml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "listen: 127.0.0.1:{port}\nadmin_listen: 127.0.0.1:{admin_port}\nupstream:\n  url: http://{up}\n  adaptive: {{ min: 3, max: 50, initial: 7, window: 20ms, min_samples: 2 }}\nrules_file: rules.yaml\n"
+        ),
+    )
+    .unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tollgate"));
+    cmd.args(["run", "--config"]).arg(&cfg).env("RUST_LOG", "info");
+    let gw = BinaryGateway::spawn(&mut cmd, dir.path().join("tollgate.log"), &[port, admin_port]);
+    let c = client();
+    // Traffic over more than a second: 5 critical requests and 30 default ones, so that windows
+    // end and the history has points.
+    rt.block_on(async {
+        for i in 0..35 {
+            let path = if i < 5 { "/checkout" } else { "/x" };
+            let r = c.get(format!("{}{path}", gw.url)).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            tokio::time::sleep(Duration::from_millis(40)).await;
+        }
+    });
+    let status = rt.block_on(get_json(&c, format!("{}/status", gw.admin)));
+    let a = &status["adaptive"];
+    assert_eq!(a["classes"][0]["admitted"], 5, "{status}");
+    assert_eq!(a["classes"][1]["admitted"], 30, "{status}");
+    assert!(!a["history"].as_array().unwrap().is_empty(), "{status}");
+    let dom = headless(
+        &format!("http://127.0.0.1:{admin_port}/"),
+        1280,
+        2000,
+        2500,
+        &["--dump-dom".into()],
+    );
+    assert!(refreshes(&dom) >= 1, "the page never rendered:\n{dom}");
+    assert!(
+        !dom.contains(r#"id="adaptive-card" hidden"#),
+        "the adaptive card is hidden:\n{dom}"
+    );
+    let limit = text_after(&dom, r#"id="adaptive-limit">"#).unwrap_or_default();
+    assert_eq!(limit, a["limit"].to_string(), "{dom}");
+    let points: usize = dom
+        .split(r#"data-points=""#)
+        .nth(1)
+        .and_then(|r| r.split('"').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    assert!(points >= 1, "no history points in the chart:\n{dom}");
+    let admitted = |class: &str| {
+        let row = dom
+            .split(&format!(r#"data-class="{class}""#))
+            .nth(1)
+            .unwrap_or_default();
+        text_after(row, r#"data-admitted="">"#).unwrap_or_default().to_string()
+    };
+    assert_eq!(admitted("critical"), "5", "{dom}");
+    assert_eq!(admitted("default"), "30", "{dom}");
+}

@@ -771,6 +771,23 @@ fn json_healthcheck_and_grpc_health() {
 }
 
 #[test]
+fn ietf_headers_name_the_binding_limit_and_its_window() {
+    let node = rls_node("", "  headers: ietf\n", &[("ex2.yaml", EX2)]);
+    let mut c = RlsClient::start();
+    let r = c.call(&node.addr, "messaging", &[&[("to_number", "5")]]);
+    let reset = st(&r, 0)["reset"].as_u64().unwrap();
+    assert!(reset > 0 && reset <= 86_400, "{r}");
+    assert_eq!(
+        r["headers"],
+        json!([
+            ["RateLimit-Policy", "\"rls\";q=100;w=86400"],
+            ["RateLimit", format!("\"rls\";r=99;t={reset}")]
+        ]),
+        "{r}"
+    );
+}
+
+#[test]
 fn run_serves_the_proxy_and_the_rate_limit_service_in_one_process() {
     let cfg = tempfile::tempdir().unwrap();
     std::fs::write(cfg.path().join("ex5.yaml"), EX5).unwrap();
@@ -915,4 +932,93 @@ fn a_file_without_upstream_or_rules_runs_the_rate_limit_service_alone() {
     let r = c.call(&addr, "messaging", &[&[("to_number", "5")]]);
     assert_eq!(r["overall"], "OK", "{r}");
     expect(&r, 0, "OK", Some((100, "DAY")), 99);
+}
+
+/// Malformed gRPC framing, sent with a raw HTTP/2 client (the `h2` crate, not tollgate's gRPC
+/// stack): a length prefix longer than the body, a compressed flag with no `grpc-encoding`, a
+/// message over the size limit, and two messages in a unary call. Each gets a gRPC error
+/// status, the process stays up, and no counter moves.
+#[test]
+fn malformed_grpc_frames_get_an_error_status_and_move_no_counter() {
+    let node = rls_node("", "", &[("ex2.yaml", EX2)]);
+    let mut c = RlsClient::start();
+    let r = c.call(&node.addr, "messaging", &[&[("to_number", "7")]]);
+    expect(&r, 0, "OK", Some((100, "DAY")), 99);
+    // A well-formed RateLimitRequest for the same descriptor: domain "messaging", one
+    // descriptor with the entry to_number=7 (protobuf by hand: field 1 string, field 2 message
+    // of field 1 message of fields 1 and 2 strings).
+    let entry = [&[0x0a, 9][..], b"to_number", &[0x12, 1], b"7"].concat();
+    let descriptor = [&[0x0a, entry.len() as u8][..], &entry].concat();
+    let msg = [
+        &[0x0a, 9][..],
+        b"messaging",
+        &[0x12, descriptor.len() as u8],
+        &descriptor,
+    ]
+    .concat();
+    let frame = |flag: u8, declared: u32, body: &[u8]| [&[flag][..], &declared.to_be_bytes(), body].concat();
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        ("a length prefix longer than the body", frame(0, 1000, &msg)),
+        ("compressed with no grpc-encoding", frame(1, msg.len() as u32, &msg)),
+        ("a message over the size limit", frame(0, 64 << 20, &msg)),
+        (
+            "two messages in a unary call",
+            [frame(0, msg.len() as u32, &msg), frame(0, msg.len() as u32, &msg)].concat(),
+        ),
+    ];
+    // The last case is decided on its first message alone (as tonic reads a unary call) and
+    // counted once: it is not refused, and it is not a second call for free either.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    for (n, (what, body)) in cases.into_iter().enumerate() {
+        let status = rt.block_on(async {
+            let s = tokio::net::TcpStream::connect(&node.addr).await.unwrap();
+            let (h2, conn) = h2::client::handshake(s).await.unwrap();
+            let conn = tokio::spawn(conn);
+            let mut h2 = h2.ready().await.unwrap();
+            let req = http::Request::post(format!(
+                "http://{}/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit",
+                node.addr
+            ))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .body(())
+            .unwrap();
+            let (resp, mut send) = h2.send_request(req, false).unwrap();
+            send.send_data(bytes::Bytes::from(body), true).unwrap();
+            let resp = tokio::time::timeout(Duration::from_secs(5), resp)
+                .await
+                .unwrap()
+                .unwrap();
+            let mut status = resp
+                .headers()
+                .get("grpc-status")
+                .map(|v| v.to_str().unwrap().to_string());
+            let mut body = resp.into_body();
+            while let Some(chunk) = body.data().await {
+                if chunk.is_err() {
+                    break;
+                }
+            }
+            if status.is_none() {
+                if let Ok(Some(t)) = body.trailers().await {
+                    status = t.get("grpc-status").map(|v| v.to_str().unwrap().to_string());
+                }
+            }
+            drop(h2);
+            conn.abort();
+            status
+        });
+        let status = status.unwrap_or_else(|| panic!("{what}: no grpc-status"));
+        if n < 3 {
+            assert_ne!(status, "0", "{what}: answered OK");
+        } else {
+            assert_eq!(status, "0", "{what}");
+        }
+    }
+    // Still up, and the counter is where the good call and the two-message call left it.
+    let r = c.call(&node.addr, "messaging", &[&[("to_number", "7")]]);
+    expect(&r, 0, "OK", Some((100, "DAY")), 97);
 }

@@ -125,13 +125,17 @@
       .then(function (r) { return r.ok ? r.json() : Promise.reject(new Error("HTTP " + r.status)); })
       .then(function (x) {
         var rows = x.counters.map(function (c) {
-          return el("tr", {}, el("td", { text: c.rule }), el("td", { text: c.limit }),
-            el("td", { cls: "n", text: c.tracked ? num(c.remaining) : "untracked" }),
+          // A token budget counts its unit (tokens) and shows what is reserved in flight.
+          var unit = c.unit ? " " + c.unit : "";
+          return el("tr", {}, el("td", { text: c.rule }), el("td", { text: c.limit + unit }),
+            el("td", { cls: "n", text: c.tracked ? num(c.remaining) + unit : "untracked" }),
+            el("td", { cls: "n", "data-reserved": "", text: c.unit ? num(c.reserved) + unit : "–" }),
             el("td", { cls: "n", text: c.tracked ? (c.reset_ms / 1000).toFixed(1) + " s" : "–" }));
         });
         var t = el("table", {}, el("thead", {}, el("tr", {}, el("th", { text: "rule" }), el("th", { text: "limit" }),
-          el("th", { cls: "n", text: "remaining" }), el("th", { cls: "n", text: "resets in" }))), el("tbody"));
-        fill(t.tBodies[0], rows, "no counters", 4);
+          el("th", { cls: "n", text: "remaining" }), el("th", { cls: "n", text: "reserved" }),
+          el("th", { cls: "n", text: "resets in" }))), el("tbody"));
+        fill(t.tBodies[0], rows, "no counters", 5);
         box.replaceChildren(el("p", {}, "Counters of ", el("span", { cls: "hash", text: x.hash }), " now · ",
           el("a", { href: "/dashboard/limited/" + x.hash, text: "JSON" }), " · ",
           el("a", { href: "#", id: "detail-close", text: "close" })), el("div", { cls: "scroll" }, t));
@@ -170,6 +174,30 @@
     return { svg: svg, max: max };
   }
 
+  // Adaptive concurrency: the limit and the most in flight per second (history rows are
+  // [unix second, limit, most in flight]), and the classes.
+  function adaptive(d) {
+    var a = d.adaptive;
+    $("adaptive-card").hidden = !a;
+    if (!a) return;
+    $("adaptive-limit").textContent = String(a.limit);
+    $("adaptive-in-flight").textContent = String(a.in_flight);
+    $("adaptive-queued").textContent = String(a.queued);
+    var ms = function (v) { return v === null ? "–" : v + " ms"; };
+    $("adaptive-latency").textContent = ms(a.latency_ms);
+    $("adaptive-baseline").textContent = ms(a.baseline_ms);
+    var rows = a.history.map(function (h) { return [h[1], h[2], 0]; });
+    var c = chart(rows);
+    c.svg.setAttribute("data-points", String(rows.length));
+    $("adaptive-chart").replaceChildren(c.svg,
+      el("div", { cls: "axis" }, el("span", { text: "−2 min" }), el("span", { text: "peak " + num(c.max) }), el("span", { text: "now" })));
+    fill($("adaptive-classes").tBodies[0], a.classes.map(function (k) {
+      return el("tr", { "data-class": k.name }, el("td", { text: k.name }), el("td", { text: String(k.guaranteed_slots) }),
+        el("td", { text: String(k.in_flight) }), el("td", { text: String(k.waiting) }),
+        el("td", { "data-admitted": "", text: num(k.admitted) }), el("td", { "data-refused": "", text: num(k.refused) }));
+    }), "no classes", 6);
+  }
+
   function traffic(d) {
     var s = d.series;
     $("traffic-note").textContent = s.rules_total > s.rules.length
@@ -200,7 +228,7 @@
     var overall = d.store.state === "ok" && d.rules.last_reload_ok ? "ok" : (d.store.state === "ok" ? "degraded" : d.store.state);
     var o = pill(overall); o.id = "overall"; $("overall").replaceWith(o);
     $("updated").textContent = "updated " + new Date(d.now * 1000).toLocaleTimeString();
-    store(d); rulesCard(d); upstreams(d); rlsDomains(d); limited(d); traffic(d);
+    store(d); rulesCard(d); upstreams(d); rlsDomains(d); adaptive(d); limited(d); traffic(d);
     refreshes += 1;
     document.body.setAttribute("data-refreshes", String(refreshes));
     document.body.setAttribute("data-sampled-at", String(d.sampled_at));

@@ -192,6 +192,9 @@ pub fn json(gw: &State) -> Value {
                 "descriptors_over_limit": t.descriptors_over_limit,
             })).collect::<Vec<_>>(),
         })),
+        // Adaptive concurrency: the limit, in flight, latencies, per-class counts, and the
+        // last two minutes of limit and in-flight (one point a second); `null` when off.
+        "adaptive": gw.adaptive().map(|a| a.status()),
         // The last ejections, newest first: which target, when (Unix seconds, like `now`), for
         // how long, and the failure that took it out.
         "recent_ejections": gw.upstream().recent_ejections().into_iter().map(|e| json!({
@@ -236,7 +239,7 @@ pub async fn limited(gw: &State, hash: &str) -> Response<ProxyBody> {
                 penalty: r.penalty,
                 lease: None,
             });
-            owners.push((l.rule.clone(), crate::describe::quota(q)));
+            owners.push((l.rule.clone(), crate::describe::quota(q), r.header_unit(n).name));
         }
     }
     let states = match tokio::time::timeout(
@@ -253,10 +256,13 @@ pub async fn limited(gw: &State, hash: &str) -> Response<ProxyBody> {
         .iter()
         .zip(&checks)
         .zip(states)
-        .map(|(((rule, limit), c), s)| {
+        .map(|(((rule, limit, unit), c), s)| {
+            // A token budget: its unit, and what this node's requests hold reserved in it.
             json!({
                 "rule": rule,
                 "limit": limit,
+                "unit": unit.as_deref(),
+                "reserved": gw.limiter().reserved_at(&c.key),
                 "remaining": s.as_ref().map_or(c.quota.limit.get(), |o| o.remaining),
                 "reset_ms": s.as_ref().map_or(0, |o| o.reset_us / 1000),
                 "tracked": s.is_some(),

@@ -17,6 +17,10 @@ pub(super) struct Candidate {
     pub(super) rule: String,
     /// The rule's key kind.
     pub(super) kind: String,
+    /// The rule's index in the snapshot.
+    pub(super) planned_rule: u32,
+    /// Which of its rule's spends the limit reserves for.
+    pub(super) spend: u8,
     /// The rule certainly applies to this value (a registered key id's user rules, an IP's ip
     /// and user rules, a registered org's org rules); otherwise only when a counter exists.
     pub(super) certain: bool,
@@ -91,6 +95,8 @@ pub(super) fn identity_checks(
         for p in planned.checks {
             checks.push(Candidate {
                 check: LimitCheck { cost: 0, ..p.check },
+                planned_rule: p.rule,
+                spend: p.spend,
                 rule: r.name.to_string(),
                 kind: r.key.to_text(),
                 certain: (certain && !other_tier) || over.is_some(),

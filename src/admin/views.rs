@@ -60,6 +60,24 @@ pub(super) fn quota_json(q: &crate::limiter::Quota) -> Value {
     }
 }
 
+fn cost_from_json(c: &crate::rules::CostFrom) -> Value {
+    json!({
+        "header": c.header().map(|h| h.as_str()),
+        "json": c.json().map(|p| p.as_str()),
+        "max": c.max,
+        "unit": c.unit.as_deref(),
+        "in_flight": c.in_flight.map(|q| q.limit.get()),
+    })
+}
+
+fn estimate_json(e: &crate::rules::Estimate) -> Value {
+    json!({
+        "json": e.paths.iter().map(|p| p.as_str()).collect::<Vec<_>>(),
+        "default": e.default,
+        "within": e.within,
+    })
+}
+
 fn rule_json(r: &Rule) -> Value {
     json!({
         "name": &*r.name,
@@ -78,7 +96,13 @@ fn rule_json(r: &Rule) -> Value {
         "shadow": r.shadow,
         "penalty": r.penalty.map(|p| json!({"base": window_text(p.base_us.get()), "max": window_text(p.max_us.get())})),
         "count_when": r.count_when.as_ref().map(|m| m.to_text()),
-        "cost_from": r.cost_from.as_ref().map(|c| json!({"header": c.header.as_str(), "max": c.max})),
+        "cost_from": r.cost_from.as_ref().map(cost_from_json),
+        "estimate": r.estimate.as_ref().map(estimate_json),
+        "limit_spends": r.limit_spends.iter().enumerate().filter_map(|(n, s)| s.as_ref().map(|s| json!({
+            "limit": n, "cost": s.cost,
+            "cost_from": s.cost_from.as_ref().map(cost_from_json),
+            "estimate": s.estimate.as_ref().map(estimate_json),
+        }))).collect::<Vec<_>>(),
         "overrides": r.overrides.keys().collect::<Vec<_>>(),
     })
 }

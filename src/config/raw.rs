@@ -167,6 +167,8 @@ pub struct RawUpstream {
     pub pool_max_idle_per_host: Option<usize>,
     /// Open connections to one target at most.
     pub max_connections_per_target: Option<Spanned<usize>>,
+    /// Adaptive concurrency: a limit on requests in flight, learned from latency.
+    pub adaptive: Option<crate::adaptive::raw::RawAdaptive>,
 }
 
 /// `store:`.

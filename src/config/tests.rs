@@ -475,3 +475,13 @@ fn tracing_otlp_is_off_by_default_and_validates_with_positions() {
         assert!(e.contains(at) && e.contains(says), "{text}\n→ {e}");
     }
 }
+
+#[test]
+fn with_the_rate_limit_service_the_store_deadline_defaults_to_half_of_envoys_timeout() {
+    let rls = "rls: { config_dir: /tmp/none }\n";
+    let c = compile(rls, &EnvOverrides::default()).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(c.store.timeout, RLS_STORE_TIMEOUT);
+    let c = compile(&format!("{rls}store: {{ timeout: 50ms }}\n"), &EnvOverrides::default())
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(c.store.timeout, Duration::from_millis(50), "a set deadline is kept");
+}

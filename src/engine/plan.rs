@@ -31,6 +31,9 @@ pub struct PlannedCheck {
     pub from: LimitsFrom,
     /// This limit may be decided from a lease (its rule allows it and its algorithm takes them).
     pub leasable: bool,
+    /// Which of its rule's spends it reserves for ([`crate::rules::SpendRef::slot`]): checks of
+    /// one rule and slot settle against one reported cost.
+    pub spend: u8,
 }
 
 /// Where a planned check's limits came from, for `/explain`.
@@ -233,21 +236,27 @@ pub fn rule_checks<'v>(
     } = cx;
     let Planned { last, checks: out } = acc;
     let rule = &snap.rules.rules[ri as usize];
-    let planned = |check: LimitCheck, from: LimitsFrom| PlannedCheck {
+    let planned = |(check, spend): (LimitCheck, u8), from: LimitsFrom| PlannedCheck {
         leasable: rule.lease && crate::limiter::lease::algorithm_leases(check.quota.algorithm),
         check,
         policy: rule.failure,
         rule: ri,
         from,
+        spend,
     };
-    let check = |key, q: &crate::limiter::Quota| LimitCheck {
-        key,
-        quota: *q,
-        cost: rule.cost,
-        shadow: rule.shadow,
-        holder: 0,
-        penalty: rule.penalty,
-        lease: None,
+    // Limit `n` spends as the rule says, or in its own way (`limits: [{…, cost: …}]`).
+    let check = |key, q: &crate::limiter::Quota, n: usize| {
+        let spend = rule.spend(n);
+        let c = LimitCheck {
+            key,
+            quota: *q,
+            cost: spend.cost,
+            shadow: rule.shadow,
+            holder: 0,
+            penalty: rule.penalty,
+            lease: None,
+        };
+        (c, spend.slot)
     };
     let first = out.len();
     let file_limits = || {
@@ -267,10 +276,11 @@ pub fn rule_checks<'v>(
                 limits
                     .iter()
                     .zip(fixed)
-                    .map(|(q, key)| planned(check(key.clone(), q), from)),
+                    .enumerate()
+                    .map(|(n, (q, key))| planned(check(key.clone(), q, n), from)),
             );
             if let Some(c) = out.get(first).and_then(|p| in_flight_check(rule, &p.check)) {
-                out.push(planned(c, from));
+                out.push(planned((c, crate::rules::RULE_SPEND), from));
             }
             return;
         }
@@ -301,10 +311,10 @@ pub fn rule_checks<'v>(
         limits
             .iter()
             .enumerate()
-            .map(|(n, q)| planned(check(keys.key(&tag, &rule.name, n), q), from)),
+            .map(|(n, q)| planned(check(keys.key(&tag, &rule.name, n), q, n), from)),
     );
     if let Some(c) = out.get(first).and_then(|p| in_flight_check(rule, &p.check)) {
-        out.push(planned(c, from));
+        out.push(planned((c, crate::rules::RULE_SPEND), from));
     }
 }
 
@@ -313,7 +323,7 @@ pub fn rule_checks<'v>(
 /// same hash tag, so the same store call, all or nothing with the rule's limits). It bounds
 /// what a key can spend before its requests settle to `in_flight × (max − cost)`.
 fn in_flight_check(rule: &crate::rules::Rule, first: &LimitCheck) -> Option<LimitCheck> {
-    let quota = rule.cost_from.as_ref()?.in_flight?;
+    let quota = rule.in_flight_cap()?;
     let mut key = String::with_capacity(first.key.as_str().len() + 2);
     key.push_str(first.key.as_str());
     key.push_str(":f");
@@ -331,12 +341,7 @@ fn in_flight_check(rule: &crate::rules::Rule, first: &LimitCheck) -> Option<Limi
 /// True for the in-flight cap of a `cost_from` rule (see [`in_flight_check`]): a slot of a
 /// rule that is not itself a concurrency rule. It binds a response's headers only when it denies.
 pub fn is_in_flight_cap(snap: &Snapshot, p: &PlannedCheck) -> bool {
-    p.check.is_slot()
-        && snap
-            .rules
-            .rules
-            .get(p.rule as usize)
-            .is_some_and(|r| r.cost_from.is_some())
+    p.check.is_slot() && snap.rules.rules.get(p.rule as usize).is_some_and(|r| r.settles_cost())
 }
 
 /// Host without port: the target's authority when it has one (HTTP/2 `:authority`,

@@ -59,6 +59,20 @@ pub struct Binding<'a> {
     pub windows: &'a [Quota],
     /// Where `quota` is in `windows`.
     pub at: usize,
+    /// Per limit of the rule, by position: what `q` counts ([`Unit`]). Past its end, or
+    /// empty: requests of `cost`.
+    pub units: &'a [Unit],
+}
+
+/// What a limit's `q` and `r` count: requests of `cost` units (`name` `None`), or units named
+/// `name` one by one (`cost` 1, `qu="<name>"`: a limit whose cost the upstream reports, such as
+/// tokens).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unit {
+    /// Units one counted thing is worth (≥ 1).
+    pub cost: u64,
+    /// The quota unit's name (`tokens`), a lower-case token.
+    pub name: Option<std::sync::Arc<str>>,
 }
 
 /// The rate-limit header values of one limit of one rule that are the same on every response:
@@ -82,11 +96,12 @@ impl FixedValues {
     /// The values for limit `at` of rule `rule`'s limits `windows`, at `cost`; `None` when `at`
     /// is out of range or the rule name is not header-safe text (never: names are validated to
     /// `[A-Za-z0-9_.-]`).
-    pub fn new(rule: &str, windows: &[Quota], at: usize, cost: u64) -> Option<Self> {
+    pub fn new(rule: &str, windows: &[Quota], at: usize, cost: u64, units: &[Unit]) -> Option<Self> {
         let quota = *windows.get(at)?;
+        let cost = units.get(at).map_or(cost, |u| u.cost);
         let mut n = itoa::Buffer::new();
         let mut policy = Vec::with_capacity(windows.len() * (rule.len() + 32));
-        write_policy_list(&mut policy, rule, windows, cost, &mut n);
+        write_policy_list(&mut policy, rule, windows, (cost, units), &mut n);
         let mut name = Vec::with_capacity(rule.len() + 12);
         write_name(&mut name, rule, windows, at, &mut n);
         Some(FixedValues {
@@ -167,20 +182,34 @@ fn write_name(buf: &mut impl Put, rule: &str, windows: &[Quota], at: usize, n: &
 /// Every limit of `windows` as a policy, comma-separated: `"name";q=Q;w=W` for a rate limit,
 /// `"name";q=Q;qu="concurrent-requests"` for a concurrency limit (no window: `q` requests in
 /// flight at once).
-fn write_policy_list(buf: &mut impl Put, rule: &str, windows: &[Quota], cost: u64, n: &mut itoa::Buffer) {
+///
+/// A limit with a named unit ([`Unit`]) counts those units: `"name";q=Q;w=W;qu="tokens"`.
+fn write_policy_list(
+    buf: &mut impl Put,
+    rule: &str,
+    windows: &[Quota],
+    (cost, units): (u64, &[Unit]),
+    n: &mut itoa::Buffer,
+) {
     for (k, q) in windows.iter().enumerate() {
         if k > 0 {
             buf.put(b", ");
         }
+        let unit = units.get(k);
         buf.put(b"\"");
         write_name(buf, rule, windows, k, n);
         buf.put(b"\";q=");
-        put_int(buf, requests_of(q, cost), n);
+        put_int(buf, requests_of(q, unit.map_or(cost, |u| u.cost)), n);
         if q.algorithm == crate::limiter::Algorithm::Concurrency {
             buf.put(b";qu=\"concurrent-requests\"");
         } else {
             buf.put(b";w=");
             put_int(buf, window_secs_of(q), n);
+            if let Some(name) = unit.and_then(|u| u.name.as_deref()) {
+                buf.put(b";qu=\"");
+                buf.put(name.as_bytes());
+                buf.put(b"\"");
+            }
         }
     }
 }
@@ -272,7 +301,7 @@ pub fn write_values(buf: &mut ValueBuf, b: &Binding<'_>, ietf: bool, legacy: boo
         match b.fixed {
             Some(f) => buf.preset_appended(&RATELIMIT_POLICY, f.policy.clone()),
             None => {
-                write_policy_list(buf, b.rule, windows, b.cost, &mut n);
+                write_policy_list(buf, b.rule, windows, (b.cost, b.units), &mut n);
                 buf.end_appended(&RATELIMIT_POLICY);
             }
         }

@@ -40,6 +40,16 @@ pub enum GatewayError {
     /// The request's header section is larger than `max_header_bytes`, or has too many fields.
     #[error("request header fields too large")]
     HeadersTooLarge,
+    /// The upstream is at its adaptive concurrency limit and this request's priority class was
+    /// refused (no room came within its queue time, or the queue made room for a higher
+    /// class). A 503, not a 429: the client did nothing wrong.
+    #[error("overloaded: class {class} refused ({reason})")]
+    Overloaded {
+        /// The request's priority class.
+        class: std::sync::Arc<str>,
+        /// `queue_timeout` or `queue_full`.
+        reason: &'static str,
+    },
     /// A credential that is present but identifies no one (`identity.invalid_credentials:
     /// reject`). The body never echoes the credential.
     #[error("invalid credentials")]
@@ -59,7 +69,9 @@ impl GatewayError {
     /// The HTTP status of its answer.
     pub fn status(&self) -> StatusCode {
         match self {
-            GatewayError::LimiterUnavailable { .. } | GatewayError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            GatewayError::LimiterUnavailable { .. }
+            | GatewayError::Unavailable(_)
+            | GatewayError::Overloaded { .. } => StatusCode::SERVICE_UNAVAILABLE,
             GatewayError::BadGateway(_) => StatusCode::BAD_GATEWAY,
             GatewayError::GatewayTimeout => StatusCode::GATEWAY_TIMEOUT,
             GatewayError::BadRequest(_) => StatusCode::BAD_REQUEST,
@@ -106,6 +118,15 @@ impl From<GatewayError> for LocalAnswer {
                 retry_after: Some(1),
                 ..LocalAnswer::new(status, "unavailable", why)
             },
+            GatewayError::Overloaded { class, .. } => LocalAnswer {
+                retry_after: Some(1),
+                class: Some(class),
+                ..LocalAnswer::new(
+                    status,
+                    "overloaded",
+                    "The upstream is at its concurrency limit and requests of this priority class are refused first; retry shortly.",
+                )
+            },
             GatewayError::HeadersTooLarge => LocalAnswer::new(
                 status,
                 "request_header_fields_too_large",
@@ -150,6 +171,8 @@ pub struct LocalAnswer {
     rule: Option<String>,
     /// `Retry-After` and the body's `retry_after`, seconds.
     retry_after: Option<u64>,
+    /// The priority class refused (adaptive concurrency).
+    class: Option<std::sync::Arc<str>>,
     challenge: Challenge,
 }
 
@@ -164,6 +187,7 @@ impl LocalAnswer {
             message: message.into(),
             rule: None,
             retry_after: None,
+            class: None,
             challenge: Challenge::None,
         }
     }
@@ -203,7 +227,10 @@ impl LocalAnswer {
         if let Some(rule) = &self.rule {
             body["rule"] = json!(rule);
         }
-        if let (Some(s), Some(_)) = (self.retry_after, &self.rule) {
+        if let Some(class) = &self.class {
+            body["class"] = json!(&**class);
+        }
+        if let (Some(s), true) = (self.retry_after, self.rule.is_some() || self.class.is_some()) {
             body["retry_after"] = json!(s);
         }
         let mut resp = Response::new(full(body.to_string()));
@@ -219,10 +246,11 @@ impl LocalAnswer {
     pub fn grpc(self) -> Response<ProxyBody> {
         let mut resp = Response::new(super::empty());
         self.finish(resp.headers_mut());
-        let message = match &self.rule {
-            Some(rule) => format!("{} (rule {rule})", self.message),
-            None if self.message.is_empty() => self.error.to_owned(),
-            None => self.message.to_string(),
+        let message = match (&self.rule, &self.class) {
+            (Some(rule), _) => format!("{} (rule {rule})", self.message),
+            (None, Some(class)) => format!("{} (class {class})", self.message),
+            (None, None) if self.message.is_empty() => self.error.to_owned(),
+            (None, None) => self.message.to_string(),
         };
         grpc(resp, self.code, &message)
     }

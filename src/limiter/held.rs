@@ -1,9 +1,77 @@
 //! Concurrency slots held by running requests, and the settlement of a request's real cost:
 //! the parts of [`Limiter`] that act after a request was admitted.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
 use super::{LimitCheck, Limiter, Source, Store};
 
+/// The count of upstream exchanges and settlements still under way after their request ended
+/// (see [`Limiter::pending`]).
+#[derive(Debug, Default)]
+pub(crate) struct Pending {
+    n: AtomicUsize,
+    idle: tokio::sync::Notify,
+}
+
+/// Counts one exchange or settlement under way until dropped.
+#[derive(Debug)]
+pub struct PendingGuard(Arc<Pending>);
+
+impl Drop for PendingGuard {
+    fn drop(&mut self) {
+        if self.0.n.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
+}
+
 impl Limiter {
+    /// Count an upstream exchange or settlement under way (a held request whose client may
+    /// leave, a cost still to settle) until the guard is dropped: shutdown waits for it
+    /// ([`Limiter::settled`]), so what a client owes is charged before the process exits.
+    pub fn pending(&self) -> PendingGuard {
+        self.pending.n.fetch_add(1, Ordering::AcqRel);
+        PendingGuard(self.pending.clone())
+    }
+
+    /// Wait until nothing counted by [`Limiter::pending`] is under way, for at most `within`;
+    /// false when some still was.
+    pub async fn settled(&self, within: Duration) -> bool {
+        let wait = async {
+            loop {
+                let idle = self.pending.idle.notified();
+                if self.pending.n.load(Ordering::Acquire) == 0 {
+                    return;
+                }
+                idle.await;
+            }
+        };
+        tokio::time::timeout(within, wait).await.is_ok()
+    }
+
+    /// Count `spent` (what a request reserved) as reserved and not yet settled, or, with
+    /// `add` false, no longer.
+    pub fn track_reserved(&self, spent: &[(LimitCheck, u64, Source)], add: bool) {
+        let mut r = self.reserved.lock();
+        for (c, _, _) in spent {
+            if add {
+                *r.entry(c.key.clone()).or_insert(0) += c.cost;
+            } else if let Some(v) = r.get_mut(&c.key) {
+                *v = v.saturating_sub(c.cost);
+                if *v == 0 {
+                    r.remove(&c.key);
+                }
+            }
+        }
+    }
+
+    /// Units this node's requests reserved at `key` and have not settled yet.
+    pub fn reserved_at(&self, key: &super::StoreKey) -> u64 {
+        self.reserved.lock().get(key).copied().unwrap_or(0)
+    }
+
     /// A fresh holder id for one request's concurrency slots (never 0).
     pub fn holder(&self) -> u64 {
         match self.next_holder.fetch_add(1, std::sync::atomic::Ordering::Relaxed) {

@@ -6,7 +6,8 @@
 //!
 //! `decision` is one of `allowed`, `limited`, `unavailable` (a fail-closed rule's store was
 //! down), `fail_open` (a rule's store was down and it let the request through unchecked; `rule`
-//! names it), `unmatched`, `error`, `client_aborted`. `bytes_in` is the request's
+//! names it), `unmatched`, `overloaded` (refused by adaptive concurrency), `error`,
+//! `client_aborted`. `bytes_in` is the request's
 //! `Content-Length` (absent for a chunked body).
 //!
 //! The line is written when the response body has ended, so `duration_ms` is the whole

@@ -60,13 +60,18 @@ pub(super) struct Admitted {
     /// The concurrency slots it took.
     pub(super) slots: Option<SlotGuard>,
     /// What its `count_when` / `cost_from` rules reserved, settled once the response is known.
-    pub(super) after: Vec<(u32, Reserved)>,
+    pub(super) after: Vec<(u32, u8, Reserved)>,
+    /// Its room under the adaptive concurrency limit (the admit phase), handed to the
+    /// upstream exchange, which gives it back with the latency when the response head arrives.
+    pub(super) permit: Option<crate::adaptive::Permit>,
 }
 
 impl Admitted {
-    /// It holds something until its upstream exchange really ends (`forward::held`).
+    /// It holds something until its upstream exchange really ends (`forward::held`): slots,
+    /// reservations, or room under the adaptive limit (a client that resets must not free it
+    /// while the upstream still works on its request).
     pub(super) fn holds(&self) -> bool {
-        self.slots.is_some() || !self.after.is_empty()
+        self.slots.is_some() || !self.after.is_empty() || self.permit.is_some()
     }
 }
 
@@ -128,6 +133,10 @@ pub(super) fn binding_of<'a>(
         (e.quota, e.cost)
     };
     let (quota, cost) = enforced(p);
+    // What its headers count: requests of its cost, or units such as tokens one by one.
+    let units = snap.rule_units.get(p.rule as usize).map_or(&[][..], Vec::as_slice);
+    let pos = plan.checks[..i].iter().filter(|c| c.rule == p.rule).count();
+    let cost = units.get(pos).map_or(cost, |u| u.cost);
     let fixed = snap
         .rule_headers
         .get(p.rule as usize)
@@ -149,5 +158,6 @@ pub(super) fn binding_of<'a>(
         fixed,
         windows,
         at,
+        units,
     }
 }

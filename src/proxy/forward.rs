@@ -8,8 +8,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use http::{header, HeaderValue, Method, Request, Response, Version};
-use http_body_util::Limited;
-use hyper::body::Incoming;
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
 
@@ -27,19 +25,26 @@ use super::{access, slots};
 pub(super) async fn phase(
     gw: &Arc<State>,
     x: &mut Exchange<'_>,
-    req: Request<Incoming>,
+    req: Request<ProxyBody>,
 ) -> Result<Response<ProxyBody>, GatewayError> {
     // A cost reported in a trailer: ask the upstream for trailers (an HTTP/1.1 server sends
-    // them only to a request that says `TE: trailers`).
-    let want_trailers = x
-        .admitted
-        .after
-        .iter()
-        .any(|(ri, _)| x.snap.rules.rules[*ri as usize].cost_from.is_some());
+    // them only to a request that says `TE: trailers`). A cost in the body: ask for it
+    // uncompressed, so that it can be read.
+    let mut want_trailers = false;
+    let mut want_plain = false;
+    for (ri, slot, _) in &x.admitted.after {
+        match x.snap.rules.rules[*ri as usize].spend_of_slot(*slot).cost_from {
+            Some(cf) if cf.json().is_some() => want_plain = true,
+            Some(_) => want_trailers = true,
+            None => {}
+        }
+    }
     // A request refused on its way out (CONNECT) is settled like an upstream error (the settle
     // phase): a `count_when` rule it does not match gets its reservation back.
-    let out = gw.outbound(req, x, want_trailers)?;
-    if x.admitted.holds() {
+    let mut out = gw.outbound(req, x, (want_trailers, want_plain))?;
+    let holds = x.admitted.holds();
+    out.permit = x.admitted.permit.take();
+    if holds {
         held(gw, x, out).await
     } else {
         gw.forward(out, None, x.note()).await.map(|(r, _)| r)
@@ -58,6 +63,13 @@ pub(super) struct Outbound {
     replay: Option<Option<Replay>>,
     /// When the request head reached the request path.
     arrived: Instant,
+    /// Its room under the adaptive concurrency limit: its latency is recorded when the
+    /// response head arrives, and it is given back when the response body ends (at once for an
+    /// upgrade or a failed exchange).
+    permit: Option<crate::adaptive::Permit>,
+    /// When the request's body had all been sent (adaptive requests with a body only): the
+    /// latency sample starts there.
+    body_ended: Option<Arc<std::sync::OnceLock<Instant>>>,
 }
 
 impl State {
@@ -66,9 +78,9 @@ impl State {
     /// cost from one) wants them, and keep what a retry needs.
     fn outbound(
         &self,
-        mut req: Request<Incoming>,
+        mut req: Request<ProxyBody>,
         x: &Exchange<'_>,
-        want_trailers: bool,
+        (want_trailers, want_plain): (bool, bool),
     ) -> Result<Outbound, GatewayError> {
         let facts = &x.facts;
         if req.method() == Method::CONNECT {
@@ -99,6 +111,9 @@ impl State {
         if want_trailers || facts.te_trailers {
             h.insert(header::TE, HeaderValue::from_static("trailers"));
         }
+        if want_plain {
+            h.insert(header::ACCEPT_ENCODING, HeaderValue::from_static("identity"));
+        }
         forward::add_forwarded_proto(h, x.peer.addr.ip(), host.as_ref(), self.config().tls.is_some());
         // HTTP/2 requests carry the host in the URI; a `Connection` may have named `Host`.
         if let Some(host) = host.filter(|_| !h.contains_key(header::HOST)) {
@@ -108,10 +123,17 @@ impl State {
         parts.version = Version::HTTP_11;
         // hyper's own markers of the client's connection are not the upstream's.
         parts.extensions.clear();
-        let req = Request::from_parts(
-            parts,
-            ProxyBody::Request(Limited::new(body, self.config().server.max_body_bytes as usize)),
-        );
+        let mut body = body;
+        let mut body_ended = None;
+        if x.admitted.permit.is_some() && !body_is_end {
+            let ended = Arc::new(std::sync::OnceLock::new());
+            body = ProxyBody::boxed(super::admit::TimedBody {
+                inner: body,
+                ended: ended.clone(),
+            });
+            body_ended = Some(ended);
+        }
+        let req = Request::from_parts(parts, body);
         // A retry may replay this request. With one target nothing is copied:
         // only an attempt that was never written is sent again.
         let replay =
@@ -127,6 +149,8 @@ impl State {
             arrived: x.arrived,
             client_upgrade,
             replay,
+            permit: None,
+            body_ended,
         })
     }
 
@@ -145,6 +169,8 @@ impl State {
             client_upgrade,
             replay,
             arrived,
+            mut permit,
+            body_ended,
         } = out;
         let method = req.method().clone(); // for the error log; no allocation for standard methods
         let path = req.uri().clone(); // the same: a reference count
@@ -160,6 +186,26 @@ impl State {
             crate::rt::coarse_timer::timeout(self.config().upstream.request_timeout, self.upstream().send(req, retry))
                 .await;
         let waited = started.elapsed();
+        if let Some(p) = permit.as_mut() {
+            // The upstream's part only: from when it had the whole request.
+            let from = body_ended.as_ref().and_then(|e| e.get().copied());
+            let latency = from.map_or(waited, |t| t.elapsed());
+            let body_sent = body_ended.as_ref().is_none_or(|e| e.get().is_some());
+            // An answer below 500 is a good sample; no answer, or a 5xx, a failure. A failure
+            // of the client's making (a body cut off or too large, a timeout while it was still
+            // uploading) or of this gateway's (its connection cap) says nothing of the upstream.
+            let sample = match &result {
+                Ok(Ok(x)) => Some(x.response.status().as_u16() < 500),
+                Err(_) => body_sent.then_some(false),
+                Ok(Err(f)) if body_over_limit(&f.error) || client_body_failed(&f.error) || f.error.is_saturated() => {
+                    None
+                }
+                Ok(Err(_)) => Some(false),
+            };
+            if let Some(ok) = sample {
+                p.sample(latency, ok);
+            }
+        }
         self.metrics().upstream.latency.observe(waited.as_secs_f64());
         // Everything but the upstream's own wait: limits, queueing, forwarding.
         let overhead = arrived.elapsed().saturating_sub(waited);
@@ -237,10 +283,22 @@ impl State {
             }
             let keep = resp.headers().get(header::UPGRADE).cloned();
             forward::strip_hop_by_hop(resp.headers_mut(), keep);
+            // An upgraded connection is one request to the adaptive limit: its room is given
+            // back here, at the 101 (a long-lived websocket would otherwise hold it for hours).
+            drop(permit);
             return Ok((resp.map(ProxyBody::Upstream), None));
         }
         forward::strip_hop_by_hop(resp.headers_mut(), None);
-        Ok((resp.map(ProxyBody::Upstream), slots))
+        let resp = match permit {
+            None => resp.map(ProxyBody::Upstream),
+            Some(p) => resp.map(|b| {
+                ProxyBody::boxed(super::admit::PermitBody {
+                    inner: ProxyBody::Upstream(b),
+                    permit: Some(p),
+                })
+            }),
+        };
+        Ok((resp, slots))
     }
 }
 
@@ -256,7 +314,10 @@ async fn held(gw: &Arc<State>, x: &mut Exchange<'_>, out: Outbound) -> Result<Re
     let note = x.note();
     let logged = note.is_some();
     let (tx, rx) = tokio::sync::oneshot::channel();
+    // Shutdown waits for this exchange, and then for what its response holds (`settle::Hold`).
+    let pending = gw.limiter().pending();
     tokio::spawn(async move {
+        let _pending = pending;
         let mut n = logged.then(access::Note::default);
         let (result, slots) = match gw.forward(out, slots, n.as_mut()).await {
             Ok((r, s)) => (Ok(r), s),
@@ -281,8 +342,9 @@ async fn held(gw: &Arc<State>, x: &mut Exchange<'_>, out: Outbound) -> Result<Re
     }
 }
 
-/// Did the upstream request fail because the client's body went over `max_body_bytes`?
-fn body_over_limit(e: &(dyn std::error::Error + 'static)) -> bool {
+/// Did the upstream request (or the read of a request body) fail because the client's body
+/// went over `max_body_bytes`?
+pub(super) fn body_over_limit(e: &(dyn std::error::Error + 'static)) -> bool {
     let mut cur = Some(e);
     while let Some(err) = cur {
         if err.is::<http_body_util::LengthLimitError>() {

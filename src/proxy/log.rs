@@ -104,6 +104,7 @@ fn answer(
                         n.rule = Some(rule.as_str().into());
                         "unavailable"
                     }
+                    GatewayError::Overloaded { .. } => "overloaded",
                     _ if n.decision.is_empty() => "error",
                     _ => n.decision,
                 };

@@ -15,6 +15,13 @@
 //! - `max` when the client left and tollgate stopped reading after `request_timeout` without
 //!   the report: the real cost is unknown and may be anything up to `max`, and leaving must
 //!   never cost less than staying would have.
+//!
+//! A cost in the body (`cost_from: {json: usage.total_tokens}`) is read as the body streams
+//! through ([`crate::usage::Scanner`]: nothing is buffered, no byte is held back) and settled
+//! when the body ends ([`body_charge`]): the number reported, at most `max`, when the body was
+//! whole and valid; the reservation when it had no such number; the reservation or the number
+//! found, whichever is larger, when the body was malformed, compressed or cut off, or its
+//! client left before the end (leaving never refunds).
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -32,6 +39,7 @@ use crate::http::{BoxError, ProxyBody};
 use crate::limiter::{LimitCheck, Source, Verdict};
 use crate::rules::CostFrom;
 use crate::state::State;
+use crate::usage::Completeness;
 
 use super::ctx::{self, Exchange, Reserved};
 use super::slots::SlotGuard;
@@ -67,21 +75,37 @@ pub(crate) struct Hold {
     /// The client left and the rest of the answer was not read within `request_timeout`: what
     /// still waits is charged its `max`.
     cut: bool,
+    /// The reservations waiting for a cost in the body, and the body's scan.
+    body: Option<BodyCost>,
+    /// The upstream's body reached its end.
+    ended: bool,
+    /// The client left before the end of the body's data (data came after it left).
+    left: bool,
+    /// Counts this response's exchange and settlements as under way (shutdown waits).
+    _pending: crate::limiter::PendingGuard,
 }
 
 impl Hold {
+    /// Scan a data frame of the body for its cost.
+    fn feed(&mut self, data: &[u8]) {
+        if let Some(b) = self.body.as_mut().filter(|b| !b.encoded) {
+            b.scanner.feed(data);
+        }
+    }
+
     /// Settle each waiting reservation from `trailers`; one without a usable value keeps its
     /// estimate (the upstream answered, and reported nothing).
     fn trailers(&mut self, trailers: &HeaderMap) {
         for (cf, spent) in std::mem::take(&mut self.waiting) {
+            let Some(header) = cf.header() else { continue };
             let reported = trailers
-                .contains_key(&cf.header)
-                .then(|| cf.parse_all(trailers.get_all(&cf.header)))
+                .contains_key(header)
+                .then(|| cf.parse_all(trailers.get_all(header)))
                 .flatten();
             match reported {
                 Some(actual) => self.settling.push(spawn_settle(&self.gw, spent, actual)),
                 None => {
-                    tracing::debug!(header = %cf.header, "no usable cost in the trailers; the estimate stays spent")
+                    tracing::debug!(%header, "no usable cost in the trailers; the estimate stays spent")
                 }
             }
         }
@@ -97,7 +121,22 @@ impl Drop for Hold {
         if !waiting.is_empty() && !cut {
             tracing::debug!("the response ended without its cost; the estimate stays spent");
         }
-        if settling.is_empty() && (waiting.is_empty() || !cut) {
+        let end = BodyEnd {
+            ended: self.ended,
+            left: self.left,
+            cut,
+            encoded: false,
+            completeness: Completeness::Complete,
+        };
+        let pending = self.gw.limiter().pending();
+        let (jobs, counted) = match self.body.take() {
+            Some(b) => {
+                let (jobs, counted) = b.finish(&self.gw, end);
+                (jobs, Some(counted))
+            }
+            None => (Vec::new(), None),
+        };
+        if settling.is_empty() && jobs.is_empty() && (waiting.is_empty() || !cut) {
             drop(slots);
             return;
         }
@@ -110,11 +149,16 @@ impl Drop for Hold {
                     }
                     if cut {
                         for (cf, spent) in waiting {
-                            tracing::debug!(header = %cf.header, max = cf.max, "the client left and the cost never came within upstream.request_timeout; charged max");
+                            tracing::debug!(source = %cf.source, max = cf.max, "the client left and the cost never came within upstream.request_timeout; charged max");
                             gw.limiter().settle(&spent, cf.max).await;
                         }
                     }
+                    for (spent, to) in jobs {
+                        gw.limiter().settle(&spent, to).await;
+                    }
+                    drop(counted);
                     drop(slots);
+                    drop(pending);
                 });
             }
             Err(_) => tracing::debug!("no runtime to settle a response's cost; the estimate stays spent"),
@@ -142,11 +186,21 @@ impl Body for HeldBody {
         let r = Pin::new(&mut this.inner).poll_frame(cx);
         match &r {
             Poll::Ready(Some(Ok(frame))) => {
-                if let (Some(t), Some(h)) = (frame.trailers_ref(), this.hold.as_mut()) {
-                    h.trailers(t);
+                if let Some(h) = this.hold.as_mut() {
+                    if let Some(d) = frame.data_ref() {
+                        h.feed(d);
+                    } else if let Some(t) = frame.trailers_ref() {
+                        h.trailers(t);
+                    }
                 }
             }
-            Poll::Ready(None) | Poll::Ready(Some(Err(_))) => this.hold = None,
+            Poll::Ready(None) => {
+                if let Some(h) = this.hold.as_mut() {
+                    h.ended = true;
+                }
+                this.hold = None;
+            }
+            Poll::Ready(Some(Err(_))) => this.hold = None,
             Poll::Pending => {}
         }
         r
@@ -163,8 +217,9 @@ impl Body for HeldBody {
 
 impl Drop for HeldBody {
     fn drop(&mut self) {
-        let Some(hold) = self.hold.take() else { return };
+        let Some(mut hold) = self.hold.take() else { return };
         if self.inner.is_end_stream() {
+            hold.ended = true;
             return;
         }
         let body = std::mem::replace(&mut self.inner, crate::http::empty());
@@ -184,13 +239,19 @@ async fn drain(mut body: ProxyBody, mut hold: Hold, within: Duration) {
         while let Some(frame) = body.frame().await {
             match frame {
                 Ok(f) => {
-                    if let Some(t) = f.trailers_ref() {
+                    if let Some(d) = f.data_ref() {
+                        // Data the client never got: it left before the end (a client that
+                        // read all the data and left before the end marker did not).
+                        hold.left |= !d.is_empty();
+                        hold.feed(d);
+                    } else if let Some(t) = f.trailers_ref() {
                         hold.trailers(t);
                     }
                 }
-                Err(_) => break,
+                Err(_) => return,
             }
         }
+        hold.ended = true;
     })
     .await;
     if read.is_err() {
@@ -229,7 +290,7 @@ impl State {
     pub(super) fn settle_after(
         self: &Arc<Self>,
         snap: &crate::state::Snapshot,
-        after: Vec<(u32, Reserved)>,
+        after: Vec<(u32, u8, Reserved)>,
         result: Result<Response<ProxyBody>, GatewayError>,
         slots: Option<SlotGuard>,
     ) -> Result<Response<ProxyBody>, GatewayError> {
@@ -242,28 +303,51 @@ impl State {
         };
         let mut waiting = Vec::new();
         let mut settling = Vec::new();
-        for (ri, spent) in after {
+        let mut in_body: Vec<BodyWaiting> = Vec::new();
+        for (ri, slot, spent) in after {
             let rule = &snap.rules.rules[ri as usize];
             if rule.count_when.as_ref().is_some_and(|m| !m.matches(status)) {
                 spawn_refund(self, spent);
                 continue;
             }
-            let (Some(cf), Ok(resp)) = (&rule.cost_from, &result) else {
+            let (Some(cf), Ok(resp)) = (rule.spend_of_slot(slot).cost_from, &result) else {
                 continue;
             };
-            if !resp.headers().contains_key(&cf.header) {
+            let metrics = snap
+                .cost_metrics
+                .get(ri as usize)
+                .and_then(|m| m.iter().find(|(s, _)| *s == slot))
+                .map(|(_, h)| h);
+            let Some(header) = cf.header() else {
+                in_body.push(BodyWaiting {
+                    rule: rule.name.clone(),
+                    metrics: metrics.cloned(),
+                    cf: cf.clone(),
+                    path: 0,
+                    spent,
+                });
+                continue;
+            };
+            if !resp.headers().contains_key(header) {
                 waiting.push((cf.clone(), spent));
                 continue;
             }
-            match cf.parse_all(resp.headers().get_all(&cf.header)) {
-                Some(actual) => settling.push(spawn_settle(self, spent, actual)),
+            match cf.parse_all(resp.headers().get_all(header)) {
+                Some(actual) => {
+                    let reserved = spent.iter().map(|(c, _, _)| c.cost).max().unwrap_or(0);
+                    if let Some(m) = metrics {
+                        m.settled(actual, reserved, Some(actual));
+                    }
+                    settling.push(spawn_settle(self, spent, actual));
+                }
                 None => {
-                    tracing::debug!(rule = %rule.name, header = %cf.header, "unusable cost header; the estimate stays spent")
+                    tracing::debug!(rule = %rule.name, %header, "unusable cost header; the estimate stays spent")
                 }
             }
         }
         let resp = result?;
-        if slots.is_none() && waiting.is_empty() {
+        let body = (!in_body.is_empty()).then(|| body_cost(self, &resp, in_body));
+        if slots.is_none() && waiting.is_empty() && body.is_none() {
             return Ok(resp);
         }
         let hold = Hold {
@@ -272,6 +356,10 @@ impl State {
             waiting,
             settling,
             cut: false,
+            body,
+            ended: false,
+            left: false,
+            _pending: self.limiter().pending(),
         };
         Ok(resp.map(|b| {
             ProxyBody::boxed(HeldBody {
@@ -282,17 +370,18 @@ impl State {
     }
 }
 
-/// What each `count_when` / `cost_from` rule of an admitted request reserved, by rule.
+/// What each `count_when` / `cost_from` rule of an admitted request reserved, by rule and
+/// spend (the checks of one spend settle against one reported cost).
 pub(super) fn reserved_by_response_rules(
     snap: &crate::state::Snapshot,
     plan: &RequestPlan,
     verdict: &Verdict,
-) -> Vec<(u32, Reserved)> {
-    let mut out: Vec<(u32, Reserved)> = Vec::new();
+) -> Vec<(u32, u8, Reserved)> {
+    let mut out: Vec<(u32, u8, Reserved)> = Vec::new();
     for (p, (o, src)) in plan.with_outcomes(verdict) {
         let rule = &snap.rules.rules[p.rule as usize];
         // A `cost_from` rule's in-flight cap is a slot, held with the response, not settled.
-        if (rule.count_when.is_none() && rule.cost_from.is_none())
+        if (rule.count_when.is_none() && rule.spend_of_slot(p.spend).cost_from.is_none())
             || p.check.is_slot()
             || !o.allowed
             || p.check.cost == 0
@@ -301,9 +390,9 @@ pub(super) fn reserved_by_response_rules(
             continue;
         }
         let c = p.enforced(*src).into_owned();
-        match out.last_mut() {
-            Some((ri, v)) if *ri == p.rule => v.push((c, o.at_us, *src)),
-            _ => out.push((p.rule, vec![(c, o.at_us, *src)])),
+        match out.iter_mut().find(|(ri, slot, _)| *ri == p.rule && *slot == p.spend) {
+            Some((_, _, v)) => v.push((c, o.at_us, *src)),
+            None => out.push((p.rule, p.spend, vec![(c, o.at_us, *src)])),
         }
     }
     out
@@ -331,3 +420,9 @@ impl Drop for RefundGuard {
         }
     }
 }
+
+mod body;
+use body::{body_cost, BodyCost, BodyEnd, BodyWaiting};
+
+#[cfg(test)]
+mod tests;

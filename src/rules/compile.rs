@@ -10,8 +10,8 @@ use http::{HeaderName, Method};
 use serde_saphyr::{Location, Spanned};
 use sha2::Digest;
 
-use super::{KeyKind, Pattern, Rule, RuleSet, Specificity};
-use crate::rules::raw::{RawOverride, RawRule, RawRules, RawWindow};
+use super::{KeyKind, Pattern, Rule, RuleSet, Specificity, Spend, RULE_SPEND};
+use crate::rules::raw::{RawCostFrom, RawEstimate, RawOverride, RawRule, RawRules, RawWindow};
 use crate::yaml::{duration, ConfigError};
 use crate::yaml::{parse_str_sized, Sized};
 
@@ -27,7 +27,7 @@ pub const DEFAULT_SLOT_TTL_US: u64 = 30_000_000;
 
 mod fields;
 pub use fields::MAX_PENALTY_US;
-use fields::{align, calendar_of, cost_from, count_when, failure_policy, penalty};
+use fields::{align, calendar_of, cost_from, count_when, estimate, failure_policy, penalty};
 
 fn name_ok(s: &str) -> bool {
     !s.is_empty() && s.len() <= 64 && s.chars().all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c))
@@ -77,7 +77,75 @@ struct LimitFields<'a> {
     capacity: &'a Option<Spanned<i64>>,
 }
 
+/// A spend's fields as the YAML gives them: the rule's, or one limit's.
+struct SpendFields<'a> {
+    /// `cost`.
+    cost: &'a Option<Spanned<i64>>,
+    /// `cost_from`.
+    cost_from: &'a Option<Spanned<RawCostFrom>>,
+    /// `estimate`.
+    estimate: &'a Option<Spanned<RawEstimate>>,
+}
+
 impl Ctx<'_> {
+    /// What one request spends of `limits` (algorithm `alg`): a fixed `cost` (default 1), or a
+    /// reservation (`cost`, or an `estimate` read from the request body) settled by
+    /// `cost_from`. An estimate needs a `cost_from` to settle it, and replaces `cost` (its
+    /// `default` is the reservation until the body is read).
+    fn spend(&self, rule: &str, alg: Algorithm, f: SpendFields<'_>, limits: &[Quota]) -> Result<Spend, ConfigError> {
+        let cost = match f.cost {
+            Some(c) if alg == Algorithm::Concurrency => {
+                return Err(self.err(
+                    &c.referenced,
+                    format!("rule {rule:?}: concurrency counts requests in flight; cost does not apply"),
+                ))
+            }
+            Some(c) => self.positive(rule, "cost", c)?.get(),
+            None => 1,
+        };
+        if let Some(cf) = f.cost_from {
+            if matches!(
+                alg,
+                Algorithm::Concurrency | Algorithm::SlidingLog | Algorithm::LeakyBucket
+            ) {
+                return Err(self.err(
+                    &cf.referenced,
+                    format!(
+                        "rule {rule:?}: cost_from does not work with {} (use token_bucket, fixed_window or sliding_window)",
+                        alg.as_str()
+                    ),
+                ));
+            }
+        }
+        let (cost_from, estimate) = match (f.cost_from, f.estimate) {
+            (None, None) => (None, None),
+            (None, Some(e)) => {
+                return Err(self.err(
+                    &e.referenced,
+                    format!("rule {rule:?}: estimate needs a cost_from to settle it against"),
+                ))
+            }
+            (Some(cf), None) => (Some(cost_from(self.file, rule, cf, (cost, false), limits)?), None),
+            (Some(cf), Some(e)) => {
+                if let Some(c) = f.cost {
+                    return Err(self.err(
+                        &c.referenced,
+                        format!("rule {rule:?}: give cost or estimate, not both (the estimate's default is the reservation when the body has none)"),
+                    ));
+                }
+                let default = u64::try_from(e.value.default.value).unwrap_or(0).max(1);
+                let cf = cost_from(self.file, rule, cf, (default, true), limits)?;
+                let e = estimate(self.file, rule, e, cf.max)?;
+                (Some(cf), Some(e))
+            }
+        };
+        Ok(Spend {
+            cost: estimate.as_ref().map_or(cost, |e| e.default),
+            cost_from,
+            estimate,
+        })
+    }
+
     fn err(&self, loc: &Location, msg: impl Into<String>) -> ConfigError {
         ConfigError::at(self.file, loc, msg)
     }
@@ -100,18 +168,10 @@ impl Ctx<'_> {
     }
 
     fn window(&self, rule: &str, w: &Spanned<String>) -> Result<NonZeroU64, ConfigError> {
-        if self.calendar.get().is_some() {
-            return CalendarUnit::parse(&w.value)
-                .and_then(|u| NonZeroU64::new(u.nominal_us()))
-                .ok_or_else(|| {
-                    self.err(
-                        &w.referenced,
-                        format!(
-                            "rule {rule:?}: align: calendar takes window 1d, 1w or 1mo, got {:?}",
-                            w.value
-                        ),
-                    )
-                });
+        // With `align: calendar`, days, weeks and months follow the clock; other windows of
+        // the rule (a per-minute budget beside a monthly one) stay epoch-aligned.
+        if let (Some(_), Some(u)) = (self.calendar.get(), CalendarUnit::parse(&w.value)) {
+            return NonZeroU64::new(u.nominal_us()).ok_or_else(|| self.err(&w.referenced, "window must be positive"));
         }
         if CalendarUnit::parse(&w.value) == Some(CalendarUnit::Month) {
             return Err(self.err(
@@ -201,9 +261,12 @@ impl Ctx<'_> {
                     );
                     out.push(self.bounded(rule, &lw.value.limit.referenced, q)?);
                 }
+                // Two limits of one window spend the same way only by mistake; limits that
+                // spend their own way (tokens in, tokens out, requests) may share a window.
                 let mut seen = HashSet::new();
                 for (q, lw) in out.iter().zip(ls) {
-                    if !seen.insert(q.window_us) {
+                    let own = lw.value.cost.is_some() || lw.value.cost_from.is_some() || lw.value.estimate.is_some();
+                    if !own && !seen.insert(q.window_us) {
                         return Err(self.err(
                             &lw.referenced,
                             format!("rule {rule:?}: two limits with the same window"),
@@ -338,15 +401,53 @@ impl RuleSet {
                 },
             )?;
             align(&mut limits, ctx.calendar.get());
-            let cost = match &r.cost {
-                Some(c) if alg == Algorithm::Concurrency => {
+            if let (Some(_), Some(a)) = (ctx.calendar.get(), &r.align) {
+                if !limits.iter().any(|q| q.calendar.is_some()) {
                     return Err(ctx.err(
-                        &c.referenced,
-                        format!("rule {name:?}: concurrency counts requests in flight; cost does not apply"),
-                    ))
+                        &a.referenced,
+                        format!("rule {name:?}: align: calendar needs a window of 1d, 1w or 1mo"),
+                    ));
                 }
-                Some(c) => ctx.positive(name, "cost", c)?.get(),
-                None => 1,
+            }
+            let rule_spend = ctx.spend(
+                name,
+                alg,
+                SpendFields {
+                    cost: &r.cost,
+                    cost_from: &r.cost_from,
+                    estimate: &r.estimate,
+                },
+                &limits,
+            )?;
+            let mut limit_spends: Vec<Option<Spend>> = Vec::new();
+            for (n, w) in r.limits.iter().flatten().enumerate() {
+                let wv = &w.value;
+                if wv.cost.is_none() && wv.cost_from.is_none() && wv.estimate.is_none() {
+                    continue;
+                }
+                if n >= usize::from(RULE_SPEND) {
+                    return Err(ctx.err(
+                        &w.referenced,
+                        format!("rule {name:?}: at most 254 limits may spend in their own way"),
+                    ));
+                }
+                let own = ctx.spend(
+                    name,
+                    alg,
+                    SpendFields {
+                        cost: &wv.cost,
+                        cost_from: &wv.cost_from,
+                        estimate: &wv.estimate,
+                    },
+                    limits.get(n..=n).unwrap_or(&[]),
+                )?;
+                limit_spends.resize(n + 1, None);
+                limit_spends[n] = Some(own);
+            }
+            let cost = rule_spend.cost;
+            let cost_of = |n: usize| match limit_spends.get(n) {
+                Some(Some(s)) => s.cost,
+                _ => cost,
             };
             let penalty = match &r.penalty {
                 None => None,
@@ -359,22 +460,9 @@ impl RuleSet {
                 }
                 Some(cw) => Some(count_when(file, name, cw)?),
             };
-            let cost_from = match &r.cost_from {
-                None => None,
-                Some(cf) if matches!(alg, Algorithm::Concurrency | Algorithm::SlidingLog | Algorithm::LeakyBucket) => {
-                    return Err(ConfigError::at(
-                        file,
-                        &cf.referenced,
-                        format!(
-                            "rule {name:?}: cost_from does not work with {} (use token_bucket, fixed_window or sliding_window)",
-                            alg.as_str()
-                        ),
-                    ))
-                }
-                Some(cf) => Some(cost_from(file, name, cf, cost, &limits)?),
-            };
             let check_cost = |qs: &[Quota], at: &Location| -> Result<(), ConfigError> {
-                for q in qs {
+                for (n, q) in qs.iter().enumerate() {
+                    let cost = cost_of(n);
                     if let Some(m) = q.bounds_error(cost) {
                         return Err(ctx.err(at, format!("rule {name:?}: {m}")));
                     }
@@ -425,6 +513,17 @@ impl RuleSet {
                     return Err(ctx.err(
                         &o.referenced,
                         format!("rule {name:?}: override {who:?}: rate/capacity on a window algorithm"),
+                    ));
+                }
+                if ov
+                    .limits
+                    .iter()
+                    .flatten()
+                    .any(|w| w.value.cost.is_some() || w.value.cost_from.is_some() || w.value.estimate.is_some())
+                {
+                    return Err(ctx.err(
+                        &o.referenced,
+                        format!("rule {name:?}: override {who:?}: an override sets limits only (each spends as the rule's limit at its position)"),
                     ));
                 }
                 let mut qs = ctx.quotas(
@@ -500,12 +599,19 @@ impl RuleSet {
                     && !r.shadow
                     && penalty.is_none()
                     && count_when.is_none()
-                    && cost_from.is_none(),
+                    && rule_spend.cost_from.is_none()
+                    && limit_spends.iter().flatten().all(|s| s.cost_from.is_none()),
                 penalty,
                 count_when,
-                cost_from,
+                cost_from: rule_spend.cost_from,
+                estimate: rule_spend.estimate,
+                limit_spends,
                 specificity,
                 line: loc.line(),
+                priority: r
+                    .priority
+                    .as_ref()
+                    .map(|p| (Arc::from(p.value.as_str()), p.referenced.line(), p.referenced.column())),
             });
         }
         // Unreachable rules: B is shadowed when an earlier-or-more-specific A of the same key kind
@@ -560,6 +666,9 @@ fn clone_windows(w: &Option<Vec<Spanned<RawWindow>>>) -> Option<Vec<Spanned<RawW
                     RawWindow {
                         limit: s.value.limit.clone(),
                         window: s.value.window.clone(),
+                        cost: s.value.cost.clone(),
+                        cost_from: s.value.cost_from.clone(),
+                        estimate: s.value.estimate.clone(),
                     },
                     s.referenced,
                     s.defined,

@@ -71,12 +71,16 @@ pub struct RawRule {
     pub lease: Option<bool>,
     /// Only responses with these statuses spend quota.
     pub count_when: Option<Spanned<RawCountWhen>>,
-    /// The real cost comes from a response header (or trailer).
+    /// The real cost comes from a response header (or trailer), or a JSON field of the body.
     pub cost_from: Option<Spanned<RawCostFrom>>,
+    /// What a request reserves before it is forwarded, read from its JSON body.
+    pub estimate: Option<Spanned<RawEstimate>>,
     /// `calendar`: windows are the clock's days, weeks or months.
     pub align: Option<Spanned<String>>,
     /// The clock of a calendar window: `UTC` or `+HH:MM`.
     pub timezone: Option<Spanned<String>>,
+    /// The priority class of the requests it matches (`upstream.adaptive.classes`).
+    pub priority: Option<Spanned<String>>,
 }
 
 /// `count_when: {status: [401, 403, 5xx]}`.
@@ -97,17 +101,53 @@ pub enum RawStatus {
     Class(String),
 }
 
-/// `cost_from: {header: X-Tokens-Used, max: 100000}`.
+/// `cost_from: {header: X-Tokens-Used, max: 100000}` or `cost_from: {json: usage.total_tokens,
+/// max: 100000}`: exactly one of `header` and `json`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawCostFrom {
     /// Response header (or trailer) carrying the real cost.
-    pub header: String,
+    pub header: Option<String>,
+    /// Dotted path of the number in the JSON response body (or in an event of an
+    /// event-stream response) carrying the real cost.
+    pub json: Option<String>,
     /// Largest cost the header may report (larger values count as this).
     pub max: i64,
+    /// What the cost counts, named in `RateLimit-Policy` (`qu`): `tokens` by default for
+    /// `json`; none for `header` (its limits count requests of `cost`).
+    pub unit: Option<String>,
+    /// `json` only: what a whole, valid answer without the number is charged: `reservation`
+    /// (the default) or `max`.
+    pub missing: Option<Spanned<String>>,
     /// Most requests of one key in flight at once (the bound on what a key can spend before
     /// its requests settle is `in_flight × (max − cost)`); default `max(2, limit / (max − cost))`.
     pub in_flight: Option<Spanned<i64>>,
+}
+
+/// `estimate: {json: max_tokens, default: 1024, within: 1048576}`: the reservation read from the
+/// request's JSON body.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawEstimate {
+    /// Dotted path(s) of the number in the request body; the largest found counts.
+    pub json: RawPaths,
+    /// The reservation when the body has none of the paths.
+    pub default: Spanned<i64>,
+    /// Dotted path(s) of a multiplier in the request body (`n`: that many answers); the
+    /// largest found counts, 1 when none is.
+    pub times: Option<RawPaths>,
+    /// How many bytes of the request body are read to find it (default 1 MiB).
+    pub within: Option<Spanned<i64>>,
+}
+
+/// One dotted path, or several.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum RawPaths {
+    /// `json: max_tokens`.
+    One(String),
+    /// `json: [max_tokens, max_completion_tokens]`.
+    Many(Vec<String>),
 }
 
 /// `penalty:` — one duration, or a base and a maximum for escalation.
@@ -156,6 +196,12 @@ pub struct RawWindow {
     pub limit: Spanned<i64>,
     /// The window's length, a duration such as `1m` or `1h`.
     pub window: Spanned<String>,
+    /// What one request spends of this limit, when not the rule's `cost`.
+    pub cost: Option<Spanned<i64>>,
+    /// Where this limit's real cost comes from, when not the rule's `cost_from`.
+    pub cost_from: Option<Spanned<RawCostFrom>>,
+    /// What a request reserves of this limit, when not the rule's `estimate`.
+    pub estimate: Option<Spanned<RawEstimate>>,
 }
 
 /// An override.

@@ -325,9 +325,11 @@ fn cost_from_caps_requests_in_flight() {
 #[test]
 fn a_reported_cost_is_the_largest_value_capped_at_max() {
     let cf = CostFrom {
-        header: http::HeaderName::from_static("x-cost"),
+        source: super::CostSource::Header(http::HeaderName::from_static("x-cost")),
         max: 5000,
         in_flight: None,
+        unit: None,
+        missing_max: false,
     };
     let v = HeaderValue::from_static;
     assert_eq!(cf.parse(&v("7")), Some(7));
@@ -338,4 +340,53 @@ fn a_reported_cost_is_the_largest_value_capped_at_max() {
     for bad in ["", "abc", "-5", "0x10", "1e4", "4.5", "1, x", "+"] {
         assert_eq!(cf.parse(&v(bad)), None, "{bad:?}");
     }
+}
+
+/// Budgets on one rule: each limit spends its own way or the rule's, counts its own unit, and
+/// an estimate leaves the in-flight cap to the rule's writer.
+#[test]
+fn limits_may_spend_their_own_way() {
+    let set = rules(
+        r#"
+rules:
+  - name: chat
+    match: { path: "/v1/**" }
+    key: user
+    algorithm: fixed_window
+    align: calendar
+    limits:
+      - { limit: 600, window: 1m }
+      - { limit: 200000, window: 1m, cost: 1000, cost_from: { json: usage.prompt_tokens, max: 128000, in_flight: 100 } }
+      - { limit: 50000, window: 1m, cost_from: { json: usage.completion_tokens, max: 16384 }, estimate: { json: [max_tokens, max_completion_tokens], default: 4096 } }
+      - { limit: 20000000, window: 1mo, cost_from: { json: usage.total_tokens, max: 144384, unit: credits }, estimate: { json: max_tokens, default: 16384, within: 65536 } }
+"#,
+    );
+    let r = &set.rules[0];
+    assert_eq!(r.spend(0).cost, 1);
+    assert!(r.spend(0).cost_from.is_none());
+    assert_eq!(r.spend(0).slot, RULE_SPEND);
+    assert_eq!((r.spend(1).cost, r.spend(1).slot), (1000, 1));
+    assert_eq!(
+        r.spend(2).cost,
+        4096,
+        "the estimate's default stands in before the body is read"
+    );
+    let e = r.spend(2).estimate.unwrap();
+    assert_eq!(e.paths.len(), 2);
+    assert_eq!(e.within, 1024 * 1024);
+    assert_eq!(r.spend(3).estimate.unwrap().within, 65536);
+    assert_eq!(
+        r.spend(2).cost_from.unwrap().in_flight,
+        None,
+        "no default cap with an estimate"
+    );
+    assert_eq!(r.in_flight_cap().map(|q| q.limit.get()), Some(100));
+    assert!(r.settles_cost() && r.estimates() && !r.lease);
+    // Units: requests of cost, then tokens (the json default), then the unit named.
+    assert_eq!(r.header_unit(0).name, None);
+    assert_eq!(r.header_unit(1).name.as_deref(), Some("tokens"));
+    assert_eq!(r.header_unit(3).name.as_deref(), Some("credits"));
+    assert_eq!(r.header_unit(3).cost, 1);
+    // Only the monthly window follows the calendar.
+    assert!(r.limits[3].calendar.is_some() && r.limits[0].calendar.is_none());
 }

@@ -54,6 +54,7 @@ fn q_and_r_count_requests_of_the_rules_cost() {
         fixed: None,
         windows: &[],
         at: 0,
+        units: &[],
     };
     assert_eq!((b.quota_requests(), b.remaining_requests()), (20, 1));
     let mut h = HeaderMap::new();
@@ -83,6 +84,7 @@ fn the_reset_second_is_never_before_the_real_instant() {
             fixed: None,
             windows: &[],
             at: 0,
+            units: &[],
         };
         let at = b.reset_at_secs(0);
         let free = out.at_us + retry;
@@ -117,7 +119,7 @@ fn values_made_at_load_say_what_each_response_would() {
         (&two[..], 1, 2),
     ] {
         let quota = windows[at];
-        let fixed = FixedValues::new("search-free", windows, at, cost).unwrap();
+        let fixed = FixedValues::new("search-free", windows, at, cost, &[]).unwrap();
         let out = o(true, 12, 41_000_000, 0);
         let mut made = HeaderMap::new();
         let mut preset = HeaderMap::new();
@@ -129,6 +131,7 @@ fn values_made_at_load_say_what_each_response_would() {
             fixed: None,
             windows,
             at,
+            units: &[],
         };
         write(&mut made, &b, true, true, 1_800_000_000_000_000);
         b.fixed = fixed.describing(&quota, cost);
@@ -149,6 +152,7 @@ fn headers_of(rule: &str, windows: &[Quota], at: usize, out: &Outcome) -> Header
         fixed: None,
         windows,
         at,
+        units: &[],
     };
     let mut h = HeaderMap::new();
     write(&mut h, &b, true, false, 1_800_000_000_000_000);
@@ -205,7 +209,7 @@ fn an_upstreams_own_fields_are_kept_and_tollgates_follow() {
         NonZeroU64::new(60_000_000).unwrap(),
     );
     let out = o(true, 4, 30_000_000, 0);
-    let fixed = FixedValues::new("gate", &[quota], 0, 1).unwrap();
+    let fixed = FixedValues::new("gate", &[quota], 0, 1, &[]).unwrap();
     for f in [None, Some(&fixed)] {
         let b = Binding {
             rule: "gate",
@@ -215,6 +219,7 @@ fn an_upstreams_own_fields_are_kept_and_tollgates_follow() {
             fixed: f,
             windows: &[],
             at: 0,
+            units: &[],
         };
         let mut h = HeaderMap::new();
         h.insert(&RATELIMIT_POLICY, HeaderValue::from_static("\"origin\";q=100;w=3600"));

@@ -40,6 +40,7 @@ fn deny(rule: &str, limit: u64, retry_us: u64, at_us: u64) -> http::Response<cra
         fixed: None,
         windows: &[],
         at: 0,
+        units: &[],
     };
     super::rate_limited(&b, true, true, at_us)
 }

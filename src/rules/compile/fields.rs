@@ -7,10 +7,11 @@ use std::path::Path;
 use http::HeaderName;
 use serde_saphyr::Spanned;
 
-use super::super::{CostFrom, StatusMatch};
+use super::super::{CostFrom, CostSource, Estimate, StatusMatch};
 use crate::limiter::algorithm::calendar::{self, Calendar, CalendarUnit};
 use crate::limiter::{Algorithm, FailurePolicy, Penalty, Quota};
-use crate::rules::raw::{RawCostFrom, RawCountWhen, RawPenalty, RawStatus};
+use crate::rules::raw::{RawCostFrom, RawCountWhen, RawEstimate, RawPaths, RawPenalty, RawStatus};
+use crate::usage::JsonPath;
 use crate::yaml::ConfigError;
 
 /// Longest penalty a rule may set (a penalty key expires with it; a day is long enough to mean
@@ -138,26 +139,104 @@ pub(super) fn count_when(file: &Path, rule: &str, cw: &Spanned<RawCountWhen>) ->
 /// Most requests in flight `cost_from.in_flight` may allow per key.
 pub(super) const MAX_IN_FLIGHT: u64 = 1_000_000;
 
-/// `cost_from: {header, max, in_flight}`: a valid header name, `max` from the rule's `cost` (the
-/// estimate) up to the largest supported cost, and the cap on requests in flight per key
-/// (1 to [`MAX_IN_FLIGHT`]). Without `in_flight` the cap is `max(2, least limit / (max - cost))`
-/// (what a key can spend before it settles is then about one quota, and a client sending one
-/// request after another never waits for its last slot's release), and none when `max` is the
-/// estimate.
+/// Largest request body prefix `estimate.within` may ask to read (the body is held in memory
+/// while it is read).
+pub(super) const MAX_ESTIMATE_WITHIN: u64 = 16 * 1024 * 1024;
+
+/// `estimate.within` when not given: 1 MiB.
+pub(super) const DEFAULT_ESTIMATE_WITHIN: usize = 1024 * 1024;
+
+/// `estimate: {json, default, within}`: valid dotted paths, `default` from 1 to `max` (the
+/// spend's `cost_from.max`), `within` from 1 byte to [`MAX_ESTIMATE_WITHIN`].
+pub(super) fn estimate(file: &Path, rule: &str, e: &Spanned<RawEstimate>, max: u64) -> Result<Estimate, ConfigError> {
+    let at = |m: String| ConfigError::at(file, &e.referenced, format!("rule {rule:?}: estimate: {m}"));
+    let parse = |field: &str, raw: &RawPaths| -> Result<Vec<JsonPath>, ConfigError> {
+        let raw = match raw {
+            RawPaths::One(p) => vec![p.clone()],
+            RawPaths::Many(v) => v.clone(),
+        };
+        if raw.is_empty() || raw.len() > 8 {
+            return Err(at(format!("{field} names 1 to 8 paths")));
+        }
+        raw.iter()
+            .map(|p| JsonPath::parse(p.trim()).map_err(|m| at(format!("{field} {p:?}: {m}"))))
+            .collect()
+    };
+    let paths = parse("json", &e.value.json)?;
+    let times = match &e.value.times {
+        Some(t) => parse("times", t)?,
+        None => Vec::new(),
+    };
+    let default = u64::try_from(e.value.default.value)
+        .ok()
+        .filter(|d| (1..=max).contains(d))
+        .ok_or_else(|| {
+            ConfigError::at(
+                file,
+                &e.value.default.referenced,
+                format!(
+                    "rule {rule:?}: estimate: default must be 1 to cost_from.max ({max}), got {}",
+                    e.value.default.value
+                ),
+            )
+        })?;
+    let within = match &e.value.within {
+        None => DEFAULT_ESTIMATE_WITHIN,
+        Some(w) => u64::try_from(w.value)
+            .ok()
+            .filter(|w| (1..=MAX_ESTIMATE_WITHIN).contains(w))
+            .and_then(|w| usize::try_from(w).ok())
+            .ok_or_else(|| {
+                ConfigError::at(
+                    file,
+                    &w.referenced,
+                    format!(
+                        "rule {rule:?}: estimate: within must be 1 to {MAX_ESTIMATE_WITHIN} bytes, got {}",
+                        w.value
+                    ),
+                )
+            })?,
+    };
+    Ok(Estimate {
+        paths,
+        default,
+        within,
+        times,
+    })
+}
+
+/// `cost_from: {header | json, max, in_flight}`: a valid header name or dotted JSON path (one of
+/// the two), `max` from the spend's `cost` (the estimate) up to the largest supported cost, and
+/// the cap on requests in flight per key (1 to [`MAX_IN_FLIGHT`]). Without `in_flight` the cap
+/// is `max(2, least limit / (max - cost))` (what a key can spend before it settles is then about
+/// one quota, and a client sending one request after another never waits for its last slot's
+/// release); none when `max` is the estimate, and none when the reservation is read from the
+/// request (`per_request`: an `estimate`), whose overshoot is bounded by the requests in
+/// flight × (actual − estimate).
 pub(super) fn cost_from(
     file: &Path,
     rule: &str,
     cf: &Spanned<RawCostFrom>,
-    estimate: u64,
+    (estimate, per_request): (u64, bool),
     limits: &[Quota],
 ) -> Result<CostFrom, ConfigError> {
     let at = |m: String| ConfigError::at(file, &cf.referenced, format!("rule {rule:?}: cost_from: {m}"));
-    let header = HeaderName::from_bytes(cf.value.header.trim().as_bytes())
-        .map_err(|_| at(format!("invalid header name {:?}", cf.value.header)))?;
+    let source = match (&cf.value.header, &cf.value.json) {
+        (Some(h), None) => CostSource::Header(
+            HeaderName::from_bytes(h.trim().as_bytes()).map_err(|_| at(format!("invalid header name {h:?}")))?,
+        ),
+        (None, Some(p)) => CostSource::Json(JsonPath::parse(p.trim()).map_err(|m| at(format!("json {p:?}: {m}")))?),
+        _ => return Err(at("name exactly one of header and json".to_owned())),
+    };
     let max = u64::try_from(cf.value.max).unwrap_or(0);
     if max < estimate || max > crate::limiter::algorithm::MAX_UNITS {
+        let what = if per_request {
+            "the estimate's default"
+        } else {
+            "the rule's cost"
+        };
         return Err(at(format!(
-            "max must be at least the rule's cost ({estimate}) and at most {}",
+            "max must be at least {what} ({estimate}) and at most {}",
             crate::limiter::algorithm::MAX_UNITS
         )));
     }
@@ -177,7 +256,7 @@ pub(super) fn cost_from(
                     )
                 })?,
         ),
-        None if max > estimate => {
+        None if max > estimate && !per_request => {
             let least = limits.iter().map(|q| q.limit.get()).min().unwrap_or(1);
             Some((least / (max - estimate)).clamp(2, MAX_IN_FLIGHT))
         }
@@ -187,7 +266,52 @@ pub(super) fn cost_from(
     let in_flight = in_flight
         .and_then(NonZeroU64::new)
         .map(|n| Quota::window(Algorithm::Concurrency, n, ttl));
-    Ok(CostFrom { header, max, in_flight })
+    let unit = match (&cf.value.unit, &source) {
+        (Some(u), _) => {
+            let u = u.trim();
+            let ok = (1..=32).contains(&u.len())
+                && u.bytes().next().is_some_and(|b| b.is_ascii_lowercase())
+                && u.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+            if !ok {
+                return Err(at(format!(
+                    "unit {u:?}: use 1-32 lower-case letters, digits and '-', starting with a letter"
+                )));
+            }
+            Some(std::sync::Arc::from(u))
+        }
+        (None, CostSource::Json(_)) => Some(std::sync::Arc::from("tokens")),
+        (None, CostSource::Header(_)) => None,
+    };
+    let missing_max = match (&cf.value.missing, &source) {
+        (None, _) => false,
+        (Some(m), CostSource::Json(_)) if m.value.trim() == "max" => true,
+        (Some(m), CostSource::Json(_)) if m.value.trim() == "reservation" => false,
+        (Some(m), CostSource::Json(_)) => {
+            return Err(ConfigError::at(
+                file,
+                &m.referenced,
+                format!(
+                    "rule {rule:?}: cost_from: missing must be reservation or max, got {:?}",
+                    m.value
+                ),
+            ))
+        }
+        (Some(m), CostSource::Header(_)) => {
+            return Err(ConfigError::at(
+                file,
+                &m.referenced,
+                format!("rule {rule:?}: cost_from: missing applies to json costs only"),
+            ))
+        }
+    };
+    Ok(CostFrom {
+        source,
+        max,
+        in_flight,
+        unit,
+        missing_max,
+    })
 }
 
 pub(super) fn failure_policy(
