@@ -50,15 +50,41 @@ pub struct PeerCount {
 }
 
 /// What this gateway knows of one global key.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 struct Known {
     /// Per peer, in `RegionsConfig::peers` order.
     peers: SmallVec<[PeerCount; 2]>,
-    /// `budget`: this region's share (ppm) of window `.0`, agreed from every region's report.
-    share: Option<(u64, u64)>,
+    /// `budget`: this region's share (ppm) of two windows (index, ppm), agreed from every
+    /// region's report; the current window's and the next one's once settled.
+    shares: [Option<(u64, u64)>; 2],
+    /// `budget`: the last window whose use this region published.
+    published: Option<u64>,
     /// `budget`: the last window whose reports were settled (shares computed or given up on).
     reported: Option<u64>,
 }
+
+impl Default for Known {
+    fn default() -> Self {
+        Known {
+            peers: SmallVec::new(),
+            shares: [None, None],
+            published: None,
+            reported: None,
+        }
+    }
+}
+
+impl Known {
+    /// The agreed share of window `index`, if settled.
+    fn share_at(&self, index: u64) -> Option<u64> {
+        self.shares.iter().flatten().find(|(i, _)| *i == index).map(|(_, p)| *p)
+    }
+}
+
+/// Within this much of a window boundary, a `budget` region uses the smaller of the two
+/// windows' shares: a gateway's clock and its store's (Redis `TIME`) may disagree by that much
+/// about which window it is, and the store counts in its own.
+pub const CLOCK_GUARD_US: u64 = 100_000;
 
 /// A key used in this region: its window and the last window index it was used in.
 #[derive(Debug, Clone, Copy)]
@@ -80,6 +106,11 @@ pub struct PeerStatus {
     pub errors: AtomicU64,
     /// Bytes sent to and read from its store.
     pub bytes: AtomicU64,
+    /// Unix µs when the last successful read began (0: never).
+    pub last_start_us: AtomicU64,
+    /// The longest a gateway decided on one read's numbers: from the start of a successful
+    /// read to the end of the next one, in µs (the lag the `sync` bound uses).
+    pub max_staleness_us: AtomicU64,
 }
 
 /// The result of [`Regions::apply`].
@@ -176,10 +207,17 @@ impl Regions {
                     limit.saturating_sub(remote)
                 }
                 Mode::Budget => {
-                    let ppm = match k.and_then(|k| k.share) {
-                        Some((i, ppm)) if i == index => ppm,
-                        _ => self.floor_ppm(),
-                    };
+                    let floor = self.floor_ppm();
+                    let at = |i: u64| k.and_then(|k| k.share_at(i)).unwrap_or(floor);
+                    let into = now_us % window_us;
+                    let guard = CLOCK_GUARD_US.min(window_us / 4);
+                    let mut ppm = at(index);
+                    if into < guard {
+                        ppm = ppm.min(at(index.saturating_sub(1)));
+                    }
+                    if window_us - into <= guard {
+                        ppm = ppm.min(at(index + 1));
+                    }
                     share_of(limit, ppm)
                 }
             }
@@ -249,6 +287,18 @@ impl Regions {
         }
     }
 
+    /// `budget`: true when this region's use of window `index` of `key` is still to be
+    /// published; marks it published.
+    pub(crate) fn to_publish(&self, key: &Arc<str>, index: u64) -> bool {
+        let mut known = self.known.write();
+        let k = known.entry(key.clone()).or_default();
+        if k.published.is_some_and(|p| p >= index) {
+            return false;
+        }
+        k.published = Some(index);
+        true
+    }
+
     /// `budget`: true when window `index`'s reports of `key` are still to be settled.
     pub(crate) fn unreported(&self, key: &str, index: u64) -> bool {
         self.known
@@ -265,18 +315,25 @@ impl Regions {
         let mut known = self.known.write();
         let k = known.entry(key.clone()).or_default();
         k.reported = Some(index);
-        if share.is_some() {
-            k.share = share;
+        if let Some(share) = share {
+            // Keep the current window's share; replace the older one.
+            let older = match k.shares {
+                [None, _] => 0,
+                [_, None] => 1,
+                [Some((a, _)), Some((b, _))] => usize::from(b < a),
+            };
+            k.shares[older] = Some(share);
         }
     }
 
     /// `budget`: this region's share (ppm) of `key` in window `index`, as [`Regions::apply`]
     /// uses it.
     pub fn share_ppm_of(&self, key: &str, index: u64) -> u64 {
-        match self.known.read().get(key).and_then(|k| k.share) {
-            Some((i, ppm)) if i == index => ppm,
-            _ => self.floor_ppm(),
-        }
+        self.known
+            .read()
+            .get(key)
+            .and_then(|k| k.share_at(index))
+            .unwrap_or_else(|| self.floor_ppm())
     }
 
     /// The key `key` (this region's counter) has in region `peer`'s store.
@@ -346,6 +403,7 @@ impl Regions {
                     "round_ms": s.round_us.load(Ordering::Relaxed) as f64 / 1000.0,
                     "errors": s.errors.load(Ordering::Relaxed),
                     "bytes": s.bytes.load(Ordering::Relaxed),
+                    "max_staleness_ms": s.max_staleness_us.load(Ordering::Relaxed) as f64 / 1000.0,
                 })
             })
             .collect();

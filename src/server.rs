@@ -220,6 +220,7 @@ fn spawn_store_tasks(gw: &Arc<State>, stop: &watch::Receiver<bool>) {
             cluster: store.kind == crate::config::StoreKind::RedisCluster,
             urls: store.urls.clone(),
             password: store.auth.password.clone(),
+            ca_pem: store.auth.ca_file.as_ref().and_then(|f| std::fs::read(f).ok()),
         };
         tokio::spawn(crate::regions::sync::run(
             regions.clone(),

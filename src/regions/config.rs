@@ -59,8 +59,8 @@ impl Mode {
     }
 }
 
-/// One peer region, validated.
-#[derive(Debug, Clone)]
+/// One peer region, validated. Its `Debug` shows no URL (one may hold a password).
+#[derive(Clone)]
 pub struct PeerConfig {
     /// Its region name.
     pub name: Arc<str>,
@@ -156,13 +156,14 @@ impl RegionsConfig {
                 d
             }
         };
+        // Above 0: a region that used nothing must still be able to spend (and so report use).
         let budget_floor = match &r.budget_floor {
             None => 0.5,
-            Some(f) if (0.0..=1.0).contains(&f.value) => f.value,
+            Some(f) if f.value > 0.0 && f.value <= 1.0 => f.value,
             Some(f) => {
                 return Err(err(
                     &f.referenced,
-                    format!("store.regions.budget_floor: {} is not between 0 and 1", f.value),
+                    format!("store.regions.budget_floor: {} is not above 0 and at most 1", f.value),
                 ))
             }
         };
@@ -289,4 +290,14 @@ pub fn rule_scopes(
             Ok(true)
         })
         .collect()
+}
+
+impl std::fmt::Debug for PeerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerConfig")
+            .field("name", &self.name)
+            .field("cluster", &self.cluster)
+            .field("urls", &self.urls.len())
+            .finish_non_exhaustive()
+    }
 }

@@ -39,15 +39,27 @@ impl Conn {
     }
 }
 
-/// Where a store is: a peer's, or this region's own (for `budget` reports).
-#[derive(Debug, Clone)]
+/// Where a store is: a peer's, or this region's own (for `budget` reports). Its `Debug` shows
+/// no URL and no password.
+#[derive(Clone)]
 pub struct StoreAt {
     /// A Redis Cluster.
     pub cluster: bool,
     /// Its URLs.
     pub urls: Vec<String>,
-    /// `AUTH` password (its `Debug` never shows it).
+    /// `AUTH` password.
     pub password: Option<crate::yaml::Secret>,
+    /// PEM roots for `rediss://` (else the system's).
+    pub ca_pem: Option<Vec<u8>>,
+}
+
+impl std::fmt::Debug for StoreAt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreAt")
+            .field("cluster", &self.cluster)
+            .field("urls", &self.urls.len())
+            .finish_non_exhaustive()
+    }
 }
 
 impl From<&PeerConfig> for StoreAt {
@@ -56,6 +68,7 @@ impl From<&PeerConfig> for StoreAt {
             cluster: p.cluster,
             urls: p.urls.clone(),
             password: p.password.clone(),
+            ca_pem: None,
         }
     }
 }
@@ -70,6 +83,12 @@ async fn open(at: &StoreAt, timeout: Duration) -> redis::RedisResult<Conn> {
         if let Some(p) = &at.password {
             b = b.password(p.expose().to_string());
         }
+        if let Some(ca) = at.ca_pem.clone().filter(|_| at.urls.iter().all(|u| u.starts_with("rediss://"))) {
+            b = b.certs(redis::TlsCertificates {
+                client_tls: None,
+                root_cert: Some(ca),
+            });
+        }
         let c = b.build()?;
         let conn = tokio::time::timeout(timeout * 3, c.get_async_connection())
             .await
@@ -82,7 +101,17 @@ async fn open(at: &StoreAt, timeout: Duration) -> redis::RedisResult<Conn> {
         let s = info.redis_settings().clone().set_password(p.expose());
         info = info.set_redis_settings(s);
     }
-    let client = redis::Client::open(info)?;
+    let tls = matches!(info.addr(), redis::ConnectionAddr::TcpTls { .. });
+    let client = match at.ca_pem.clone() {
+        Some(ca) if tls => redis::Client::build_with_tls(
+            info,
+            redis::TlsCertificates {
+                client_tls: None,
+                root_cert: Some(ca),
+            },
+        )?,
+        _ => redis::Client::open(info)?,
+    };
     let config = ConnectionManagerConfig::new()
         .set_response_timeout(Some(timeout))
         .set_connection_timeout(Some(timeout))
@@ -129,13 +158,24 @@ fn int(v: &Value) -> Option<u64> {
     }
 }
 
-/// `HMGET key i c` as a count: the window index and the units.
-fn count_of(v: &Value) -> PeerCount {
+/// Text of a bulk or simple string reply.
+fn text(v: &Value) -> Option<&[u8]> {
     match v {
-        Value::Array(a) if a.len() == 2 => match (int(&a[0]), int(&a[1])) {
-            (Some(index), Some(units)) => PeerCount { index, units },
-            _ => PeerCount::default(),
-        },
+        Value::BulkString(b) => Some(b),
+        Value::SimpleString(s) => Some(s.as_bytes()),
+        _ => None,
+    }
+}
+
+/// `HMGET key i c q` as a count: the window index and the units, when the counter is a fixed
+/// window of `window_us` (its shape `f:<window>`; anything else counts nothing here).
+fn count_of(v: &Value, window_us: u64) -> PeerCount {
+    let Value::Array(a) = v else {
+        return PeerCount::default();
+    };
+    let shape = format!("f:{window_us}");
+    match (a.first().and_then(int), a.get(1).and_then(int), a.get(2).and_then(text)) {
+        (Some(index), Some(units), Some(q)) if q == shape.as_bytes() => PeerCount { index, units },
         _ => PeerCount::default(),
     }
 }
@@ -172,6 +212,7 @@ pub async fn run(
     let mut tick = tokio::time::interval(config.sync_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut warned = vec![false; peers.len()];
+    let mut reports_ok = true;
     loop {
         tokio::select! {
             _ = tick.tick() => {}
@@ -207,7 +248,15 @@ pub async fn run(
             note(&regions, i, r, started, &mut warned);
         }
         if config.mode == Mode::Budget {
-            reports(&regions, &mut own, &mut peers, &keys, timeout).await;
+            let ok = reports(&regions, &mut own, &mut peers, &keys, timeout).await;
+            if ok != reports_ok {
+                if ok {
+                    tracing::info!("region budget reports settle again");
+                } else {
+                    tracing::warn!("region budget reports could not be settled: this region runs on its floor share");
+                }
+                reports_ok = ok;
+            }
         }
     }
 }
@@ -248,6 +297,11 @@ fn note(regions: &Regions, i: usize, r: redis::RedisResult<u64>, started: Instan
     let name = regions.config().peers.get(i).map_or("", |p| &*p.name);
     match r {
         Ok(bytes) => {
+            let start_us = unix_us().saturating_sub(u64::try_from(started.elapsed().as_micros()).unwrap_or(0));
+            let prev = s.last_start_us.swap(start_us, Ordering::Relaxed);
+            if prev > 0 {
+                s.max_staleness_us.fetch_max(unix_us().saturating_sub(prev), Ordering::Relaxed);
+            }
             s.bytes.fetch_add(bytes, Ordering::Relaxed);
             s.round_us
                 .store(u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX), Ordering::Relaxed);
@@ -261,7 +315,7 @@ fn note(regions: &Regions, i: usize, r: redis::RedisResult<u64>, started: Instan
             s.errors.fetch_add(1, Ordering::Relaxed);
             if !warned[i] {
                 // Once per outage: the error kind, never the URL (it may hold a password).
-                tracing::warn!(peer = name, error = %e.kind().to_string(), "region peer unreachable: limiting on what was last known of it");
+                tracing::warn!(peer = name, error = ?e.kind(), "region peer unreachable: limiting on what was last known of it");
                 warned[i] = true;
             }
         }
@@ -282,111 +336,123 @@ async fn read_peer(
     let mut p = redis::pipe();
     let mut sent = 0u64;
     let mut asked = Vec::with_capacity(keys.len());
-    for (k, _) in keys {
+    for (k, t) in keys {
         if let Some(pk) = regions.peer_key(k, &peer.name) {
-            sent += 30 + pk.len() as u64;
-            p.cmd("HMGET").arg(pk).arg("i").arg("c");
-            asked.push(k);
+            sent += 34 + pk.len() as u64;
+            p.cmd("HMGET").arg(pk).arg("i").arg("c").arg("q");
+            asked.push((k, t.window_us));
         }
     }
     let replies = link.run(&p, timeout).await?;
     let mut got = 0u64;
-    for (k, v) in asked.into_iter().zip(&replies) {
+    for ((k, w), v) in asked.into_iter().zip(&replies) {
         got += reply_bytes(v);
-        regions.learn(k, i, count_of(v));
+        regions.learn(k, i, count_of(v, w));
     }
     Ok(sent + got)
 }
 
-/// `budget`: for each key three quarters or more into its window whose reports are not
-/// settled, publish this region's use (`SET NX`), close each peer's (`SET 0 NX`, the peer's own
-/// report if it came first), and settle the next window's share from what all agree on.
-async fn reports(regions: &Regions, own: &mut Link, peers: &mut [Link], keys: &[(Arc<str>, Touch)], timeout: Duration) {
+/// `budget`: half way into a key's window, publish this region's use of it (`SET NX` in this
+/// region's store); three quarters in, settle the window: read the report that stands in every
+/// region's store, closing a peer's that is missing as 0 (`SET 0 NX`, then `GET`), and compute
+/// the next window's share from what every region then agrees on. `false`: a store could not
+/// be reached (the floor share applies).
+async fn reports(regions: &Regions, own: &mut Link, peers: &mut [Link], keys: &[(Arc<str>, Touch)], timeout: Duration) -> bool {
     let now = unix_us();
-    let due: Vec<(Arc<str>, u64, u64)> = keys
+    let into = |t: &Touch| now - (now / t.window_us) * t.window_us;
+    let current = |t: &Touch| t.index == now / t.window_us;
+    let publish: Vec<(Arc<str>, u64, u64)> = keys
         .iter()
-        .filter_map(|(k, t)| {
-            let index = now / t.window_us;
-            let into = now - index * t.window_us;
-            (t.index == index && into * 4 >= t.window_us * 3 && regions.unreported(k, index))
-                .then(|| (k.clone(), index, t.window_us))
-        })
+        .filter(|(k, t)| current(t) && into(t) * 2 >= t.window_us && regions.to_publish(k, t.index))
+        .map(|(k, t)| (k.clone(), t.index, t.window_us))
         .collect();
-    if due.is_empty() {
-        return;
+    let settle: Vec<(Arc<str>, u64, u64)> = keys
+        .iter()
+        .filter(|(k, t)| current(t) && into(t) * 4 >= t.window_us * 3 && regions.unreported(k, t.index))
+        .map(|(k, t)| (k.clone(), t.index, t.window_us))
+        .collect();
+    if publish.is_empty() && settle.is_empty() {
+        return true;
     }
-    // This region's use of each due window, from its own counter.
+    let ttl = |w: u64| (w / 1000).saturating_mul(3).max(1000);
+    // This region's use of each window, from its own counter.
+    let both: Vec<&(Arc<str>, u64, u64)> = publish.iter().chain(&settle).collect();
     let mut p = redis::pipe();
-    for (k, _, _) in &due {
-        p.cmd("HMGET").arg(&**k).arg("i").arg("c");
+    for (k, _, _) in &both {
+        p.cmd("HMGET").arg(&**k).arg("i").arg("c").arg("q");
     }
     let Ok(counts) = own.run(&p, timeout).await else {
-        for (k, index, _) in &due {
+        for (k, index, _) in &settle {
             regions.settle(k, *index, None);
         }
-        return;
+        return false;
     };
-    // Publish them; each reply is the report that stands.
-    let ttl = |w: u64| (w / 1000).saturating_mul(3).max(1000);
+    let used: Vec<u64> = both
+        .iter()
+        .zip(&counts)
+        .map(|((_, index, w), c)| {
+            let c = count_of(c, *w);
+            if c.index == *index {
+                c.units
+            } else {
+                0
+            }
+        })
+        .collect();
+    // Publish, and for the windows to settle also read back the report that stands.
     let mut p = redis::pipe();
-    for ((k, index, w), c) in due.iter().zip(&counts) {
-        let c = count_of(c);
-        let used = if c.index == *index { c.units } else { 0 };
-        p.cmd("SET")
-            .arg(report_key(k, *index))
-            .arg(used)
-            .arg("NX")
-            .arg("GET")
-            .arg("PX")
-            .arg(ttl(*w));
+    for (n, (k, index, w)) in both.iter().enumerate() {
+        let rk = report_key(k, *index);
+        p.cmd("SET").arg(&rk).arg(used[n]).arg("NX").arg("PX").arg(ttl(*w));
+        if n >= publish.len() {
+            p.cmd("GET").arg(&rk);
+        }
     }
-    let mine = own.run(&p, timeout).await;
-    let mut uses: Vec<Option<Vec<u64>>> = match &mine {
-        Ok(r) => due
-            .iter()
-            .zip(r)
-            .zip(&counts)
-            .map(|(((_, index, _), stood), c)| {
-                // nil: ours was set; else the value that stood.
-                let c = count_of(c);
-                let used = if c.index == *index { c.units } else { 0 };
-                Some(vec![int(stood).unwrap_or(used)])
-            })
-            .collect(),
-        Err(_) => vec![None; due.len()],
+    let mut uses: Vec<Option<Vec<u64>>> = match own.run(&p, timeout).await {
+        Ok(r) => {
+            // Replies: one per SET, plus a GET after each SET of a window to settle.
+            let gets = r.iter().skip(publish.len()).skip(1).step_by(2);
+            gets.map(|v| int(v).map(|u| vec![u])).collect()
+        }
+        Err(_) => vec![None; settle.len()],
     };
+    uses.resize(settle.len(), None);
+    let mut ok = true;
     for (i, link) in peers.iter_mut().enumerate() {
         let Some(peer) = regions.config().peers.get(i) else {
             continue;
         };
         let mut p = redis::pipe();
-        let mut asked = Vec::with_capacity(due.len());
-        for (n, (k, index, w)) in due.iter().enumerate() {
+        let mut asked = Vec::with_capacity(settle.len());
+        for (n, (k, index, w)) in settle.iter().enumerate() {
             if let Some(pk) = regions.peer_key(k, &peer.name) {
-                p.cmd("SET")
-                    .arg(report_key(&pk, *index))
-                    .arg(0)
-                    .arg("NX")
-                    .arg("GET")
-                    .arg("PX")
-                    .arg(ttl(*w));
+                let rk = report_key(&pk, *index);
+                p.cmd("SET").arg(&rk).arg(0).arg("NX").arg("PX").arg(ttl(*w));
+                p.cmd("GET").arg(&rk);
                 asked.push(n);
             }
         }
         match link.run(&p, timeout).await {
             Ok(r) => {
-                for (n, v) in asked.into_iter().zip(&r) {
+                for (n, v) in asked.into_iter().zip(r.iter().skip(1).step_by(2)) {
                     if let Some(Some(u)) = uses.get_mut(n) {
-                        u.push(int(v).unwrap_or(0));
+                        match int(v) {
+                            Some(x) => u.push(x),
+                            None => uses[n] = None,
+                        }
                     }
                 }
             }
-            Err(_) => uses.iter_mut().for_each(|u| *u = None),
+            Err(_) => {
+                ok = false;
+                uses.iter_mut().for_each(|u| *u = None);
+            }
         }
     }
     let regions_n = regions.config().peers.len() + 1;
-    for ((k, index, _), u) in due.iter().zip(uses) {
+    for ((k, index, _), u) in settle.iter().zip(uses) {
         let complete = u.filter(|u| u.len() == regions_n);
         regions.settle(k, *index, complete.as_deref());
     }
+    ok
 }
