@@ -363,6 +363,22 @@ async fn keys(gw: &Arc<State>, m: Method, p: &str, peer: SocketAddr) -> Response
                 v["reserved"] = json!(reserved);
                 v["charged"] = json!(used.saturating_sub(reserved));
             }
+            // A global limit: each region's spend of this window, this region's from its store
+            // and the others' as last read from theirs.
+            if let (Some(regions), true) = (gw.regions(), rule.is_some_and(|r| r.global_scope.is_some())) {
+                let own = q
+                    .limit
+                    .get()
+                    .saturating_sub(s.as_ref().map_or(q.limit.get(), |o| o.remaining));
+                let index = gw.clock().now_us() / q.window_us.get();
+                let mut spend = serde_json::Map::new();
+                spend.insert(regions.config().name.to_string(), json!(own));
+                for (name, units) in regions.peer_units(c.check.key.as_str(), index) {
+                    spend.insert(name.to_string(), json!(units));
+                }
+                v["scope"] = json!("global");
+                v["regions"] = Value::Object(spend);
+            }
             if let (Value::Object(o), Value::Object(w)) = (&mut v, quota_json(q)) {
                 o.extend(w);
             }
@@ -419,5 +435,6 @@ async fn status(gw: &State) -> Response<ProxyBody> {
         "config_file_changed": gw.metrics().reload.config_file_changed.get() == 1,
         "version": env!("CARGO_PKG_VERSION"),
         "adaptive": gw.adaptive().map(|a| a.status()),
+        "region": gw.regions().map(|r| r.status_json()),
     }))
 }

@@ -293,6 +293,8 @@ pub struct GatewayConfig {
     pub rls: Option<rls::RlsSettings>,
     /// Adaptive concurrency toward the upstream (`upstream.adaptive`; `None`: off).
     pub adaptive: Option<crate::adaptive::AdaptiveConfig>,
+    /// This gateway's region and its peers (`store.region`, `store.regions`; `None`: one region).
+    pub regions: Option<crate::regions::RegionsConfig>,
     /// Things an operator should know that are not errors (an ignored environment override, a
     /// risky combination). `check` prints them; `run` logs each as a warning at start.
     pub notes: Vec<String>,
@@ -424,9 +426,16 @@ impl GatewayConfig {
             Some(a) => Some(crate::adaptive::AdaptiveConfig::compile(f, a)?),
             None => None,
         };
+        let regions = crate::regions::RegionsConfig::compile(
+            f,
+            raw.store.region.as_ref(),
+            raw.store.regions.as_ref(),
+            store.kind != StoreKind::Memory,
+        )?;
         Ok(GatewayConfig {
             rls,
             adaptive,
+            regions,
             path: path.to_path_buf(),
             listen,
             admin_listen,

@@ -73,6 +73,8 @@ pub struct Engine<'a> {
     pub identity: &'a IdentityConfig,
     /// Checks and spends quota.
     pub limiter: &'a Limiter,
+    /// What the other regions spent of `scope: global` limits (`None`: one region).
+    pub regions: Option<&'a crate::regions::Regions>,
 }
 
 impl Engine<'_> {
@@ -101,6 +103,13 @@ impl Engine<'_> {
             }
             c.check.holder = holder;
         }
+        if let Some(v) = self.regional(plan, now_us) {
+            return Checked {
+                verdict: v,
+                holder,
+                store_wait: None,
+            };
+        }
         let (verdict, store_wait) = match self.limiter.begin(&plan.checks, now_us) {
             Ok(v) => (v, None),
             Err(ask) => {
@@ -114,6 +123,60 @@ impl Engine<'_> {
             holder,
             store_wait,
         }
+    }
+
+    /// Make each `scope: global` check of `plan` what this region may spend of it now
+    /// ([`crate::regions::Regions::apply`]). `Some`: one has nothing left in this region, and
+    /// the request is denied by it without asking the store (spending nothing anywhere).
+    fn regional(&self, plan: &mut RequestPlan, now_us: u64) -> Option<Verdict> {
+        let regions = self.regions?;
+        let mut exhausted = None;
+        for (i, c) in plan.checks.iter_mut().enumerate() {
+            let global = self
+                .snap
+                .rules
+                .rules
+                .get(c.rule as usize)
+                .is_some_and(|r| r.global_scope.is_some());
+            // Only fixed windows add up across regions (a runtime override of another
+            // algorithm counts in this region alone).
+            let q = &c.check.quota;
+            if !global || q.algorithm != crate::limiter::Algorithm::FixedWindow || q.calendar.is_some() {
+                continue;
+            }
+            if let crate::regions::Applied::Exhausted { reset_us } = regions.apply(&mut c.check, now_us) {
+                if !c.check.shadow && exhausted.is_none() {
+                    exhausted = Some((i, reset_us));
+                }
+            }
+        }
+        let (at, reset_us) = exhausted?;
+        let outcomes = plan
+            .checks
+            .iter()
+            .enumerate()
+            .map(|(i, _)| {
+                let o = if i == at {
+                    crate::limiter::Outcome {
+                        allowed: false,
+                        reset_us,
+                        retry_after_us: reset_us,
+                        at_us: now_us,
+                        ..Default::default()
+                    }
+                } else {
+                    crate::limiter::Outcome {
+                        allowed: true,
+                        ..Default::default()
+                    }
+                };
+                (o, Source::Store)
+            })
+            .collect();
+        Some(Verdict {
+            outcomes,
+            store_error: None,
+        })
     }
 
     /// What `verdict` means for `plan`. Pure.

@@ -20,6 +20,7 @@
 //! | [`rls`] | the Envoy rate-limit service front end: `ShouldRateLimit` over gRPC (and `/json`), envoyproxy/ratelimit's config files (`rls::config`), descriptor matching (`rls::matcher`), one all-or-nothing limiter check per request (`rls::decide`), the listener (`rls::serve`) |
 //! | [`background`] | low-priority threads for reloads and for freeing replaced snapshots, so neither competes with requests |
 //! | [`adaptive`] | adaptive concurrency: a per-node limit on requests in flight to the upstream, learned from latency (`adaptive/control`, pure), with priority classes refused lowest first; owns its config types (`adaptive::raw` as written, `adaptive::config` validated, with the rules' priorities checked against it) |
+//! | [`regions`] | several regions: `scope: global` rules count the spend of peer regions' stores, read by a background sync task (`regions::sync`) into memory the engine reads; `sync` and `budget` modes; owns its config types (`regions::config`) |
 //! | [`activity`] | what the admin dashboard shows over time: per-second rule rates, most limited hashes, store and reload history |
 //! | [`admin`] | admin listener: health, readiness, status, metrics, rules, reload, explain, counters (`identities`), JSON views of rules and limits (`views`); token auth |
 //! | [`config`] | composes the subsystems' own config types (`rules::raw`, `identity::raw`, `http::tls`, `http::upstream::settings`, `limiter::redis`) into `GatewayConfig`; the gateway-level raw structs, validation, the file watcher. Nothing below it imports it |
@@ -54,6 +55,7 @@ pub mod limiter;
 pub mod log_throttle;
 pub mod metrics;
 pub mod proxy;
+pub mod regions;
 pub mod rls;
 pub mod rt;
 pub mod rules;

@@ -13,6 +13,7 @@ mod adaptive;
 mod cost;
 mod otlp;
 mod process;
+mod regions;
 mod reload;
 mod rls;
 mod store;
@@ -23,6 +24,7 @@ pub use adaptive::AdaptiveMetrics;
 pub use cost::{CostHandles, CostMetrics, Unreported};
 pub use otlp::OtlpCounters;
 pub use process::Process;
+pub use regions::{PeerMetrics, RegionMetrics};
 pub use reload::{Reload, Tls};
 pub use rls::{RlsDomain, RlsDomainTotals, RlsLabels, RlsLimitLabels, RlsMetrics, MAX_DETAILED_SERIES};
 pub use store::{ShardLabels, Store};
@@ -84,6 +86,8 @@ pub struct Metrics {
     pub adaptive: AdaptiveMetrics,
     /// Costs the upstream reports (`cost_from`): charged, reservation error, unreported.
     pub cost: CostMetrics,
+    /// Peer regions' replication lag, errors and bytes (`store.region`).
+    pub regions: RegionMetrics,
 }
 
 impl Metrics {
@@ -99,7 +103,9 @@ impl Metrics {
         let rls = RlsMetrics::register(&mut registry);
         let adaptive = AdaptiveMetrics::register(&mut registry);
         let cost = CostMetrics::register(&mut registry);
+        let regions = RegionMetrics::register(&mut registry);
         Arc::new(Metrics {
+            regions,
             cost,
             adaptive,
             rls,

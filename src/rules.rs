@@ -300,6 +300,12 @@ pub struct Rule {
     /// The priority class its requests get under adaptive concurrency, with where it is
     /// written (line, column): checked against the gateway's classes when the rules load.
     pub priority: Option<(Arc<str>, u64, u64)>,
+    /// `scope: global`, with where it is written (checked against `store.regions` when the
+    /// rules load): its limits count every region's spend. `None`: this region's alone.
+    pub global_scope: Option<(u64, u64)>,
+    /// The rule part of its store keys: its name, and for a global rule `name@region` (set when
+    /// the rules load, so each region's spend has its own counter).
+    pub key_name: Arc<str>,
 }
 
 impl Rule {

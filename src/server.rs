@@ -214,6 +214,21 @@ fn spawn_store_tasks(gw: &Arc<State>, stop: &watch::Receiver<bool>) {
     spawn_slot_renewal(gw, stop.clone());
     spawn_lease_sweep(gw, stop.clone());
     spawn_override_refresh(gw, stop.clone());
+    if let Some(regions) = gw.regions() {
+        let store = &gw.config().store;
+        let own = crate::regions::sync::StoreAt {
+            cluster: store.kind == crate::config::StoreKind::RedisCluster,
+            urls: store.urls.clone(),
+            password: store.auth.password.clone(),
+            ca_pem: store.auth.ca_file.as_ref().and_then(|f| std::fs::read(f).ok()),
+        };
+        tokio::spawn(crate::regions::sync::run(
+            regions.clone(),
+            own,
+            gw.metrics().regions.clone(),
+            stop.clone(),
+        ));
+    }
 }
 
 /// The proxy listeners, as the workers take them.

@@ -109,6 +109,8 @@ pub struct State {
     exporter: Option<Arc<crate::telemetry::Exporter>>,
     /// Adaptive concurrency toward the upstream (`upstream.adaptive`; `None`: off).
     adaptive: Option<Arc<crate::adaptive::Adaptive>>,
+    /// What is known of the peer regions (`store.region`; `None`: one region).
+    regions: Option<Arc<crate::regions::Regions>>,
 }
 
 /// Seconds since the Unix epoch (0 before it).
@@ -139,6 +141,14 @@ pub fn load_snapshot(config: &GatewayConfig, metrics: &Metrics) -> Result<Snapsh
         None => KeyRegistry::empty(),
     };
     let rule_class = crate::adaptive::rule_classes(&rules, config.adaptive.as_ref(), &config.rules_file)?;
+    let mut rules = rules;
+    let global = crate::regions::rule_scopes(&rules, config.regions.as_ref(), &config.rules_file)?;
+    if let Some(region) = &config.regions {
+        // A global rule's counter in this region's store is this region's spend alone.
+        for (r, _) in rules.rules.iter_mut().zip(&global).filter(|(_, g)| **g) {
+            r.key_name = std::sync::Arc::from(format!("{}@{}", r.name, region.name));
+        }
+    }
     let rule_metrics = rules.rules.iter().map(|r| metrics.traffic.rule(&r.name)).collect();
     let cost_metrics = rules
         .rules
@@ -161,7 +171,7 @@ pub fn load_snapshot(config: &GatewayConfig, metrics: &Metrics) -> Result<Snapsh
                 return Vec::new();
             }
             let tag = kb.global_tag(&r.name);
-            (0..r.limits.len()).map(|n| kb.key(&tag, &r.name, n)).collect()
+            (0..r.limits.len()).map(|n| kb.key(&tag, &r.key_name, n)).collect()
         })
         .collect();
     let settles = rules.rules.iter().any(|r| r.count_when.is_some() || r.settles_cost());
@@ -379,7 +389,12 @@ impl State {
             .adaptive
             .as_ref()
             .map(|c| crate::adaptive::Adaptive::new(c.clone(), metrics.adaptive.gauges(c.classes())));
+        let regions = config
+            .regions
+            .as_ref()
+            .map(|c| Arc::new(crate::regions::Regions::new(c.clone())));
         let gw = Arc::new(State {
+            regions,
             snapshot: ArcSwap::from_pointee(snap),
             runtime: ArcSwap::from_pointee(RuntimeOverrides::default()),
             overrides_key,
@@ -402,6 +417,11 @@ impl State {
             adaptive,
         });
         Ok(gw)
+    }
+
+    /// What is known of the peer regions (`None`: `store.region` is not set).
+    pub fn regions(&self) -> Option<&Arc<crate::regions::Regions>> {
+        self.regions.as_ref()
     }
 
     /// The adaptive concurrency limiter (`None`: `upstream.adaptive` is off).

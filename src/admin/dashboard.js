@@ -130,12 +130,16 @@
           return el("tr", {}, el("td", { text: c.rule }), el("td", { text: c.limit + unit }),
             el("td", { cls: "n", text: c.tracked ? num(c.remaining) + unit : "untracked" }),
             el("td", { cls: "n", "data-reserved": "", text: c.unit ? num(c.reserved) + unit : "–" }),
-            el("td", { cls: "n", text: c.tracked ? (c.reset_ms / 1000).toFixed(1) + " s" : "–" }));
+            el("td", { cls: "n", text: c.tracked ? (c.reset_ms / 1000).toFixed(1) + " s" : "–" }),
+            // A global limit: each region's spend of this window.
+            el("td", { "data-regions": "", text: c.regions ? Object.keys(c.regions).map(function (r) {
+              return r + " " + num(c.regions[r]);
+            }).join(" · ") : "–" }));
         });
         var t = el("table", {}, el("thead", {}, el("tr", {}, el("th", { text: "rule" }), el("th", { text: "limit" }),
           el("th", { cls: "n", text: "remaining" }), el("th", { cls: "n", text: "reserved" }),
-          el("th", { cls: "n", text: "resets in" }))), el("tbody"));
-        fill(t.tBodies[0], rows, "no counters", 5);
+          el("th", { cls: "n", text: "resets in" }), el("th", { text: "spent by region" }))), el("tbody"));
+        fill(t.tBodies[0], rows, "no counters", 6);
         box.replaceChildren(el("p", {}, "Counters of ", el("span", { cls: "hash", text: x.hash }), " now · ",
           el("a", { href: "/dashboard/limited/" + x.hash, text: "JSON" }), " · ",
           el("a", { href: "#", id: "detail-close", text: "close" })), el("div", { cls: "scroll" }, t));

@@ -231,7 +231,7 @@ pub async fn limited(gw: &State, hash: &str) -> Response<ProxyBody> {
         };
         for (n, q) in r.limits.iter().enumerate() {
             checks.push(LimitCheck {
-                key: gw.keys().key(hash, &r.name, n),
+                key: gw.keys().key(hash, &r.key_name, n),
                 quota: *q,
                 cost: 0,
                 shadow: r.shadow,
@@ -239,7 +239,12 @@ pub async fn limited(gw: &State, hash: &str) -> Response<ProxyBody> {
                 penalty: r.penalty,
                 lease: None,
             });
-            owners.push((l.rule.clone(), crate::describe::quota(q), r.header_unit(n).name));
+            owners.push((
+                l.rule.clone(),
+                crate::describe::quota(q),
+                r.header_unit(n).name,
+                r.global_scope.is_some(),
+            ));
         }
     }
     let states = match tokio::time::timeout(
@@ -256,16 +261,31 @@ pub async fn limited(gw: &State, hash: &str) -> Response<ProxyBody> {
         .iter()
         .zip(&checks)
         .zip(states)
-        .map(|(((rule, limit, unit), c), s)| {
+        .map(|(((rule, limit, unit, global), c), s)| {
+            let remaining = s.as_ref().map_or(c.quota.limit.get(), |o| o.remaining);
+            // A global limit: each region's spend of this window (this region's own, the
+            // others' as last read).
+            let regions = gw.regions().filter(|_| *global).map(|regions| {
+                let index = gw.clock().now_us() / c.quota.window_us.get();
+                let mut spend = vec![(regions.config().name.to_string(), c.quota.limit.get().saturating_sub(remaining))];
+                spend.extend(
+                    regions
+                        .peer_units(c.key.as_str(), index)
+                        .into_iter()
+                        .map(|(n, u)| (n.to_string(), u)),
+                );
+                spend.into_iter().collect::<std::collections::BTreeMap<_, _>>()
+            });
             // A token budget: its unit, and what this node's requests hold reserved in it.
             json!({
                 "rule": rule,
                 "limit": limit,
                 "unit": unit.as_deref(),
                 "reserved": gw.limiter().reserved_at(&c.key),
-                "remaining": s.as_ref().map_or(c.quota.limit.get(), |o| o.remaining),
+                "remaining": remaining,
                 "reset_ms": s.as_ref().map_or(0, |o| o.reset_us / 1000),
                 "tracked": s.is_some(),
+                "regions": regions,
             })
         })
         .collect();

@@ -94,6 +94,7 @@ fn rule_json(r: &Rule) -> Value {
         "cost": r.cost,
         "failure": crate::describe::failure(&r.failure),
         "shadow": r.shadow,
+        "scope": if r.global_scope.is_some() { "global" } else { "region" },
         "penalty": r.penalty.map(|p| json!({"base": window_text(p.base_us.get()), "max": window_text(p.max_us.get())})),
         "count_when": r.count_when.as_ref().map(|m| m.to_text()),
         "cost_from": r.cost_from.as_ref().map(cost_from_json),

@@ -204,6 +204,10 @@ pub struct RawStore {
     pub password_env: Option<Spanned<String>>,
     /// TLS to Redis (`rediss://` URLs).
     pub tls: Option<Spanned<RawStoreTls>>,
+    /// This gateway's region (`scope: global` rules count every region's spend).
+    pub region: Option<Spanned<String>>,
+    /// The other regions and how global limits are shared with them.
+    pub regions: Option<Spanned<crate::regions::RawRegions>>,
 }
 
 /// `identity:`.

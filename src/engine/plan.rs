@@ -311,7 +311,7 @@ pub fn rule_checks<'v>(
         limits
             .iter()
             .enumerate()
-            .map(|(n, q)| planned(check(keys.key(&tag, &rule.name, n), q, n), from)),
+            .map(|(n, q)| planned(check(keys.key(&tag, &rule.key_name, n), q, n), from)),
     );
     if let Some(c) = out.get(first).and_then(|p| in_flight_check(rule, &p.check)) {
         out.push(planned((c, crate::rules::RULE_SPEND), from));

@@ -37,6 +37,7 @@ async fn decide(gw: &State, path: &str, headers: &HeaderMap) -> Decision {
         keys: gw.keys(),
         identity: &gw.config().identity,
         limiter: gw.limiter(),
+        regions: None,
     };
     let uri: Uri = path.parse().unwrap();
     let facts = Facts {

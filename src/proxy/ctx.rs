@@ -113,6 +113,7 @@ pub(super) fn engine<'a>(gw: &'a State, snap: &'a Snapshot) -> Engine<'a> {
         keys: gw.keys(),
         identity: &gw.config().identity,
         limiter: gw.limiter(),
+        regions: gw.regions().map(|r| &**r),
     }
 }
 

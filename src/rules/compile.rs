@@ -579,8 +579,21 @@ impl RuleSet {
                 tier: m.tier.is_some(),
                 extra: usize::from(m.host.is_some()) + headers.len(),
             };
+            let global_scope = match r.scope.as_ref().map(|s| (s.value.as_str(), s)) {
+                None | Some(("region", _)) => None,
+                Some(("global", s)) => Some((s.referenced.line(), s.referenced.column())),
+                Some((other, s)) => {
+                    return Err(ConfigError::at(
+                        file,
+                        &s.referenced,
+                        format!("rule {name:?}: scope {other:?} is not region or global"),
+                    ))
+                }
+            };
             rules.push(Rule {
                 name: Arc::from(name),
+                key_name: Arc::from(name),
+                global_scope,
                 index,
                 pattern,
                 methods,
@@ -595,7 +608,10 @@ impl RuleSet {
                 cost,
                 failure,
                 shadow: r.shadow,
+                // A global rule's limit moves with the other regions' spend: no lease is sized
+                // against it.
                 lease: r.lease.unwrap_or(true)
+                    && global_scope.is_none()
                     && !r.shadow
                     && penalty.is_none()
                     && count_when.is_none()

@@ -81,6 +81,9 @@ pub struct RawRule {
     pub timezone: Option<Spanned<String>>,
     /// The priority class of the requests it matches (`upstream.adaptive.classes`).
     pub priority: Option<Spanned<String>>,
+    /// `region` (default: this region's store alone) or `global` (every region's spend counts;
+    /// `store.regions`).
+    pub scope: Option<Spanned<String>>,
 }
 
 /// `count_when: {status: [401, 403, 5xx]}`.
