@@ -134,7 +134,7 @@ async fn offer(stack: &Stack, path: &str, ip: &str, per_gateway_per_window: u64,
                     }
                     let into = t % WINDOW_US;
                     // Never within 40 ms of a boundary: each answer is of the window it was sent in.
-                    if into < 40_000 || into > WINDOW_US - 40_000 {
+                    if !(40_000..=WINDOW_US - 40_000).contains(&into) {
                         tokio::time::sleep(Duration::from_millis(10)).await;
                         continue;
                     }
@@ -142,14 +142,15 @@ async fn offer(stack: &Stack, path: &str, ip: &str, per_gateway_per_window: u64,
                     let Ok(r) = r else { continue };
                     let status = r.status().as_u16();
                     assert!(status == 200 || status == 429, "unexpected {status} from {url}");
-                    let mut all = tallies.lock();
-                    let e = all.entry(t / WINDOW_US).or_default().entry(name).or_default();
-                    if status == 200 {
-                        e.admitted += 1;
-                    } else {
-                        e.denied += 1;
+                    {
+                        let mut all = tallies.lock();
+                        let e = all.entry(t / WINDOW_US).or_default().entry(name).or_default();
+                        if status == 200 {
+                            e.admitted += 1;
+                        } else {
+                            e.denied += 1;
+                        }
                     }
-                    drop(all);
                     next += gap;
                     tokio::time::sleep_until(next.into()).await;
                 }
@@ -221,18 +222,36 @@ async fn sync_mode_over_admits_by_at_most_the_stated_bound() {
     assert!(windows.len() >= 3, "{windows:?}");
     let mut over = 0;
     for (w, eu, us, total) in &windows {
-        assert!(*total <= LIMIT + bound, "window {w}: {eu} + {us} = {total} > {LIMIT} + {bound}");
-        assert!(*total >= LIMIT, "window {w}: {total} < {LIMIT}: sync mode never under-admits");
+        assert!(
+            *total <= LIMIT + bound,
+            "window {w}: {eu} + {us} = {total} > {LIMIT} + {bound}"
+        );
+        assert!(
+            *total >= LIMIT,
+            "window {w}: {total} < {LIMIT}: sync mode never under-admits"
+        );
         assert!(*eu > 0 && *us > 0, "window {w}: both regions admit");
         over = over.max(total - LIMIT);
     }
-    eprintln!("sync: largest over-admission {over} of a bound of {bound} ({:.1} % of the limit)", over as f64 * 100.0 / LIMIT as f64);
+    eprintln!(
+        "sync: largest over-admission {over} of a bound of {bound} ({:.1} % of the limit)",
+        over as f64 * 100.0 / LIMIT as f64
+    );
     // Each region has its own counter, in its own store (read within the window they live in).
     assert_eq!(one(&stack.eu.gateways[0], "/g/a2", "10.1.0.11").await, 200);
     assert_eq!(one(&stack.us.gateways[0], "/g/a2", "10.1.0.11").await, 200);
-    assert!(!scan(&stack.eu.redis, "*:chat@eu:0").is_empty(), "eu's counter in eu's store");
-    assert!(!scan(&stack.us.redis, "*:chat@us:0").is_empty(), "us's counter in us's store");
-    assert!(scan(&stack.eu.redis, "*:chat@us:0").is_empty(), "no region writes another's store");
+    assert!(
+        !scan(&stack.eu.redis, "*:chat@eu:0").is_empty(),
+        "eu's counter in eu's store"
+    );
+    assert!(
+        !scan(&stack.us.redis, "*:chat@us:0").is_empty(),
+        "us's counter in us's store"
+    );
+    assert!(
+        scan(&stack.eu.redis, "*:chat@us:0").is_empty(),
+        "no region writes another's store"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -247,7 +266,10 @@ async fn budget_mode_never_over_admits_and_splits_by_use() {
     }
     // Once the first window's reports are settled, the split follows use: near the whole limit.
     let (_, _, _, first) = windows[0];
-    assert!(first >= LIMIT / 2 - 2, "the first windows run on the floor share: {windows:?}");
+    assert!(
+        first >= LIMIT / 2 - 2,
+        "the first windows run on the floor share: {windows:?}"
+    );
     let settled: Vec<u64> = windows[2..].iter().map(|w| w.3).collect();
     assert!(
         settled.iter().all(|&t| t >= LIMIT * 9 / 10),
@@ -259,7 +281,10 @@ async fn budget_mode_never_over_admits_and_splits_by_use() {
     let floor = LIMIT / 4; // budget_floor 0.5 of an equal share of 2 regions
     assert!(t[0].1 <= floor, "the first window runs on the floor: {t:?}");
     for (w, admitted, offered) in &t[1..] {
-        assert!(*admitted <= LIMIT - floor, "window {w}: never more than eu's share: {t:?}");
+        assert!(
+            *admitted <= LIMIT - floor,
+            "window {w}: never more than eu's share: {t:?}"
+        );
         assert!(
             *admitted >= (LIMIT - floor - 2).min(*offered),
             "window {w}: eu gets the limit less us's floor: {t:?}"
@@ -285,7 +310,7 @@ async fn offer_one(region: &Region, path: &str, ip: &str, per_window: u64, windo
             break;
         }
         let into = t % WINDOW_US;
-        if into < 40_000 || into > WINDOW_US - 40_000 {
+        if !(40_000..=WINDOW_US - 40_000).contains(&into) {
             tokio::time::sleep(Duration::from_millis(10)).await;
             continue;
         }
@@ -338,8 +363,14 @@ async fn a_30s_partition_keeps_both_regions_limiting_within_the_bounds_then_heal
     let during = totals(&offer(&stack, "/g/p", "10.1.0.4", LIMIT / 2, 15).await);
     eprintln!("partition (eu, us, total): {during:?}");
     for (w, eu, us, total) in &during {
-        assert!(*total <= LIMIT, "window {w}: {eu} + {us} = {total} > {LIMIT} while partitioned");
-        assert!(*eu > 0 && *us > 0, "window {w}: both regions keep admitting: {during:?}");
+        assert!(
+            *total <= LIMIT,
+            "window {w}: {eu} + {us} = {total} > {LIMIT} while partitioned"
+        );
+        assert!(
+            *eu > 0 && *us > 0,
+            "window {w}: both regions keep admitting: {during:?}"
+        );
     }
     // Each region keeps limiting (on its floor share once it can no longer read the reports).
     let floor = LIMIT / 4;
@@ -349,7 +380,12 @@ async fn a_30s_partition_keeps_both_regions_limiting_within_the_bounds_then_heal
     );
     let stale = region_status(&stack.eu.gateways[0]).await;
     assert!(stale["peers"][0]["errors"].as_u64().unwrap_or(0) > 0, "{stale}");
-    let lag = metric_value(&client(), &stack.eu.gateways[0].admin, "tollgate_region_sync_lag_seconds{peer=\"us\"}").await;
+    let lag = metric_value(
+        &client(),
+        &stack.eu.gateways[0].admin,
+        "tollgate_region_sync_lag_seconds{peer=\"us\"}",
+    )
+    .await;
     assert!(lag >= 20.0, "the lag metric shows the partition: {lag}");
     // Heal.
     stack.to_us.blackhole(false);
@@ -357,7 +393,10 @@ async fn a_30s_partition_keeps_both_regions_limiting_within_the_bounds_then_heal
     let after = totals(&offer(&stack, "/g/p", "10.1.0.4", LIMIT / 2, 4).await);
     eprintln!("healed (eu, us, total): {after:?}");
     assert!(after.iter().all(|w| w.3 <= LIMIT), "{after:?}");
-    assert!(after.last().is_some_and(|w| w.3 >= LIMIT * 9 / 10), "shares are back: {after:?}");
+    assert!(
+        after.last().is_some_and(|w| w.3 >= LIMIT * 9 / 10),
+        "shares are back: {after:?}"
+    );
     // Nothing is counted twice: early in a fresh window, requests to both regions, then each
     // region's counter (in its own store) is exactly what the clients saw it admit there.
     let index = loop {
@@ -382,7 +421,11 @@ async fn a_30s_partition_keeps_both_regions_limiting_within_the_bounds_then_heal
     let us_key = scan(&stack.us.redis, "*:chat@us:0");
     assert!(!eu_key.is_empty() && !us_key.is_empty());
     let us_now = counter(&stack.us.redis, &us_key, index);
-    assert_eq!(counter(&stack.eu.redis, &eu_key, index), eu_ok, "eu's counter is eu's admissions");
+    assert_eq!(
+        counter(&stack.eu.redis, &eu_key, index),
+        eu_ok,
+        "eu's counter is eu's admissions"
+    );
     assert_eq!(us_now, us_ok, "us's counter is us's admissions");
     assert!(us_ok > 0 && eu_ok > 0);
     // The counters agree within one sync interval (plus the 50 ms between regions): what eu
@@ -415,7 +458,10 @@ async fn region_scoped_rules_stay_exact_and_global_checks_add_no_latency() {
         assert_eq!((*eu, *us), (100, 100), "window {w}: each region exact and on its own");
     }
     assert_eq!(one(&stack.eu.gateways[0], "/r/x2", "10.1.0.12").await, 200);
-    assert!(!scan(&stack.eu.redis, "*:local:0").is_empty(), "a region rule's key names no region");
+    assert!(
+        !scan(&stack.eu.redis, "*:local:0").is_empty(),
+        "a region rule's key names no region"
+    );
     assert!(scan(&stack.eu.redis, "*:local@*").is_empty());
     // Latency: a global check against a regional one on the same gateway, one request at a
     // time, each from its own address (never limited).
@@ -443,7 +489,10 @@ async fn region_scoped_rules_stay_exact_and_global_checks_add_no_latency() {
     };
     let (g, r) = (p99(&mut global), p99(&mut regional));
     eprintln!("p99: global {g:?}, region {r:?}");
-    assert!(g <= r + Duration::from_millis(2), "global p99 {g:?} vs region p99 {r:?}");
+    assert!(
+        g <= r + Duration::from_millis(2),
+        "global p99 {g:?} vs region p99 {r:?}"
+    );
 }
 
 fn check_config(dir: &std::path::Path, store: &str, rules: &str) -> (bool, String) {
@@ -491,10 +540,15 @@ async fn bad_region_configs_are_refused_and_an_unreachable_peer_is_survived() {
     ];
     for (store, rules, want) in &cases {
         let (ok, out) = check_config(dir.path(), store, rules);
-        assert!(!ok && out.contains(want), "{want:?} expected for\n{store}{rules}\ngot: {out}");
+        assert!(
+            !ok && out.contains(want),
+            "{want:?} expected for\n{store}{rules}\ngot: {out}"
+        );
         let at = out.split(".yaml:").nth(1).unwrap_or("");
         assert!(
-            at.split(':').next().is_some_and(|l| l.parse::<u64>().is_ok_and(|l| l > 0)),
+            at.split(':')
+                .next()
+                .is_some_and(|l| l.parse::<u64>().is_ok_and(|l| l > 0)),
             "the error names its line: {out}"
         );
     }
@@ -509,7 +563,11 @@ async fn bad_region_configs_are_refused_and_an_unreachable_peer_is_survived() {
     let extra = format!(
         "  region: eu\n  regions:\n    sync_interval: 50ms\n    peers:\n      - name: us\n        urls: [\"redis://127.0.0.1:{dead}\"]\n"
     );
-    let gw = binary(&format!("http://{up}"), &trusting_store_yaml("redis", &[redis.url()], &extra), global_rule);
+    let gw = binary(
+        &format!("http://{up}"),
+        &trusting_store_yaml("redis", &[redis.url()], &extra),
+        global_rule,
+    );
     let c = client();
     let st = eventually_some(Duration::from_secs(5), || {
         let (c, admin) = (c.clone(), gw.admin.clone());
@@ -530,7 +588,12 @@ async fn bad_region_configs_are_refused_and_an_unreachable_peer_is_survived() {
     }
     let mut codes = Vec::new();
     for _ in 0..6 {
-        let r = c.get(format!("{}/x", gw.url)).header("x-forwarded-for", "10.9.9.9").send().await.unwrap();
+        let r = c
+            .get(format!("{}/x", gw.url))
+            .header("x-forwarded-for", "10.9.9.9")
+            .send()
+            .await
+            .unwrap();
         codes.push(r.status().as_u16());
     }
     assert_eq!(codes, [200, 200, 200, 200, 200, 429]);

@@ -267,7 +267,10 @@ pub async fn limited(gw: &State, hash: &str) -> Response<ProxyBody> {
             // others' as last read).
             let regions = gw.regions().filter(|_| *global).map(|regions| {
                 let index = gw.clock().now_us() / c.quota.window_us.get();
-                let mut spend = vec![(regions.config().name.to_string(), c.quota.limit.get().saturating_sub(remaining))];
+                let mut spend = vec![(
+                    regions.config().name.to_string(),
+                    c.quota.limit.get().saturating_sub(remaining),
+                )];
                 spend.extend(
                     regions
                         .peer_units(c.key.as_str(), index)

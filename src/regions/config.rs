@@ -125,7 +125,8 @@ impl RegionsConfig {
         if !redis {
             return Err(err(
                 &region.referenced,
-                "store.region needs a Redis store (kind: redis or redis_cluster): the memory store is one node's".into(),
+                "store.region needs a Redis store (kind: redis or redis_cluster): the memory store is one node's"
+                    .into(),
             ));
         }
         let empty = RawRegions::default();
@@ -209,7 +210,10 @@ impl RegionsConfig {
                     // Not echoed: a URL may hold a password.
                     return Err(err(
                         &u.referenced,
-                        format!("store.regions.peers: region {:?}: not a redis:// or rediss:// URL", name.value),
+                        format!(
+                            "store.regions.peers: region {:?}: not a redis:// or rediss:// URL",
+                            name.value
+                        ),
                     ));
                 }
             }

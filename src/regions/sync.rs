@@ -81,9 +81,13 @@ async fn open(at: &StoreAt, timeout: Duration) -> redis::RedisResult<Conn> {
             .response_timeout(timeout)
             .retries(1);
         if let Some(p) = &at.password {
-            b = b.password(p.expose().to_string());
+            b = b.password(p.expose());
         }
-        if let Some(ca) = at.ca_pem.clone().filter(|_| at.urls.iter().all(|u| u.starts_with("rediss://"))) {
+        if let Some(ca) = at
+            .ca_pem
+            .clone()
+            .filter(|_| at.urls.iter().all(|u| u.starts_with("rediss://")))
+        {
             b = b.certs(redis::TlsCertificates {
                 client_tls: None,
                 root_cert: Some(ca),
@@ -300,11 +304,14 @@ fn note(regions: &Regions, i: usize, r: redis::RedisResult<u64>, started: Instan
             let start_us = unix_us().saturating_sub(u64::try_from(started.elapsed().as_micros()).unwrap_or(0));
             let prev = s.last_start_us.swap(start_us, Ordering::Relaxed);
             if prev > 0 {
-                s.max_staleness_us.fetch_max(unix_us().saturating_sub(prev), Ordering::Relaxed);
+                s.max_staleness_us
+                    .fetch_max(unix_us().saturating_sub(prev), Ordering::Relaxed);
             }
             s.bytes.fetch_add(bytes, Ordering::Relaxed);
-            s.round_us
-                .store(u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX), Ordering::Relaxed);
+            s.round_us.store(
+                u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX),
+                Ordering::Relaxed,
+            );
             s.last_ok_ms.store(unix_us() / 1000, Ordering::Relaxed);
             if warned[i] {
                 tracing::info!(peer = name, "region peer reachable again");
@@ -357,7 +364,13 @@ async fn read_peer(
 /// region's store, closing a peer's that is missing as 0 (`SET 0 NX`, then `GET`), and compute
 /// the next window's share from what every region then agrees on. `false`: a store could not
 /// be reached (the floor share applies).
-async fn reports(regions: &Regions, own: &mut Link, peers: &mut [Link], keys: &[(Arc<str>, Touch)], timeout: Duration) -> bool {
+async fn reports(
+    regions: &Regions,
+    own: &mut Link,
+    peers: &mut [Link],
+    keys: &[(Arc<str>, Touch)],
+    timeout: Duration,
+) -> bool {
     let now = unix_us();
     let into = |t: &Touch| now - (now / t.window_us) * t.window_us;
     let current = |t: &Touch| t.index == now / t.window_us;
