@@ -376,6 +376,9 @@ async fn keys(gw: &Arc<State>, m: Method, p: &str, peer: SocketAddr) -> Response
                 for (name, units) in regions.peer_units(c.check.key.as_str(), index) {
                     spend.insert(name.to_string(), json!(units));
                 }
+                // What is left of the global limit: less every region's spend, as known here.
+                let spent: u64 = spend.values().filter_map(Value::as_u64).sum();
+                v["remaining"] = json!(q.limit.get().saturating_sub(spent));
                 v["scope"] = json!("global");
                 v["regions"] = Value::Object(spend);
             }

@@ -164,8 +164,7 @@ impl Regions {
 
     /// The share (ppm) a region has when it cannot know better: `floor / regions`.
     pub fn floor_ppm(&self) -> u64 {
-        // budget_floor is validated to [0, 1].
-        ((self.config.budget_floor * PPM as f64) as u64) / self.count()
+        self.config.floor_ppm()
     }
 
     /// Make `check`, of a `scope: global` rule, what this region may spend at `now_us`: in

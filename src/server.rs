@@ -225,6 +225,7 @@ fn spawn_store_tasks(gw: &Arc<State>, stop: &watch::Receiver<bool>) {
         tokio::spawn(crate::regions::sync::run(
             regions.clone(),
             own,
+            format!("{}:region", store.key_prefix),
             gw.metrics().regions.clone(),
             stop.clone(),
         ));

@@ -530,6 +530,16 @@ async fn bad_region_configs_are_refused_and_an_unreachable_peer_is_survived() {
             "fixed_window",
         ),
         (redis_store(peers), global_rule.replace("scope: global", "scope: planet"), "not region or global"),
+        (
+            redis_store("  region: eu\n  regions:\n    peers:\n      - { name: us, urls: [\"redis://a:1\"] }\n      - { name: US, urls: [\"redis://b:1\"] }\n"),
+            global_rule.to_string(),
+            "named twice",
+        ),
+        (
+            redis_store(&peers.replace("    peers:", "    mode: budget\n    peers:")),
+            global_rule.replace("limit: 5,", "limit: 3,"),
+            "too small to split",
+        ),
         (redis_store("  regions:\n    peers: []\n"), global_rule.to_string(), "needs store.region"),
         (redis_store("  region: eu\n"), global_rule.to_string(), "at least one other region"),
         (
@@ -597,4 +607,27 @@ async fn bad_region_configs_are_refused_and_an_unreachable_peer_is_survived() {
         codes.push(r.status().as_u16());
     }
     assert_eq!(codes, [200, 200, 200, 200, 200, 429]);
+
+    // A peer that is this region's own store (a copied config): its store names itself eu, so
+    // it is never read as `us` (which would count eu's own reports as us's).
+    let extra = format!(
+        "  region: eu\n  regions:\n    sync_interval: 50ms\n    peers:\n      - name: us\n        urls: [\"{}\"]\n",
+        redis.url()
+    );
+    let selfish = binary(
+        &format!("http://{up}"),
+        &trusting_store_yaml("redis", &[redis.url()], &extra),
+        global_rule,
+    );
+    let st = eventually_some(Duration::from_secs(5), || {
+        let (c, admin) = (c.clone(), selfish.admin.clone());
+        async move {
+            let v = get_json(&c, format!("{admin}/status")).await["region"].clone();
+            (v["peers"][0]["errors"].as_u64().unwrap_or(0) > 0).then_some(v)
+        }
+    })
+    .await
+    .expect("reading a store that names another region fails the round");
+    assert!(st["peers"][0]["last_sync_ms"].is_null(), "{st}");
+    assert!(selfish.log().contains("region peer misconfigured"), "{}", selfish.log());
 }

@@ -94,6 +94,12 @@ fn region_name(s: &str) -> bool {
 }
 
 impl RegionsConfig {
+    /// The share (ppm) a `budget` region has when it cannot know better: `floor / regions`.
+    pub fn floor_ppm(&self) -> u64 {
+        // budget_floor is validated to (0, 1].
+        ((self.budget_floor * 1_000_000.0) as u64) / (self.peers.len() as u64 + 1)
+    }
+
     /// Validate `store.region` / `store.regions` from `file`; `None` when neither is set.
     /// `redis` says whether the local store is Redis (a region needs one).
     pub fn compile(
@@ -178,7 +184,10 @@ impl RegionsConfig {
                     format!("store.regions.peers: {:?} is not a region name", name.value),
                 ));
             }
-            if name.value == region.value || peers.iter().any(|q| *q.name == *name.value) {
+            // Case-blind: `US` beside `us` is a typo waiting to split a limit.
+            if name.value.eq_ignore_ascii_case(&region.value)
+                || peers.iter().any(|q| q.name.eq_ignore_ascii_case(&name.value))
+            {
                 return Err(err(
                     &name.referenced,
                     format!(
@@ -284,6 +293,26 @@ pub fn rule_scopes(
                     "rule {:?}: scope: global counts with algorithm: fixed_window (epoch-aligned windows only)",
                     r.name
                 )));
+            }
+            if let Some(rc) = regions.filter(|rc| rc.mode == Mode::Budget) {
+                // Every region's floor share must be at least one unit, or a region could be
+                // left with nothing to spend and never earn a share.
+                let floor = rc.floor_ppm();
+                let all = r.limits.iter().chain(r.overrides.values().flatten());
+                if let Some(q) = all.clone().find(|q| super::share_of(q.limit.get(), floor) == 0) {
+                    return Err(at(format!(
+                        "rule {:?}: limit {} is too small to split between {} regions in budget mode (each region's floor, budget_floor / regions, must be at least 1)",
+                        r.name,
+                        q.limit,
+                        rc.peers.len() + 1
+                    )));
+                }
+                if r.failure == crate::limiter::FailurePolicy::Open {
+                    tracing::warn!(
+                        rule = &*r.name,
+                        "scope: global in budget mode with failure: open admits unchecked while this region's store fails: use failure: closed (or local) for a cap that must hold"
+                    );
+                }
             }
             if r.settles_cost() || r.count_when.is_some() {
                 return Err(at(format!(

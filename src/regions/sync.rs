@@ -171,15 +171,22 @@ fn text(v: &Value) -> Option<&[u8]> {
     }
 }
 
-/// `HMGET key i c q` as a count: the window index and the units, when the counter is a fixed
-/// window of `window_us` (its shape `f:<window>`; anything else counts nothing here).
-fn count_of(v: &Value, window_us: u64) -> PeerCount {
+/// `HMGET key i c q` as a count of the window of `window_us` that holds `now_us`. A counter of
+/// this shape (`f:<window>`) counts in its own window. A counter of another shape (an override
+/// or a reload gave the key another window or algorithm) counts all its units in the current
+/// window: the key expires when its own window ends, so they are units spent recently, and
+/// counting them never under-counts. No counter: nothing.
+pub(super) fn count_of(v: &Value, window_us: u64, now_us: u64) -> PeerCount {
     let Value::Array(a) = v else {
         return PeerCount::default();
     };
     let shape = format!("f:{window_us}");
     match (a.first().and_then(int), a.get(1).and_then(int), a.get(2).and_then(text)) {
         (Some(index), Some(units), Some(q)) if q == shape.as_bytes() => PeerCount { index, units },
+        (_, Some(units), _) => PeerCount {
+            index: now_us / window_us.max(1),
+            units,
+        },
         _ => PeerCount::default(),
     }
 }
@@ -195,9 +202,12 @@ fn reply_bytes(v: &Value) -> u64 {
 
 /// The sync task of `regions` until `stop` says so. `own` is this region's store (read for
 /// `budget` reports).
+/// `marker` is the key (`<key_prefix>:region`) where every region's store holds that region's
+/// name: written to this region's store every round, and read from each peer's.
 pub async fn run(
     regions: Arc<Regions>,
     own: StoreAt,
+    marker: String,
     metrics: crate::metrics::RegionMetrics,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
@@ -227,6 +237,10 @@ pub async fn run(
         }
         let now = unix_us();
         lag(&regions, &handles, now);
+        // This region names its own store (a peer reading it checks the name).
+        let mut p = redis::pipe();
+        p.cmd("SET").arg(&marker).arg(&*config.name);
+        let _ = own.run(&p, timeout).await;
         let keys = regions.live_keys(now);
         // Only keys used here since two rounds ago are read: a key used again after a pause
         // decides on older numbers for at most one round, at its own rate (docs/regions.md).
@@ -240,20 +254,20 @@ pub async fn run(
             .collect();
         for (i, link) in peers.iter_mut().enumerate() {
             let started = Instant::now();
+            // With nothing to read, the marker alone still proves the peer reachable (and
+            // rightly named), for the lag and /status.
             let r = if recent.is_empty() {
-                // Nothing to read: still prove the peer reachable, for the lag and /status.
-                let mut p = redis::pipe();
-                p.cmd("PING");
-                link.run(&p, timeout).await.map(|_| 14)
+                read_peer(&regions, i, link, &[], (timeout, &marker)).await
             } else {
-                read_peer(&regions, i, link, &recent, timeout).await
+                read_peer(&regions, i, link, &recent, (timeout, &marker)).await
             };
             count(&handles, i, &r);
             note(&regions, i, r, started, &mut warned);
         }
         if config.mode == Mode::Budget {
             let ok = reports(&regions, &mut own, &mut peers, &keys, timeout).await;
-            if ok != reports_ok {
+            // A round with nothing to publish or settle says nothing either way.
+            if let Some(ok) = ok.filter(|ok| *ok != reports_ok) {
                 if ok {
                     tracing::info!("region budget reports settle again");
                 } else {
@@ -329,48 +343,81 @@ fn note(regions: &Regions, i: usize, r: redis::RedisResult<u64>, started: Instan
     }
 }
 
-/// Read peer `i`'s counters of `keys`; the bytes moved.
+/// Keys read from a peer in one pipeline (each its own round trip and deadline).
+const READ_CHUNK: usize = 2000;
+
+/// Read peer `i`'s counters of `keys`; the bytes moved. The first pipeline also reads the name
+/// the peer's store was given by its own region (`marker`): a store that names another region
+/// (this one, or a name spelled otherwise) is not read at all, and the round fails.
 async fn read_peer(
     regions: &Regions,
     i: usize,
     link: &mut Link,
     keys: &[(Arc<str>, Touch)],
-    timeout: Duration,
+    (timeout, marker): (Duration, &str),
 ) -> redis::RedisResult<u64> {
     let Some(peer) = regions.config().peers.get(i) else {
         return Ok(0);
     };
-    let mut p = redis::pipe();
-    let mut sent = 0u64;
-    let mut asked = Vec::with_capacity(keys.len());
-    for (k, t) in keys {
-        if let Some(pk) = regions.peer_key(k, &peer.name) {
-            sent += 34 + pk.len() as u64;
-            p.cmd("HMGET").arg(pk).arg("i").arg("c").arg("q");
-            asked.push((k, t.window_us));
+    let now = unix_us();
+    let mut moved = 0u64;
+    let chunks: Vec<&[(Arc<str>, Touch)]> = if keys.is_empty() {
+        vec![keys]
+    } else {
+        keys.chunks(READ_CHUNK).collect()
+    };
+    for (n, chunk) in chunks.into_iter().enumerate() {
+        let mut p = redis::pipe();
+        if n == 0 {
+            p.cmd("GET").arg(marker);
+        }
+        let mut asked = Vec::with_capacity(chunk.len());
+        for (k, t) in chunk {
+            if let Some(pk) = regions.peer_key(k, &peer.name) {
+                moved += 34 + pk.len() as u64;
+                p.cmd("HMGET").arg(pk).arg("i").arg("c").arg("q");
+                asked.push((k, t.window_us));
+            }
+        }
+        let replies = link.run(&p, timeout).await?;
+        let mut replies = replies.iter();
+        if n == 0 {
+            let named = replies
+                .next()
+                .and_then(text)
+                .map(|t| String::from_utf8_lossy(t).into_owned());
+            if let Some(named) = named.filter(|m| **m != *peer.name) {
+                tracing::error!(
+                    peer = &*peer.name,
+                    store_names = named.as_str(),
+                    "region peer misconfigured: its store belongs to another region; not read"
+                );
+                return Err(redis::RedisError::from((
+                    redis::ErrorKind::Io,
+                    "the peer's store names another region",
+                )));
+            }
+        }
+        for ((k, w), v) in asked.into_iter().zip(replies) {
+            moved += reply_bytes(v);
+            regions.learn(k, i, count_of(v, w, now));
         }
     }
-    let replies = link.run(&p, timeout).await?;
-    let mut got = 0u64;
-    for ((k, w), v) in asked.into_iter().zip(&replies) {
-        got += reply_bytes(v);
-        regions.learn(k, i, count_of(v, w));
-    }
-    Ok(sent + got)
+    Ok(moved)
 }
 
 /// `budget`: half way into a key's window, publish this region's use of it (`SET NX` in this
 /// region's store); three quarters in, settle the window: read the report that stands in every
 /// region's store, closing a peer's that is missing as 0 (`SET 0 NX`, then `GET`), and compute
-/// the next window's share from what every region then agrees on. `false`: a store could not
-/// be reached (the floor share applies).
+/// the next window's share from what every region then agrees on. `Some(false)`: a store could
+/// not be reached (the floor share applies); `None`: nothing was due.
 async fn reports(
     regions: &Regions,
     own: &mut Link,
     peers: &mut [Link],
     keys: &[(Arc<str>, Touch)],
     timeout: Duration,
-) -> bool {
+) -> Option<bool> {
     let now = unix_us();
     let into = |t: &Touch| now - (now / t.window_us) * t.window_us;
     let current = |t: &Touch| t.index == now / t.window_us;
@@ -385,7 +432,7 @@ async fn reports(
         .map(|(k, t)| (k.clone(), t.index, t.window_us))
         .collect();
     if publish.is_empty() && settle.is_empty() {
-        return true;
+        return None;
     }
     let ttl = |w: u64| (w / 1000).saturating_mul(3).max(1000);
     // This region's use of each window, from its own counter.
@@ -398,13 +445,13 @@ async fn reports(
         for (k, index, _) in &settle {
             regions.settle(k, *index, None);
         }
-        return false;
+        return Some(false);
     };
     let used: Vec<u64> = both
         .iter()
         .zip(&counts)
         .map(|((_, index, w), c)| {
-            let c = count_of(c, *w);
+            let c = count_of(c, *w, now);
             if c.index == *index {
                 c.units
             } else {
@@ -467,5 +514,5 @@ async fn reports(
         let complete = u.filter(|u| u.len() == regions_n);
         regions.settle(k, *index, complete.as_deref());
     }
-    ok
+    Some(ok)
 }
