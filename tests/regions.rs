@@ -445,6 +445,24 @@ async fn a_30s_partition_keeps_both_regions_limiting_within_the_bounds_then_heal
     let chat = seen.expect("eu's view of us's spend agrees within one sync interval");
     assert_eq!(chat["scope"], "global");
     assert_eq!(chat["regions"]["eu"], eu_ok, "{chat}");
+    // The dashboard's key detail (what its "spent by region" column shows) says the same.
+    let hash = get_json(&c, format!("{admin}/keys/10.1.0.4")).await["identity_hash"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let detail = get_json(&c, format!("{admin}/dashboard/limited/{hash}")).await;
+    let row = detail["counters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["rule"] == "chat")
+        .cloned()
+        .unwrap_or_else(|| panic!("no chat counter in {detail}"));
+    if now_us() / WINDOW_US == index {
+        assert_eq!(row["regions"]["us"], us_now, "{row}");
+        assert_eq!(row["regions"]["eu"], eu_ok, "{row}");
+    }
+    assert!(row["regions"].as_object().is_some_and(|r| r.len() == 2), "{row}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
