@@ -21,6 +21,7 @@
 //! Pure apart from [`sync`]: [`Regions::apply`] reads memory only.
 
 pub mod config;
+mod report;
 pub mod sync;
 #[cfg(test)]
 mod tests;

@@ -14,7 +14,8 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{IntoConnectionInfo, Pipeline, Value};
 
-use super::{report_key, unix_us, Mode, PeerConfig, PeerCount, Regions, Touch};
+use super::report::reports;
+use super::{unix_us, Mode, PeerConfig, PeerCount, Regions, Touch};
 
 /// A connection to one region's store.
 #[derive(Clone)]
@@ -127,13 +128,13 @@ async fn open(at: &StoreAt, timeout: Duration) -> redis::RedisResult<Conn> {
 }
 
 /// A store's connection, opened on first use and again after a failure.
-struct Link {
+pub(super) struct Link {
     at: StoreAt,
     conn: Option<Conn>,
 }
 
 impl Link {
-    async fn run(&mut self, p: &Pipeline, timeout: Duration) -> redis::RedisResult<Vec<Value>> {
+    pub(super) async fn run(&mut self, p: &Pipeline, timeout: Duration) -> redis::RedisResult<Vec<Value>> {
         let mut conn = match self.conn.clone() {
             Some(c) => c,
             None => {
@@ -153,7 +154,7 @@ impl Link {
 }
 
 /// An integer reply (bulk text or integer); `None` for nil or anything else.
-fn int(v: &Value) -> Option<u64> {
+pub(super) fn int(v: &Value) -> Option<u64> {
     match v {
         Value::Int(i) => u64::try_from(*i).ok(),
         Value::BulkString(b) => std::str::from_utf8(b).ok()?.parse().ok(),
@@ -404,115 +405,4 @@ async fn read_peer(
         }
     }
     Ok(moved)
-}
-
-/// `budget`: half way into a key's window, publish this region's use of it (`SET NX` in this
-/// region's store); three quarters in, settle the window: read the report that stands in every
-/// region's store, closing a peer's that is missing as 0 (`SET 0 NX`, then `GET`), and compute
-/// the next window's share from what every region then agrees on. `Some(false)`: a store could
-/// not be reached (the floor share applies); `None`: nothing was due.
-async fn reports(
-    regions: &Regions,
-    own: &mut Link,
-    peers: &mut [Link],
-    keys: &[(Arc<str>, Touch)],
-    timeout: Duration,
-) -> Option<bool> {
-    let now = unix_us();
-    let into = |t: &Touch| now - (now / t.window_us) * t.window_us;
-    let current = |t: &Touch| t.index == now / t.window_us;
-    let publish: Vec<(Arc<str>, u64, u64)> = keys
-        .iter()
-        .filter(|(k, t)| current(t) && into(t) * 2 >= t.window_us && regions.to_publish(k, t.index))
-        .map(|(k, t)| (k.clone(), t.index, t.window_us))
-        .collect();
-    let settle: Vec<(Arc<str>, u64, u64)> = keys
-        .iter()
-        .filter(|(k, t)| current(t) && into(t) * 4 >= t.window_us * 3 && regions.unreported(k, t.index))
-        .map(|(k, t)| (k.clone(), t.index, t.window_us))
-        .collect();
-    if publish.is_empty() && settle.is_empty() {
-        return None;
-    }
-    let ttl = |w: u64| (w / 1000).saturating_mul(3).max(1000);
-    // This region's use of each window, from its own counter.
-    let both: Vec<&(Arc<str>, u64, u64)> = publish.iter().chain(&settle).collect();
-    let mut p = redis::pipe();
-    for (k, _, _) in &both {
-        p.cmd("HMGET").arg(&**k).arg("i").arg("c").arg("q");
-    }
-    let Ok(counts) = own.run(&p, timeout).await else {
-        for (k, index, _) in &settle {
-            regions.settle(k, *index, None);
-        }
-        return Some(false);
-    };
-    let used: Vec<u64> = both
-        .iter()
-        .zip(&counts)
-        .map(|((_, index, w), c)| {
-            let c = count_of(c, *w, now);
-            if c.index == *index {
-                c.units
-            } else {
-                0
-            }
-        })
-        .collect();
-    // Publish, and for the windows to settle also read back the report that stands.
-    let mut p = redis::pipe();
-    for (n, (k, index, w)) in both.iter().enumerate() {
-        let rk = report_key(k, *index);
-        p.cmd("SET").arg(&rk).arg(used[n]).arg("NX").arg("PX").arg(ttl(*w));
-        if n >= publish.len() {
-            p.cmd("GET").arg(&rk);
-        }
-    }
-    let mut uses: Vec<Option<Vec<u64>>> = match own.run(&p, timeout).await {
-        Ok(r) => {
-            // Replies: one per SET, plus a GET after each SET of a window to settle.
-            let gets = r.iter().skip(publish.len()).skip(1).step_by(2);
-            gets.map(|v| int(v).map(|u| vec![u])).collect()
-        }
-        Err(_) => vec![None; settle.len()],
-    };
-    uses.resize(settle.len(), None);
-    let mut ok = true;
-    for (i, link) in peers.iter_mut().enumerate() {
-        let Some(peer) = regions.config().peers.get(i) else {
-            continue;
-        };
-        let mut p = redis::pipe();
-        let mut asked = Vec::with_capacity(settle.len());
-        for (n, (k, index, w)) in settle.iter().enumerate() {
-            if let Some(pk) = regions.peer_key(k, &peer.name) {
-                let rk = report_key(&pk, *index);
-                p.cmd("SET").arg(&rk).arg(0).arg("NX").arg("PX").arg(ttl(*w));
-                p.cmd("GET").arg(&rk);
-                asked.push(n);
-            }
-        }
-        match link.run(&p, timeout).await {
-            Ok(r) => {
-                for (n, v) in asked.into_iter().zip(r.iter().skip(1).step_by(2)) {
-                    if let Some(Some(u)) = uses.get_mut(n) {
-                        match int(v) {
-                            Some(x) => u.push(x),
-                            None => uses[n] = None,
-                        }
-                    }
-                }
-            }
-            Err(_) => {
-                ok = false;
-                uses.iter_mut().for_each(|u| *u = None);
-            }
-        }
-    }
-    let regions_n = regions.config().peers.len() + 1;
-    for ((k, index, _), u) in settle.iter().zip(uses) {
-        let complete = u.filter(|u| u.len() == regions_n);
-        regions.settle(k, *index, complete.as_deref());
-    }
-    Some(ok)
 }
