@@ -549,6 +549,11 @@ async fn bad_region_configs_are_refused_and_an_unreachable_peer_is_survived() {
         ),
         (redis_store(peers), global_rule.replace("scope: global", "scope: planet"), "not region or global"),
         (
+            redis_store(peers),
+            global_rule.replace("scope: global", "scope: global, penalty: 1m"),
+            "does not take penalty",
+        ),
+        (
             redis_store("  region: eu\n  regions:\n    peers:\n      - { name: us, urls: [\"redis://a:1\"] }\n      - { name: US, urls: [\"redis://b:1\"] }\n"),
             global_rule.to_string(),
             "named twice",

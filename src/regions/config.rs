@@ -314,6 +314,12 @@ pub fn rule_scopes(
                     );
                 }
             }
+            if r.penalty.is_some() {
+                return Err(at(format!(
+                    "rule {:?}: scope: global does not take penalty (a penalty box is held in one region's store: the caller could serve it out in another)",
+                    r.name
+                )));
+            }
             if r.settles_cost() || r.count_when.is_some() {
                 return Err(at(format!(
                     "rule {:?}: scope: global does not take count_when or cost_from (a refund or debit after the answer is not replicated)",
