@@ -9,7 +9,6 @@
 mod support;
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::Value;
@@ -109,59 +108,65 @@ struct Tally {
 /// Per window index, per region name.
 type Tallies = BTreeMap<u64, BTreeMap<&'static str, Tally>>;
 
+/// The next window boundary after now, and the end of `windows` whole windows from it.
+fn next_windows(windows: u64) -> (u64, u64) {
+    let start = (now_us() / WINDOW_US + 1) * WINDOW_US;
+    (start, start + windows * WINDOW_US)
+}
+
+/// Send `per_window` requests a window to `url` from client IP `ip`, evenly, from `start` to
+/// `end` (unix µs), never within 40 ms of a window boundary, so each answer is of the window it
+/// was sent in; each answer's window and status.
+async fn paced(url: String, ip: String, per_window: u64, (start, end): (u64, u64)) -> Vec<(u64, u16)> {
+    let gap = Duration::from_micros(WINDOW_US / per_window);
+    let c = client();
+    let mut out = Vec::new();
+    tokio::time::sleep(Duration::from_micros(start.saturating_sub(now_us()))).await;
+    let mut next = Instant::now();
+    loop {
+        let t = now_us();
+        if t >= end {
+            break;
+        }
+        if !(40_000..=WINDOW_US - 40_000).contains(&(t % WINDOW_US)) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        }
+        if let Ok(r) = c.get(&url).header("x-forwarded-for", &ip).send().await {
+            out.push((t / WINDOW_US, r.status().as_u16()));
+        }
+        next += gap;
+        tokio::time::sleep_until(next.into()).await;
+    }
+    out
+}
+
 /// Offer `per_gateway_per_window` requests to `path` on every gateway of both regions for
 /// `windows` whole windows (starting at the next boundary), each from client IP `ip`; tally
 /// the answers by the window they were sent in.
 async fn offer(stack: &Stack, path: &str, ip: &str, per_gateway_per_window: u64, windows: u64) -> Tallies {
-    let start = (now_us() / WINDOW_US + 1) * WINDOW_US;
-    let end = start + windows * WINDOW_US;
-    let gap = Duration::from_micros(WINDOW_US / per_gateway_per_window);
-    let tallies = Arc::new(parking_lot::Mutex::new(Tallies::new()));
+    let span = next_windows(windows);
     let mut tasks = Vec::new();
     for region in [&stack.eu, &stack.us] {
         for gw in &region.gateways {
             let url = format!("{}{path}", gw.url);
-            let (name, ip, tallies) = (region.name, ip.to_string(), tallies.clone());
-            tasks.push(tokio::spawn(async move {
-                let c = client();
-                // Wait for the first window.
-                tokio::time::sleep(Duration::from_micros(start.saturating_sub(now_us()))).await;
-                let mut next = Instant::now();
-                loop {
-                    let t = now_us();
-                    if t >= end {
-                        break;
-                    }
-                    let into = t % WINDOW_US;
-                    // Never within 40 ms of a boundary: each answer is of the window it was sent in.
-                    if !(40_000..=WINDOW_US - 40_000).contains(&into) {
-                        tokio::time::sleep(Duration::from_millis(10)).await;
-                        continue;
-                    }
-                    let r = c.get(&url).header("x-forwarded-for", &ip).send().await;
-                    let Ok(r) = r else { continue };
-                    let status = r.status().as_u16();
-                    assert!(status == 200 || status == 429, "unexpected {status} from {url}");
-                    {
-                        let mut all = tallies.lock();
-                        let e = all.entry(t / WINDOW_US).or_default().entry(name).or_default();
-                        if status == 200 {
-                            e.admitted += 1;
-                        } else {
-                            e.denied += 1;
-                        }
-                    }
-                    next += gap;
-                    tokio::time::sleep_until(next.into()).await;
-                }
-            }));
+            let run = paced(url, ip.to_string(), per_gateway_per_window, span);
+            tasks.push((region.name, tokio::spawn(run)));
         }
     }
-    for t in tasks {
-        t.await.unwrap();
+    let mut all = Tallies::new();
+    for (name, t) in tasks {
+        for (w, status) in t.await.unwrap() {
+            assert!(status == 200 || status == 429, "unexpected {status} from {name}");
+            let e = all.entry(w).or_default().entry(name).or_default();
+            if status == 200 {
+                e.admitted += 1;
+            } else {
+                e.denied += 1;
+            }
+        }
     }
-    let t = tallies.lock().clone();
-    t
+    all
 }
 
 /// Each region's admissions in each window of `t` (whole windows only: the first and last of
@@ -293,36 +298,17 @@ async fn budget_mode_never_over_admits_and_splits_by_use() {
     assert!(t[1..].iter().any(|w| w.1 > floor + 10), "the split follows use: {t:?}");
 }
 
-/// Offer `per_window` requests a window to `path` on `region`'s first gateway alone; the
-/// admissions per window.
+/// Offer `per_window` requests a window to `path` on `region`'s first gateway alone; per
+/// window, the admissions and the requests offered.
 async fn offer_one(region: &Region, path: &str, ip: &str, per_window: u64, windows: u64) -> Vec<(u64, u64, u64)> {
-    let start = (now_us() / WINDOW_US + 1) * WINDOW_US;
-    let end = start + windows * WINDOW_US;
-    let gap = Duration::from_micros(WINDOW_US / per_window);
-    let c = client();
     let url = format!("{}{path}", region.gateways[0].url);
-    tokio::time::sleep(Duration::from_micros(start.saturating_sub(now_us()))).await;
     let mut out: BTreeMap<u64, (u64, u64)> = BTreeMap::new();
-    let mut next = Instant::now();
-    loop {
-        let t = now_us();
-        if t >= end {
-            break;
+    for (w, status) in paced(url, ip.to_string(), per_window, next_windows(windows)).await {
+        let e = out.entry(w).or_default();
+        e.1 += 1;
+        if status == 200 {
+            e.0 += 1;
         }
-        let into = t % WINDOW_US;
-        if !(40_000..=WINDOW_US - 40_000).contains(&into) {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-            continue;
-        }
-        if let Ok(r) = c.get(&url).header("x-forwarded-for", ip).send().await {
-            let e = out.entry(t / WINDOW_US).or_default();
-            e.1 += 1;
-            if r.status().as_u16() == 200 {
-                e.0 += 1;
-            }
-        }
-        next += gap;
-        tokio::time::sleep_until(next.into()).await;
     }
     out.into_iter().map(|(w, (a, o))| (w, a, o)).collect()
 }
