@@ -21,6 +21,7 @@
 //! Pure apart from [`sync`]: [`Regions::apply`] reads memory only.
 
 pub mod config;
+mod link;
 mod report;
 pub mod sync;
 #[cfg(test)]

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::sync::{count_of, int, Link};
+use super::link::{count_of, int, Link};
 use super::{report_key, unix_us, Regions, Touch};
 
 /// `budget`: half way into a key's window, publish this region's use of it (`SET NX` in this

@@ -126,17 +126,17 @@ fn a_peer_counter_of_another_shape_counts_all_its_units_now() {
     let now = 25_000_000;
     // Its own shape: its own window.
     assert_eq!(
-        sync::count_of(&reply("2", "7", "f:10000000"), 10_000_000, now),
+        link::count_of(&reply("2", "7", "f:10000000"), 10_000_000, now),
         PeerCount { index: 2, units: 7 }
     );
     // Another window (an override on a shared key): all of it, in this window.
     assert_eq!(
-        sync::count_of(&reply("1", "9", "f:20000000"), 10_000_000, now),
+        link::count_of(&reply("1", "9", "f:20000000"), 10_000_000, now),
         PeerCount { index: 2, units: 9 }
     );
     // No counter: nothing.
     assert_eq!(
-        sync::count_of(&Value::Array(vec![Value::Nil, Value::Nil, Value::Nil]), 10_000_000, now),
+        link::count_of(&Value::Array(vec![Value::Nil, Value::Nil, Value::Nil]), 10_000_000, now),
         PeerCount::default()
     );
 }
