@@ -197,6 +197,9 @@ end
 -- a batch asks for the same few).
 local TG_SHAPES
 
+-- Entries added to the memo tables (TG_SHAPES, TG_NUM, TG_UINT) since they were last emptied.
+local TG_MEMO_N = 0
+
 local function tg_shape(fam, w)
   if TG_CAL_UNIT ~= 0 then
     return fam .. ':' .. sfmt('%d', w) .. ':c' .. TG_CAL_UNIT .. ':' .. sfmt('%d', TG_CAL_OFF)
@@ -205,6 +208,7 @@ local function tg_shape(fam, w)
   if v == nil then
     v = fam .. ':' .. sfmt('%d', w)
     TG_SHAPES[fam][w] = v
+    TG_MEMO_N = TG_MEMO_N + 1
   end
   return v
 end
@@ -279,6 +283,7 @@ local function tg_uint(s)
       v = false
     end
     TG_UINT[s] = v
+    TG_MEMO_N = TG_MEMO_N + 1
   end
   return v or nil
 end
@@ -292,13 +297,16 @@ local function tg_num(s)
     v = tonum(s)
     if v ~= nil then
       TG_NUM[s] = v
+      TG_MEMO_N = TG_MEMO_N + 1
     end
   end
   return v
 end
 
--- The start of every call: the per-call state above, afresh. The memo tables are per call so
--- that whatever a caller sends, they hold no more than that call's arguments.
+-- The start of every call: the per-call state above, afresh. The memo tables map an argument
+-- string to what it always means, so they outlive the call (the same few strings come in every
+-- call; building them afresh was a tenth of a one-request call), but they are emptied once they
+-- hold 4096 entries: whatever callers send, they stay small.
 local function tg_begin(mode)
   if not rcall then
     floor, mmax, mmin, sfmt, smatch = math.floor, math.max, math.min, string.format, string.match
@@ -306,6 +314,8 @@ local function tg_begin(mode)
   end
   TG_WRITE = mode ~= 'peek'
   TG_SEEN, TG_SEEN_R, TG_SEEN_BAD = {}, {}, {}
-  TG_NUM, TG_UINT, TG_SHAPES = {}, {}, { f = {}, s = {} }
+  if TG_NUM == nil or TG_MEMO_N > 4096 then
+    TG_NUM, TG_UINT, TG_SHAPES, TG_MEMO_N = {}, {}, { f = {}, s = {} }, 0
+  end
   TG_CAL_UNIT, TG_CAL_OFF = 0, 0
 end

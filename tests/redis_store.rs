@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use support::*;
 use tollgate::config::Scripting;
 use tollgate::limiter::redis::{RedisMode, RedisStore, SCRIPT_SOURCE};
-use tollgate::limiter::{Algorithm, LimitCheck, Quota, Store, StoreError, StoreKey};
+use tollgate::limiter::{Algorithm, LimitCheck, Penalty, Quota, Store, StoreError, StoreKey};
 
 /// Per-call deadline for these tests (generous: debug build, parallel tests, 2 cores).
 const T: Duration = Duration::from_millis(300);
@@ -1086,4 +1086,46 @@ async fn a_request_past_its_deadline_is_answered_late_and_spends_nothing() {
         .collect();
     assert_eq!((r[1], r[6]), (6, 1), "late, then admitted: {r:?}");
     assert_eq!(server.cli(&["HGET", "{late}k", "c"]), "1", "the late request spent");
+}
+
+/// The loaded function keeps its tables from one call to the next: a limit with a penalty box
+/// in one call leaves nothing behind for the limit in the same position of the next call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_inherits_nothing_from_the_one_before() {
+    let server = RedisServer::start();
+    let store = single(&server).await; // FCALL: the library and its tables stay loaded
+    let mut boxed = lc("tl:{keep}:a", Algorithm::FixedWindow, 1, 3_600_000_000, 1);
+    boxed.penalty = Some(Penalty {
+        base_us: nz(60_000_000),
+        max_us: nz(60_000_000),
+    });
+    let boxed = [boxed];
+    assert!(store.check(&boxed).await.into_result().unwrap()[0].allowed);
+    assert!(!store.check(&boxed).await.into_result().unwrap()[0].allowed);
+    assert_eq!(
+        server.cli(&["EXISTS", "tl:{keep}:a:p"]),
+        "1",
+        "the denial started a penalty"
+    );
+    // The same position, no penalty: admitted, and nothing written beside its own key.
+    let plain = [lc("tl:{keep}:b", Algorithm::FixedWindow, 5, 3_600_000_000, 1)];
+    for remaining in [4, 3] {
+        let o = store.check(&plain).await.into_result().unwrap();
+        assert!(o[0].allowed);
+        assert_eq!(o[0].remaining, remaining);
+    }
+    assert_eq!(server.cli(&["EXISTS", "tl:{keep}:b:p"]), "0");
+    // Two limits, then one: the second call's reply has one 5-tuple, its own.
+    let two = [
+        lc("tl:{keep}:c", Algorithm::TokenBucket, 3, 3_000_000, 1),
+        lc("tl:{keep}:d", Algorithm::SlidingWindow, 2, 3_600_000_000, 1),
+    ];
+    assert_eq!(store.check(&two).await.into_result().unwrap().len(), 2);
+    let o = store.check(&plain).await.into_result().unwrap();
+    assert_eq!(o.len(), 1);
+    assert_eq!(o[0].remaining, 2);
+    assert_eq!(
+        command_calls(server.port(), "evalsha") + command_calls(server.port(), "eval"),
+        0
+    );
 }
