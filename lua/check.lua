@@ -231,25 +231,31 @@ local function penalize(i, len)
   rcall('SET', KEYS[PKEY[i]], sfmt('%d:%d', untl, len), 'PXAT', tg_at_ms(untl))
 end
 
--- The reply, packed: one string of little-endian doubles, in chunks (unpack() puts every value
--- on the Lua stack, which holds about 8000).
--- The format string of n doubles, kept per n (at most 1000 of them, a few KB).
+-- The struct.pack format of n little-endian doubles, kept per n: n is at most 1000, so this
+-- holds at most 1000 strings (about 500 KB if every length came; a gateway's replies have a
+-- handful of lengths).
 local PACK_FMT = {}
 
+local function pack_fmt(n)
+  local f = PACK_FMT[n]
+  if f == nil then
+    f = '<' .. string.rep('d', n)
+    PACK_FMT[n] = f
+  end
+  return f
+end
+
+-- The reply, packed: one string of little-endian doubles, in chunks of 1000 (unpack() puts
+-- every value on the Lua stack, which holds about 8000); one chunk is returned as it is.
 local function pack(values)
   local n = #values
   if n <= 1000 then
-    local f = PACK_FMT[n]
-    if f == nil then
-      f = '<' .. string.rep('d', n)
-      PACK_FMT[n] = f
-    end
-    return struct.pack(f, unpack(values, 1, n))
+    return struct.pack(pack_fmt(n), unpack(values, 1, n))
   end
   local parts = {}
   for i = 1, n, 1000 do
-    local j = mmin(i + 999, #values)
-    parts[#parts + 1] = struct.pack('<' .. string.rep('d', j - i + 1), unpack(values, i, j))
+    local j = mmin(i + 999, n)
+    parts[#parts + 1] = struct.pack(pack_fmt(j - i + 1), unpack(values, i, j))
   end
   return table.concat(parts)
 end
@@ -452,7 +458,8 @@ local function tg_run(keys, argv)
   if not ALGO then
     -- Once per library load (once per run under EVAL): parse_limit writes every field of every
     -- limit it parses, and nothing reads past nlimits, so reusing them is exact; building 20
-    -- tables a call was a tenth of a one-request call.
+    -- tables a call was a tenth of a one-request call. They keep the size of the largest call
+    -- (numbers, and holders of at most 64 bytes), which the gateway's batches bound.
     ALGO, LIMIT, INTERVAL, COST, SHADOW, MEMBER, KEY, PKEY, PBASE, PMAX = {}, {}, {}, {}, {}, {}, {}, {}, {}, {}
     MKEY, CALU, CALO, LWANT, LLIFE = {}, {}, {}, {}, {}
     FIRST, COUNT, DEADLINE, ADMITTED, ROFF = {}, {}, {}, {}, {}
