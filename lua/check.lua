@@ -90,12 +90,14 @@
 
 -- debit: the extra units of a request whose real cost came after its response (`cost_from`);
 -- sliding log and leaky bucket take no debits (validation refuses cost_from on them).
+-- check: eval, then spend on admission, from one read, for a request whose only limit this is
+-- (run_check; the sliding log and concurrency go the general way).
 local ALGOS = {
-  { eval = tb_eval, spend = tb_spend, refund = tb_refund, debit = tb_debit },
-  { eval = lb_eval, spend = lb_spend, refund = lb_refund },
-  { eval = fw_eval, spend = fw_spend, refund = fw_refund, debit = fw_debit },
+  { eval = tb_eval, spend = tb_spend, refund = tb_refund, debit = tb_debit, check = tb_check },
+  { eval = lb_eval, spend = lb_spend, refund = lb_refund, check = lb_check },
+  { eval = fw_eval, spend = fw_spend, refund = fw_refund, debit = fw_debit, check = fw_check },
   { eval = sl_eval, spend = sl_spend, refund = sl_refund },
-  { eval = sw_eval, spend = sw_spend, refund = sw_refund, debit = sw_debit },
+  { eval = sw_eval, spend = sw_spend, refund = sw_refund, debit = sw_debit, check = sw_check },
   { eval = cc_eval, spend = cc_take, refund = cc_release, renew = cc_renew },
 }
 
@@ -114,9 +116,10 @@ local LWANT, LLIFE
 local nlimits, nkeys
 local reply
 -- check's per-request and per-limit bookkeeping (run_check): request r owns limits FIRST[r] + 1
--- .. FIRST[r] + COUNT[r] and has DEADLINE[r]; limit i was ADMITTED[i], and its 5-tuple starts
--- at reply[ROFF[i] + 1]. Written before they are read, in every call.
-local FIRST, COUNT, DEADLINE, ADMITTED, ROFF
+-- .. FIRST[r] + COUNT[r] and has DEADLINE[r]; PLAIN[r] when it goes the one-read way (its one
+-- limit was parsed lean); limit i was ADMITTED[i], and its 5-tuple starts at reply[ROFF[i] + 1].
+-- Written before they are read, in every call.
+local FIRST, COUNT, DEADLINE, PLAIN, ADMITTED, ROFF
 
 -- Limit i's reset marker: the instant of its last reset and when leases may be granted again
 -- (nil, nil without one; the older form "<at>" blocks leases while it lives).
@@ -140,13 +143,18 @@ end
 
 -- Parse the limit whose arguments start after ARGV[b]; returns the index after its last
 -- argument, or nil unless every number is whole and within the bounds (common.lua), the flags
--- are known and the holder well formed.
-local function parse_limit(b)
-  local code = tg_uint(ARGV[b + 1])
-  local limit = tg_uint(ARGV[b + 2])
-  local interval = tg_uint(ARGV[b + 3])
-  local cost = tg_uint(ARGV[b + 4])
-  local flags = tg_uint(ARGV[b + 5])
+-- are known and the holder well formed. With `lean` (a check request of this one limit), a
+-- plain limit (no flag; an algorithm with a `check`) gets only ALGO, LIMIT, INTERVAL, COST,
+-- SHADOW and KEY written, and true as a second result: run_check then takes it the one-read
+-- way, which reads nothing else of it.
+local function parse_limit(b, lean)
+  -- tg_uint's memo read here (an argument seen before costs one table probe, no call); a false
+  -- there (refused before) or a nil (new) goes through tg_uint, which answers nil or the value.
+  local code = TG_UINT[ARGV[b + 1]] or tg_uint(ARGV[b + 1])
+  local limit = TG_UINT[ARGV[b + 2]] or tg_uint(ARGV[b + 2])
+  local interval = TG_UINT[ARGV[b + 3]] or tg_uint(ARGV[b + 3])
+  local cost = TG_UINT[ARGV[b + 4]] or tg_uint(ARGV[b + 4])
+  local flags = TG_UINT[ARGV[b + 5]] or tg_uint(ARGV[b + 5])
   -- Whole and non-negative (tg_uint): each bound is one comparison.
   if not (code and limit and interval and cost and flags) or code < 1 or code > 6
     or limit < 1 or limit > TG_MAX_UNITS or interval < 1 or interval > TG_MAX_SPAN
@@ -164,6 +172,10 @@ local function parse_limit(b)
   end
   local i, k = nlimits + 1, nkeys + 1
   ALGO[i], LIMIT[i], INTERVAL[i], COST[i], SHADOW[i], KEY[i] = ALGOS[code], limit, interval, cost, flags % 2 == 1, k
+  if lean and flags == 0 and ALGOS[code].check then
+    nlimits, nkeys = i, k
+    return b + 5, true
+  end
   -- The tables outlive the call (tg_run): every field of limit i is written here, the optional
   -- ones cleared first, so nothing of an earlier call's limit i is ever read.
   MEMBER[i], PKEY[i], PBASE[i], PMAX[i], MKEY[i], LWANT[i], LLIFE[i] = nil, nil, nil, nil, nil, nil, nil
@@ -295,16 +307,32 @@ local function run_check()
   -- FIRST[r] + 1 .. FIRST[r] + COUNT[r].
   local b = 3
   for r = 1, requests do
-    local m, dl = tg_uint(ARGV[b + 1]), tg_uint(ARGV[b + 2])
+    local m = TG_UINT[ARGV[b + 1]] or tg_uint(ARGV[b + 1])
+    -- A deadline is mostly new with every request: read, not memoised (an entry per request
+    -- would only fill the memo), unless it is one the memo holds ("0", none).
+    local dl = TG_UINT[ARGV[b + 2]]
+    if not dl then
+      dl = tonum(ARGV[b + 2])
+      if not tg_whole(dl, 0, TG_MAX_NOW) then
+        dl = nil
+      end
+    end
     if m == nil or dl == nil or b + 2 + 5 * m > argc or dl > TG_MAX_NOW then
       return redis.error_reply('ERR tollgate: bad arguments (request layout)')
     end
-    FIRST[r], COUNT[r], DEADLINE[r] = nlimits, m, dl
+    FIRST[r], COUNT[r], DEADLINE[r], PLAIN[r] = nlimits, m, dl, false
     b = b + 2
-    for _ = 1, m do
-      b = parse_limit(b)
+    if m == 1 then
+      b, PLAIN[r] = parse_limit(b, true)
       if b == nil then
         return redis.error_reply('ERR tollgate: bad arguments for limit ' .. (nlimits + 1))
+      end
+    else
+      for _ = 1, m do
+        b = parse_limit(b)
+        if b == nil then
+          return redis.error_reply('ERR tollgate: bad arguments for limit ' .. (nlimits + 1))
+        end
       end
     end
   end
@@ -318,6 +346,24 @@ local function run_check()
     -- Past its deadline: not evaluated (no penalty either), nothing written.
     local late = DEADLINE[r] > 0 and now > DEADLINE[r]
     local blocked = late
+    if PLAIN[r] and not late then
+      -- The common request: one limit, no penalty box, no calendar, no lease. Admitted means
+      -- spent and denied means nothing written, whether or not it is a shadow limit (the
+      -- request has no other limit for a shadow denial to matter to): the algorithm's check,
+      -- one read.
+      local one = k0 + 1
+      TG_CAL_UNIT, TG_CAL_OFF = 0, 0
+      local code, remaining, reset, retry, delay = ALGO[one].check(KEYS[KEY[one]], now, LIMIT[one],
+        INTERVAL[one], COST[one])
+      reply[o + 1] = code
+      reply[o + 2] = remaining
+      reply[o + 3] = reset
+      reply[o + 4] = retry
+      reply[o + 5] = delay
+      ROFF[one] = o
+      o = o + 5
+      m = 0
+    end
     for i = k0 + 1, k0 + m do
       local code, remaining, reset, retry, delay = 6, 0, 0, 0, 0
       if not late then
@@ -335,7 +381,7 @@ local function run_check()
       ROFF[i] = o
       o = o + 5
     end
-    if not blocked then
+    if not blocked and m > 0 then
       -- Spending re-reads each key, so a key listed twice is spent twice, like the memory store.
       for i = k0 + 1, k0 + m do
         if ADMITTED[i] then
@@ -462,7 +508,7 @@ local function tg_run(keys, argv)
     -- (numbers, and holders of at most 64 bytes), which the gateway's batches bound.
     ALGO, LIMIT, INTERVAL, COST, SHADOW, MEMBER, KEY, PKEY, PBASE, PMAX = {}, {}, {}, {}, {}, {}, {}, {}, {}, {}
     MKEY, CALU, CALO, LWANT, LLIFE = {}, {}, {}, {}, {}
-    FIRST, COUNT, DEADLINE, ADMITTED, ROFF = {}, {}, {}, {}, {}
+    FIRST, COUNT, DEADLINE, PLAIN, ADMITTED, ROFF = {}, {}, {}, {}, {}, {}
   end
   nlimits, nkeys = 0, 0
   reply = { now }

@@ -72,8 +72,16 @@ end
 -- As a decimal string, the form Redis reads: a number argument of redis.call is formatted with
 -- "%.17g", which for these magnitudes takes glibc's multi-precision path; "%d" is exact for
 -- every integer below 2^53 and several times cheaper.
+-- The last instant asked for is kept: the writes of a call mostly share one (every cold bucket
+-- of a batch gets tat = now + cost * interval, every window of a batch ends at one instant), and
+-- string.format is a C call that makes a new string.
+local TG_AT_US, TG_AT_S
+
 local function tg_at_ms(us)
-  return sfmt('%d', floor((us + 999) / 1000))
+  if us ~= TG_AT_US then
+    TG_AT_US, TG_AT_S = us, sfmt('%d', floor((us + 999) / 1000))
+  end
+  return TG_AT_S
 end
 
 -- An integer Redis can return: a non-finite or huge double (only reachable with cost > limit,
@@ -197,7 +205,7 @@ end
 -- a batch asks for the same few).
 local TG_SHAPES
 
--- Entries added to the memo tables (TG_SHAPES, TG_NUM, TG_UINT) since they were last emptied.
+-- Entries added to the memo tables (TG_SHAPES, TG_NUM, TG_UINT, TG_DEC) since they were last emptied.
 local TG_MEMO_N = 0
 
 local function tg_shape(fam, w)
@@ -288,6 +296,22 @@ local function tg_uint(s)
   return v or nil
 end
 
+-- The decimal string of a whole number (a count, a cost, a window index), memoised like the
+-- argument memos: a batch writes the same few (a cost of 1, the current window's index).
+local TG_DEC
+
+local function tg_dec(n)
+  local v = TG_DEC[n]
+  if v == nil then
+    v = sfmt('%d', n)
+    if n == n then
+      TG_DEC[n] = v
+      TG_MEMO_N = TG_MEMO_N + 1
+    end
+  end
+  return v
+end
+
 local function tg_num(s)
   if s == nil then
     return nil
@@ -315,7 +339,7 @@ local function tg_begin(mode)
   TG_WRITE = mode ~= 'peek'
   TG_SEEN, TG_SEEN_R, TG_SEEN_BAD = {}, {}, {}
   if TG_NUM == nil or TG_MEMO_N > 4096 then
-    TG_NUM, TG_UINT, TG_SHAPES, TG_MEMO_N = {}, {}, { f = {}, s = {} }, 0
+    TG_NUM, TG_UINT, TG_SHAPES, TG_DEC, TG_MEMO_N = {}, {}, { f = {}, s = {} }, {}, 0
   end
   TG_CAL_UNIT, TG_CAL_OFF = 0, 0
 end

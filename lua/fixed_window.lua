@@ -17,7 +17,7 @@
 -- Write (or, in peek, only remember) a fresh window `index` holding `count` units.
 local function fw_put(key, index, count, w, q)
   if TG_WRITE then
-    rcall('HSET', key, 'i', sfmt('%d', index), 'c', sfmt('%d', count), 'q', q)
+    rcall('HSET', key, 'i', tg_dec(index), 'c', tg_dec(count), 'q', q)
     rcall('PEXPIREAT', key, tg_at_ms(tg_start(index + 1, w)))
   end
   tg_remember('fw', key, { index, count, q })
@@ -65,10 +65,40 @@ local function fw_spend(key, now, limit, w, cost)
   local i, c = fw_get(key, now, limit, w)
   if i == index then
     -- Same window: the key already expires at its end (set when the window began).
-    tg_remember('fw', key, { index, rcall('HINCRBY', key, 'c', sfmt('%d', cost)), tg_shape('f', w) })
+    tg_remember('fw', key, { index, rcall('HINCRBY', key, 'c', tg_dec(cost)), tg_shape('f', w) })
   else
     fw_put(key, index, cost, w, tg_shape('f', w))
   end
+end
+
+-- A request whose only limit is this window (no penalty, no lease; check.lua): fw_eval, then on
+-- admission what fw_spend would write, from the one read (fw_spend's own read would find the
+-- state fw_eval read). Returns the allowed code (1 or 0) and the reply's 4 numbers.
+local function fw_check(key, now, limit, w, cost)
+  local index = tg_index(now, w)
+  local i, c = fw_get(key, now, limit, w)
+  local count = 0
+  if i == index then
+    count = c
+  end
+  local reset = tg_start(index + 1, w) - now
+  if count + cost > limit then
+    return 0, mmax(limit - count, 0), reset, reset, 0
+  end
+  if i == index then
+    -- Same window: the key already expires at its end. What a read now returns, in place of
+    -- the read fw_get kept (this call's own table, referenced nowhere else).
+    local n = rcall('HINCRBY', key, 'c', tg_dec(cost))
+    local r = TG_SEEN_R[key]
+    if TG_SEEN[key] == 'fw' and type(r) == 'table' then
+      r[1], r[2], r[3] = index, n, tg_shape('f', w)
+    else
+      tg_remember('fw', key, { index, n, tg_shape('f', w) })
+    end
+  else
+    fw_put(key, index, cost, w, tg_shape('f', w))
+  end
+  return 1, limit - count - cost, reset, 0, 0
 end
 
 -- Move the count of the window of `now` (the instant the check was decided) by `delta`, never

@@ -18,6 +18,10 @@ local function lb_eval(key, now, limit, t, cost)
   return bucket_eval(key, now, limit, t, cost, true)
 end
 
+local function lb_check(key, now, limit, t, cost)
+  return bucket_check(key, now, limit, t, cost, true)
+end
+
 -- Spending and refunding are the token bucket's: tat moves by cost * t.
 local lb_spend = tb_spend
 local lb_refund = tb_refund

@@ -20,7 +20,7 @@
 -- Write (or, in peek, only remember) window `index` with counts prev, curr.
 local function sw_put(key, index, prev, curr, w, q)
   if TG_WRITE then
-    rcall('HSET', key, 'i', sfmt('%d', index), 'p', prev, 'c', curr, 'q', q)
+    rcall('HSET', key, 'i', tg_dec(index), 'p', tg_dec(prev), 'c', tg_dec(curr), 'q', q)
     rcall('PEXPIREAT', key, tg_at_ms(tg_start(index + 2, w)))
   end
   tg_remember('sw', key, { index, prev, curr, q })
@@ -93,10 +93,36 @@ local function sw_spend(key, now, limit, w, cost)
   local q = tg_shape('s', w)
   if same then
     -- Same window: only the count moves; the expiry, set when the window began, stands.
-    tg_remember('sw', key, { index, prev, rcall('HINCRBY', key, 'c', sfmt('%d', cost)), q })
+    tg_remember('sw', key, { index, prev, rcall('HINCRBY', key, 'c', tg_dec(cost)), q })
   else
     sw_put(key, index, prev, curr + cost, w, q)
   end
+end
+
+-- A request whose only limit is this window (no penalty, no lease; check.lua): sw_eval, then on
+-- admission what sw_spend would write, from the one roll (sw_spend's own would find the state
+-- sw_eval rolled). Returns the allowed code (1 or 0) and the reply's 4 numbers.
+local function sw_check(key, now, limit, w, cost)
+  local index, prev, curr, same = sw_roll(key, now, limit, w)
+  local start, e1, e2 = tg_start(index, w), tg_start(index + 1, w), tg_start(index + 2, w)
+  local len = e1 - start
+  local estimate = prev * (len - (now - start)) / len + curr
+  if estimate + cost > limit then
+    local _, remaining, reset, retry = sw_eval(key, now, limit, w, cost)
+    return 0, remaining, reset, retry, 0
+  end
+  local q = tg_shape('s', w)
+  if same then
+    -- Same window: only the count moves; the expiry, set when the window began, stands.
+    tg_remember('sw', key, { index, prev, rcall('HINCRBY', key, 'c', tg_dec(cost)), q })
+  else
+    sw_put(key, index, prev, curr + cost, w, q)
+  end
+  local reset = e1 - now
+  if curr + cost > 0 then
+    reset = e2 - now
+  end
+  return 1, mmax(floor(limit - estimate - cost), 0), reset, 0, 0
 end
 
 -- Move the units counted at `now` by `delta` (never below 0): in c if the window has not moved

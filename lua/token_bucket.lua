@@ -17,8 +17,15 @@
 --       reset_us (until full), retry_after_us (0 when allowed), delay_us (0 here).
 
 -- Write (or, in peek, only remember) the bucket state tat under interval t.
+-- The last state written is kept with its string: every cold bucket of a batch (same rate and
+-- cost) gets the same tat.
+local BP_TAT, BP_T, BP_V
+
 local function bucket_put(key, tat, t)
-  local v = sfmt('%d:%d', tat, t)
+  if tat ~= BP_TAT or t ~= BP_T then
+    BP_TAT, BP_T, BP_V = tat, t, sfmt('%d:%d', tat, t)
+  end
+  local v = BP_V
   if TG_WRITE then
     rcall('SET', key, v, 'PXAT', tg_at_ms(tat))
   end
@@ -77,6 +84,33 @@ end
 
 local function tb_eval(key, now, limit, t, cost)
   return bucket_eval(key, now, limit, t, cost, false)
+end
+
+-- A request whose only limit is this bucket (no penalty, no lease; check.lua): bucket_eval,
+-- then on admission what tb_spend would write, from the one read (tb_spend's own read would
+-- find the state bucket_eval read, so the result is the same). Returns the allowed code (1 or
+-- 0) and the reply's 4 numbers. `leaky` reports the wait before forwarding as delay.
+local function bucket_check(key, now, limit, t, cost, leaky)
+  local tat = bucket_get(key, now, limit, t)
+  local base = now
+  if tat and tat > now then
+    base = tat
+  end
+  local cap = limit * t
+  local new_tat = base + cost * t
+  if new_tat - now <= cap then
+    bucket_put(key, new_tat, t)
+    local delay = 0
+    if leaky then
+      delay = base - now
+    end
+    return 1, floor((cap - (new_tat - now)) / t), new_tat - now, 0, delay
+  end
+  return 0, floor(mmax(cap - (base - now), 0) / t), base - now, new_tat - cap - now, 0
+end
+
+local function tb_check(key, now, limit, t, cost)
+  return bucket_check(key, now, limit, t, cost, false)
 end
 
 -- Spend `cost` units: tat = max(tat, now) + cost * t; the key expires when the bucket is full.

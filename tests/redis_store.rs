@@ -783,6 +783,118 @@ fn eval_batch(server: &RedisServer, now: u64, requests: &[&[RawLimit<'_>]]) -> V
         .collect()
 }
 
+/// What a key holds, whatever its type, with its expiry: for comparing two keys written alike.
+fn stored(server: &RedisServer, key: &str) -> String {
+    let kind = server.cli(&["TYPE", key]);
+    let mut value = match kind.as_str() {
+        "string" => server.cli(&["GET", key]),
+        "hash" => server.cli(&["HGETALL", key]),
+        "zset" => server.cli(&["ZRANGE", key, "0", "-1", "WITHSCORES"]),
+        _ => String::new(),
+    };
+    if kind == "hash" {
+        // Field, value pairs, in field order.
+        let words: Vec<&str> = value.split_whitespace().collect();
+        let mut pairs: Vec<String> = words.chunks(2).map(|p| p.join("=")).collect();
+        pairs.sort();
+        value = pairs.join(" ");
+    }
+    format!("{kind} {value} pexpiretime {}", server.cli(&["PEXPIRETIME", key]))
+}
+
+/// A request whose only limit is a bucket or a window takes the script's one-read path (its
+/// algorithm's `check`, lua/check.lua); the same request with a second limit that never denies
+/// takes the general one (evaluate every limit, then spend each). Both must answer and write
+/// the same, request after request: shadow or not, costs of 0 to 3, denials, time moving on,
+/// after state of every other algorithm under the same key (a reload's conversion), in calls
+/// of their own, and in one batch mixing both kinds of request on one key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_limit_requests_decide_as_the_general_path_does() {
+    use rand::{Rng, SeedableRng};
+    let server = RedisServer::start();
+    // (code, limit, interval): token and leaky bucket, fixed window, sliding log, sliding window.
+    let shapes = [
+        (1u8, 3u64, 400_000u64),
+        (2, 3, 400_000),
+        (3, 4, 1_000_000),
+        (4, 4, 1_000_000),
+        (5, 4, 1_000_000),
+    ];
+    let mut rng = rand::rngs::StdRng::seed_from_u64(41);
+    let mut compared = [0usize; 2];
+    for &(code, limit, interval) in &shapes {
+        for &(was, was_limit, was_interval) in &shapes {
+            let tag = format!("{{g{code}w{was}}}");
+            let (a, b, free) = (format!("{tag}a"), format!("{tag}b"), format!("{tag}f"));
+            let never = (free.as_str(), 3u8, 1_000_000_000u64, 60_000_000u64, 1u64, false);
+            let mut now = NOW + rng.gen_range(0..1_000_000);
+            // History under the earlier shape, alike on both keys.
+            for _ in 0..3 {
+                let old = |k| (k, was, was_limit, was_interval, 1u64, false);
+                eval_batch(&server, now, &[&[old(a.as_str())]]);
+                eval_batch(&server, now, &[&[old(b.as_str()), never]]);
+                now += rng.gen_range(0..300_000);
+            }
+            for step in 0..40 {
+                let cost = rng.gen_range(0..=3u64);
+                let shadow = rng.gen_bool(0.2);
+                let one = eval_batch(&server, now, &[&[(a.as_str(), code, limit, interval, cost, shadow)]]);
+                let two = eval_batch(
+                    &server,
+                    now,
+                    &[&[(b.as_str(), code, limit, interval, cost, shadow), never]],
+                );
+                assert_eq!(
+                    one[..6],
+                    two[..6],
+                    "code {code} after {was}, step {step}: one-read path vs general"
+                );
+                assert_eq!(
+                    stored(&server, &a),
+                    stored(&server, &b),
+                    "code {code} after {was}, step {step}: what was written"
+                );
+                compared[usize::from(one[1] == 1)] += 1;
+                now += rng.gen_range(0..250_000);
+            }
+        }
+        // One batch mixing one-limit and two-limit requests on one key, against the same
+        // requests in calls of their own.
+        let tag = format!("{{m{code}}}");
+        let (x, xf, y, yf) = (
+            format!("{tag}x"),
+            format!("{tag}xf"),
+            format!("{tag}y"),
+            format!("{tag}yf"),
+        );
+        let plan: Vec<(u64, bool)> = (0..12).map(|_| (rng.gen_range(0..=2u64), rng.gen_bool(0.5))).collect();
+        fn request<'a>(keys: (&'a str, &'a str), shape: (u8, u64, u64), cost: u64, two: bool) -> Vec<RawLimit<'a>> {
+            let mut r = vec![(keys.0, shape.0, shape.1, shape.2, cost, false)];
+            if two {
+                r.push((keys.1, 3u8, 1_000_000_000u64, 60_000_000u64, 1u64, false));
+            }
+            r
+        }
+        let shape = (code, limit, interval);
+        let owned: Vec<Vec<RawLimit<'_>>> = plan.iter().map(|&(c, two)| request((&x, &xf), shape, c, two)).collect();
+        let batch: Vec<&[RawLimit<'_>]> = owned.iter().map(|r| r.as_slice()).collect();
+        let batched = eval_batch(&server, NOW, &batch);
+        let mut separate = vec![batched[0]];
+        for &(c, two) in &plan {
+            let r = request((&y, &yf), shape, c, two);
+            separate.extend_from_slice(&eval_batch(&server, NOW, &[&r])[1..]);
+        }
+        assert_eq!(batched, separate, "code {code}: a batch mixing both paths on one key");
+        assert_eq!(
+            stored(&server, &x),
+            stored(&server, &y),
+            "code {code}: what the batch wrote"
+        );
+    }
+    // The random plan exercised both answers.
+    assert!(compared[0] > 50 && compared[1] > 50, "denied, admitted: {compared:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_is_evaluated_request_by_request() {
     let server = RedisServer::start();
