@@ -117,10 +117,23 @@ struct Inner {
 }
 
 impl Inner {
-    /// Slots class `k` is guaranteed at `limit`.
+    /// Slots class `k` is guaranteed at `limit`: its share of the limit rounded down, but at
+    /// least one for a class with a share while the limit holds one for every such class and
+    /// one more besides (a fifth of a limit of 4 keeps one slot, not none; a limit of 1 keeps
+    /// none, so the classes without a share are never shut out).
     fn guaranteed(classes: &[Class], k: usize, limit: u32) -> u32 {
+        let share = |g: f64| (g * f64::from(limit)).floor() as u32;
         let g = classes.get(k).map_or(0.0, |c| c.guaranteed);
-        (g * f64::from(limit)).floor() as u32
+        let slots = share(g);
+        if g <= 0.0 || slots >= 1 {
+            return slots;
+        }
+        let kept: u32 = classes
+            .iter()
+            .filter(|c| c.guaranteed > 0.0)
+            .map(|c| share(c.guaranteed).max(1))
+            .sum();
+        u32::from(kept < limit)
     }
 
     /// There is room for one more request of `class`.

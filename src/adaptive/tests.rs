@@ -232,6 +232,27 @@ async fn a_guaranteed_share_stays_free_for_its_class() {
 }
 
 #[tokio::test]
+async fn a_small_limit_still_keeps_a_slot_for_a_class_with_a_share() {
+    // Limit 4: a fifth is 0.8 of a slot, rounded down to none, so a limit that had shrunk under
+    // a slow upstream let the default class take every slot from critical. It keeps one.
+    let ad = adaptive("min: 4\nmax: 4\nqueue_timeout: 0s\n");
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(ad.acquire(1).await.unwrap_or_else(|e| panic!("{e:?}")));
+    }
+    assert_eq!(
+        ad.acquire(1).await.err(),
+        Some(Refusal::QueueFull),
+        "the fourth slot is critical's"
+    );
+    assert!(ad.acquire(0).await.is_ok(), "critical gets its slot");
+    drop(held);
+    // Limit 1 has no slot to keep: the classes without a share are not shut out.
+    let one = adaptive("min: 1\nmax: 1\nqueue_timeout: 0s\n");
+    assert!(one.acquire(1).await.is_ok(), "default gets the only slot");
+}
+
+#[tokio::test]
 async fn freed_room_goes_to_the_highest_class_waiting() {
     let ad = adaptive(
         "min: 1\nmax: 1\nqueue_timeout: 2s\nclasses: [{name: critical}, {name: default}, {name: sheddable}]\n",
