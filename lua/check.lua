@@ -346,27 +346,19 @@ local function run_check()
     -- Past its deadline: not evaluated (no penalty either), nothing written.
     local late = DEADLINE[r] > 0 and now > DEADLINE[r]
     local blocked = late
-    if PLAIN[r] and not late then
-      -- The common request: one limit, no penalty box, no calendar, no lease. Admitted means
-      -- spent and denied means nothing written, whether or not it is a shadow limit (the
-      -- request has no other limit for a shadow denial to matter to): the algorithm's check,
-      -- one read.
-      local one = k0 + 1
+    -- The common request (PLAIN: one limit, no penalty box, no calendar, no lease) takes its
+    -- algorithm's check, one read: admitted means spent and denied means nothing written,
+    -- whether or not it is a shadow limit (the request has no other limit for a shadow denial
+    -- to matter to), so the spending below is skipped.
+    local plain = PLAIN[r] and not late
+    if plain then
       TG_CAL_UNIT, TG_CAL_OFF = 0, 0
-      local code, remaining, reset, retry, delay = ALGO[one].check(KEYS[KEY[one]], now, LIMIT[one],
-        INTERVAL[one], COST[one])
-      reply[o + 1] = code
-      reply[o + 2] = remaining
-      reply[o + 3] = reset
-      reply[o + 4] = retry
-      reply[o + 5] = delay
-      ROFF[one] = o
-      o = o + 5
-      m = 0
     end
     for i = k0 + 1, k0 + m do
       local code, remaining, reset, retry, delay = 6, 0, 0, 0, 0
-      if not late then
+      if plain then
+        code, remaining, reset, retry, delay = ALGO[i].check(KEYS[KEY[i]], now, LIMIT[i], INTERVAL[i], COST[i])
+      elseif not late then
         code, remaining, reset, retry, delay = decide(i, COST[i], true)
       end
       ADMITTED[i] = code == 1
@@ -381,7 +373,7 @@ local function run_check()
       ROFF[i] = o
       o = o + 5
     end
-    if not blocked and m > 0 then
+    if not blocked and not plain then
       -- Spending re-reads each key, so a key listed twice is spent twice, like the memory store.
       for i = k0 + 1, k0 + m do
         if ADMITTED[i] then

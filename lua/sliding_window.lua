@@ -88,8 +88,8 @@ local function sw_eval(key, now, limit, w, cost)
   return false, mmax(floor(limit - estimate), 0), reset, tg_int(retry), 0
 end
 
-local function sw_spend(key, now, limit, w, cost)
-  local index, prev, curr, same = sw_roll(key, now, limit, w)
+-- Spend `cost` units on the state sw_roll gave (index, prev, curr, same).
+local function sw_add(key, w, cost, index, prev, curr, same)
   local q = tg_shape('s', w)
   if same then
     -- Same window: only the count moves; the expiry, set when the window began, stands.
@@ -97,6 +97,11 @@ local function sw_spend(key, now, limit, w, cost)
   else
     sw_put(key, index, prev, curr + cost, w, q)
   end
+end
+
+local function sw_spend(key, now, limit, w, cost)
+  local index, prev, curr, same = sw_roll(key, now, limit, w)
+  sw_add(key, w, cost, index, prev, curr, same)
 end
 
 -- A request whose only limit is this window (no penalty, no lease; check.lua): sw_eval, then on
@@ -111,13 +116,7 @@ local function sw_check(key, now, limit, w, cost)
     local _, remaining, reset, retry = sw_eval(key, now, limit, w, cost)
     return 0, remaining, reset, retry, 0
   end
-  local q = tg_shape('s', w)
-  if same then
-    -- Same window: only the count moves; the expiry, set when the window began, stands.
-    tg_remember('sw', key, { index, prev, rcall('HINCRBY', key, 'c', tg_dec(cost)), q })
-  else
-    sw_put(key, index, prev, curr + cost, w, q)
-  end
+  sw_add(key, w, cost, index, prev, curr, same)
   local reset = e1 - now
   if curr + cost > 0 then
     reset = e2 - now
