@@ -91,12 +91,12 @@
 -- debit: the extra units of a request whose real cost came after its response (`cost_from`);
 -- sliding log and leaky bucket take no debits (validation refuses cost_from on them).
 -- check: eval, then spend on admission, from one read, for a request whose only limit this is
--- (run_check; the sliding log and concurrency go the general way).
+-- (run_check; concurrency goes the general way).
 local ALGOS = {
   { eval = tb_eval, spend = tb_spend, refund = tb_refund, debit = tb_debit, check = tb_check },
   { eval = lb_eval, spend = lb_spend, refund = lb_refund, check = lb_check },
   { eval = fw_eval, spend = fw_spend, refund = fw_refund, debit = fw_debit, check = fw_check },
-  { eval = sl_eval, spend = sl_spend, refund = sl_refund },
+  { eval = sl_eval, spend = sl_spend, refund = sl_refund, check = sl_check },
   { eval = sw_eval, spend = sw_spend, refund = sw_refund, debit = sw_debit, check = sw_check },
   { eval = cc_eval, spend = cc_take, refund = cc_release, renew = cc_renew },
 }

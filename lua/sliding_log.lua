@@ -109,6 +109,27 @@ local function sl_spend(key, now, limit, w, cost)
   rcall('PEXPIREAT', key, tg_at_ms(now + w))
 end
 
+-- A request whose only limit is this log (no penalty, no lease; check.lua): sl_eval, then on
+-- admission what sl_spend writes. When the window held nothing (remaining = limit - cost),
+-- sl_eval's pruning left no entry at `now` either, so the entries start at sequence 0 without
+-- sl_spend's lookup of the newest one. Returns the allowed code (1 or 0) and the reply's 4
+-- numbers.
+local function sl_check(key, now, limit, w, cost)
+  local ok, remaining, reset, retry = sl_eval(key, now, limit, w, cost)
+  if not ok then
+    return 0, remaining, reset, retry, 0
+  end
+  if remaining == limit - cost then
+    if cost > 0 then
+      sl_add(key, now, 0, cost)
+    end
+    rcall('PEXPIREAT', key, tg_at_ms(now + w))
+  else
+    sl_spend(key, now, limit, w, cost)
+  end
+  return 1, remaining, reset, 0, 0
+end
+
 -- Give back `cost` units: remove the `cost` newest entries at or before `now`. With the `now`
 -- the check used (a cross-slot rejection), those are exactly the entries it added (or, with
 -- several requests in that microsecond, equivalent ones). With a later `now` (a leaky-bucket
