@@ -697,7 +697,12 @@ fn check_names_bad_priorities_and_settings_by_line_and_column() {
 async fn a_streamed_answer_holds_its_room_until_its_body_ends() {
     let _serial = SERIAL.lock().await;
     let up = counting_upstream().await;
-    let gw = gateway(&up.url(), "min: 4\nmax: 4\ninitial: 4\nqueue_timeout: 5s\n");
+    // Classes without a guaranteed share: every one of the 4 slots may go to these requests
+    // (with the default classes, critical keeps one of them).
+    let gw = gateway(
+        &up.url(),
+        "min: 4\nmax: 4\ninitial: 4\nqueue_timeout: 5s\nclasses: [{name: critical}, {name: default}, {name: sheddable}]\n",
+    );
     let c = client();
     let mut tasks = tokio::task::JoinSet::new();
     for _ in 0..12 {
