@@ -320,21 +320,16 @@ local function run_check()
     if m == nil or dl == nil or b + 2 + 5 * m > argc or dl > TG_MAX_NOW then
       return redis.error_reply('ERR tollgate: bad arguments (request layout)')
     end
-    FIRST[r], COUNT[r], DEADLINE[r], PLAIN[r] = nlimits, m, dl, false
+    FIRST[r], COUNT[r], DEADLINE[r] = nlimits, m, dl
     b = b + 2
-    if m == 1 then
-      b, PLAIN[r] = parse_limit(b, true)
+    local plain = false
+    for _ = 1, m do
+      b, plain = parse_limit(b, m == 1)
       if b == nil then
         return redis.error_reply('ERR tollgate: bad arguments for limit ' .. (nlimits + 1))
       end
-    else
-      for _ = 1, m do
-        b = parse_limit(b)
-        if b == nil then
-          return redis.error_reply('ERR tollgate: bad arguments for limit ' .. (nlimits + 1))
-        end
-      end
     end
+    PLAIN[r] = plain == true
   end
   if b ~= argc or nkeys ~= #KEYS then
     return redis.error_reply('ERR tollgate: bad arguments (want R, then n, the deadline and the limits per request)')
