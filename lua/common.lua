@@ -48,6 +48,10 @@ end
 -- another shape only in its own view (TG_SEEN). Set per call by tg_begin.
 local TG_WRITE
 
+-- True when a write may read the old value in the same command, SET key value NX GET (Redis
+-- 7.0 on; Redis 6 refuses NX with GET): check calls only. Set per call by tg_begin.
+local TG_NXGET
+
 -- Run a read command; a WRONGTYPE error reads as "no state" with `bad` set: the key holds a
 -- limit of another algorithm (a reload changed it), which the readers convert. Any other error
 -- (an ACL that refuses the command, say) is raised: read as "no state" it would admit.
@@ -337,6 +341,7 @@ local function tg_begin(mode)
     rcall, tonum = redis.call, tonumber
   end
   TG_WRITE = mode ~= 'peek'
+  TG_NXGET = mode == 'check' and (redis.REDIS_VERSION_NUM or 0) >= 0x070000
   TG_SEEN, TG_SEEN_R, TG_SEEN_BAD = {}, {}, {}
   if TG_NUM == nil or TG_MEMO_N > 4096 then
     TG_NUM, TG_UINT, TG_SHAPES, TG_DEC, TG_MEMO_N = {}, {}, { f = {}, s = {} }, {}, 0

@@ -16,16 +16,21 @@
 -- Reply (per key, in check.lua's reply) allowed (1/0), remaining (floored units),
 --       reset_us (until full), retry_after_us (0 when allowed), delay_us (0 here).
 
--- Write (or, in peek, only remember) the bucket state tat under interval t.
--- The last state written is kept with its string: every cold bucket of a batch (same rate and
--- cost) gets the same tat.
+-- The bucket state string of tat under interval t. The last one is kept: every cold bucket
+-- of a batch (same rate and cost) gets the same tat.
 local BP_TAT, BP_T, BP_V
 
-local function bucket_put(key, tat, t)
+
+local function bucket_state(tat, t)
   if tat ~= BP_TAT or t ~= BP_T then
     BP_TAT, BP_T, BP_V = tat, t, sfmt('%d:%d', tat, t)
   end
-  local v = BP_V
+  return BP_V
+end
+
+-- Write (or, in peek, only remember) the bucket state tat under interval t.
+local function bucket_put(key, tat, t)
+  local v = bucket_state(tat, t)
   if TG_WRITE then
     rcall('SET', key, v, 'PXAT', tg_at_ms(tat))
   end
@@ -91,6 +96,21 @@ end
 -- find the state bucket_eval read, so the result is the same). Returns the allowed code (1 or
 -- 0) and the reply's 4 numbers. `leaky` reports the wait before forwarding as delay.
 local function bucket_check(key, now, limit, t, cost, leaky)
+  if TG_NXGET and cost <= limit and TG_SEEN[key] == nil then
+    -- A key this call has not read, and a cost a full bucket admits: write the state a full
+    -- bucket would leave, only if the key does not exist, and read the old value in the same
+    -- command (SET NX GET). A key that was absent (the common case of a client not seen since
+    -- its bucket refilled) is then decided and written in one command; one that existed was
+    -- left as it was, and its value is the read bucket_get makes below.
+    local new_tat = now + cost * t
+    local v = bucket_state(new_tat, t)
+    local r, bad = tg_read('SET', key, v, 'NX', 'GET', 'PXAT', tg_at_ms(new_tat))
+    if not r and not bad then
+      tg_remember('bucket', key, v)
+      return 1, limit - cost, cost * t, 0, 0
+    end
+    TG_SEEN[key], TG_SEEN_R[key], TG_SEEN_BAD[key] = 'bucket', r, bad
+  end
   local tat = bucket_get(key, now, limit, t)
   local base = now
   if tat and tat > now then
