@@ -12,10 +12,12 @@
 -- ARGV[1]  mode: "check" | "refund" | "peek"
 -- ARGV[2]  now in microseconds since the epoch, or "" to read Redis TIME (the normal case:
 --          every gateway then agrees on time; tests pass an explicit now)
--- A limit is described by 5 ARGV: algorithm code (1 token_bucket, 2 leaky_bucket,
---   3 fixed_window, 4 sliding_log, 5 sliding_window, 6 concurrency), limit, interval_us
---   (buckets: microseconds per unit; windows: the window; concurrency: the slot time to live),
---   cost, flags (1 = shadow: never blocks the request; 2 = penalty box), then
+-- A limit is described by its SPEC, one ARGV "code:limit:interval_us:cost:flags" (decimal
+--   digits only): algorithm code (1 token_bucket, 2 leaky_bucket, 3 fixed_window,
+--   4 sliding_log, 5 sliding_window, 6 concurrency), limit, interval_us (buckets: microseconds
+--   per unit; windows: the window; concurrency: the slot time to live), cost, flags (1 = shadow:
+--   never blocks the request; 2 = penalty box); a gateway's batches repeat a few specs, which
+--   the script validates once (limit_spec). Then, as ARGV of their own:
 --   - for concurrency, 1 more: the holder of the slot (letters, digits, ':', at most 64 bytes);
 --   - with flag 2, 2 more: the penalty's base and max in microseconds;
 --   - with flag 4 (fixed and sliding window only), 2 more: the calendar unit (1 day, 2 week
@@ -48,7 +50,7 @@
 --   own call (the gateway batches the requests that are waiting for the same slot, so a busy
 --   slot costs one round trip and one script run for many requests):
 --   ARGV[3] = R, the number of requests; then per request: n (its limit count), its DEADLINE
---   (microseconds of Redis time, 0 for none), followed by 5 ARGV per limit. KEYS holds every
+--   (microseconds of Redis time, 0 for none), followed by each limit's ARGV. KEYS holds every
 --   request's keys, request after request.
 --   A request whose deadline is before now (its gateway has given up on it: the call waited
 --   in a frozen or overloaded server) is not evaluated and writes nothing, penalties included;
@@ -120,6 +122,8 @@ local reply
 -- limit was parsed lean); limit i was ADMITTED[i], and its 5-tuple starts at reply[ROFF[i] + 1].
 -- Written before they are read, in every call.
 local FIRST, COUNT, DEADLINE, PLAIN, ADMITTED, ROFF
+-- The spec record (limit_spec) of a limit parsed lean: SPEC[i] (only such limits have one).
+local SPEC
 
 -- Limit i's reset marker: the instant of its last reset and when leases may be granted again
 -- (nil, nil without one; the older form "<at>" blocks leases while it lives).
@@ -141,45 +145,57 @@ local function leases_open(i)
   return from == nil or now >= from
 end
 
--- Parse the limit whose arguments start after ARGV[b]; returns the index after its last
--- argument, or nil unless every number is whole and within the bounds (common.lua), the flags
--- are known and the holder well formed. With `lean` (a check request of this one limit), a
--- plain limit (no flag; an algorithm with a `check`) gets only ALGO, LIMIT, INTERVAL, COST,
--- SHADOW and KEY written, and true as a second result: run_check then takes it the one-read
--- way, which reads nothing else of it.
+-- A limit's spec, "code:limit:interval:cost:flags" (decimal digits), as a record
+-- { algorithm, limit, interval, cost, shadow, flags, code }, or false unless every number is
+-- within the bounds (common.lua) and the flags are known: validated once per distinct spec and
+-- memoised like the other arguments (a batch repeats the few specs of the gateway's rules, so
+-- an argument seen before costs one table probe).
+local function limit_spec(s)
+  local v = TG_SPEC[s]
+  if v ~= nil or s == nil then
+    return v or false
+  end
+  v = false
+  local c, l, t, n, f = smatch(s, '^(%d+):(%d+):(%d+):(%d+):(%d+)$')
+  local code, limit, interval, cost, flags
+  if c then
+    code, limit, interval, cost, flags = tonum(c), tonum(l), tonum(t), tonum(n), tonum(f)
+  end
+  if code and code >= 1 and code <= 6 and limit >= 1 and limit <= TG_MAX_UNITS
+    and interval >= 1 and interval <= TG_MAX_SPAN and cost <= TG_MAX_UNITS and flags <= 15
+    and not ((code == 1 or code == 2) and limit * interval > TG_MAX_SPAN)
+    and not (code == 4 and (limit > TG_MAX_LOG or cost > TG_MAX_LOG))
+    and not (code == 6 and cost > 1) then
+    v = { ALGOS[code], limit, interval, cost, flags % 2 == 1, flags, code }
+  end
+  TG_SPEC[s] = v
+  TG_MEMO_N = TG_MEMO_N + 1
+  return v
+end
+
+-- Parse the limit whose arguments start after ARGV[b] (its spec, then the extras its flags
+-- ask for); returns the index after its last argument, or nil unless the spec is valid
+-- (limit_spec) and the extras within their bounds and the holder well formed. With `lean` (a
+-- check request of this one limit), a plain limit (no flag; an algorithm with a `check`) gets
+-- only SPEC, SHADOW and KEY written, and true as a second result: run_check then takes it the
+-- one-read way, which reads nothing else of it.
 local function parse_limit(b, lean)
-  -- tg_uint's memo read here (an argument seen before costs one table probe, no call); a false
-  -- there (refused before) or a nil (new) goes through tg_uint, which answers nil or the value.
-  local code = TG_UINT[ARGV[b + 1]] or tg_uint(ARGV[b + 1])
-  local limit = TG_UINT[ARGV[b + 2]] or tg_uint(ARGV[b + 2])
-  local interval = TG_UINT[ARGV[b + 3]] or tg_uint(ARGV[b + 3])
-  local cost = TG_UINT[ARGV[b + 4]] or tg_uint(ARGV[b + 4])
-  local flags = TG_UINT[ARGV[b + 5]] or tg_uint(ARGV[b + 5])
-  -- Whole and non-negative (tg_uint): each bound is one comparison.
-  if not (code and limit and interval and cost and flags) or code < 1 or code > 6
-    or limit < 1 or limit > TG_MAX_UNITS or interval < 1 or interval > TG_MAX_SPAN
-    or cost > TG_MAX_UNITS or flags > 15 then
-    return nil
-  end
-  if (code == 1 or code == 2) and limit * interval > TG_MAX_SPAN then
-    return nil
-  end
-  if code == 4 and (limit > TG_MAX_LOG or cost > TG_MAX_LOG) then
-    return nil
-  end
-  if code == 6 and cost > 1 then
+  local s = TG_SPEC[ARGV[b + 1]] or limit_spec(ARGV[b + 1])
+  if not s then
     return nil
   end
   local i, k = nlimits + 1, nkeys + 1
-  ALGO[i], LIMIT[i], INTERVAL[i], COST[i], SHADOW[i], KEY[i] = ALGOS[code], limit, interval, cost, flags % 2 == 1, k
-  if lean and flags == 0 and ALGOS[code].check then
+  if lean and s[6] == 0 and s[1].check then
+    SPEC[i], SHADOW[i], KEY[i] = s, s[5], k
     nlimits, nkeys = i, k
-    return b + 5, true
+    return b + 1, true
   end
+  local code, flags = s[7], s[6]
+  ALGO[i], LIMIT[i], INTERVAL[i], COST[i], SHADOW[i], KEY[i] = s[1], s[2], s[3], s[4], s[5], k
   -- The tables outlive the call (tg_run): every field of limit i is written here, the optional
   -- ones cleared first, so nothing of an earlier call's limit i is ever read.
   MEMBER[i], PKEY[i], PBASE[i], PMAX[i], MKEY[i], LWANT[i], LLIFE[i] = nil, nil, nil, nil, nil, nil, nil
-  b = b + 5
+  b = b + 1
   if code == 6 then
     local m = ARGV[b + 1]
     if m == nil or #m > 64 or not smatch(m, '^[%w:]+$') then
@@ -317,7 +333,7 @@ local function run_check()
         dl = nil
       end
     end
-    if m == nil or dl == nil or b + 2 + 5 * m > argc or dl > TG_MAX_NOW then
+    if m == nil or dl == nil or b + 2 + m > argc or dl > TG_MAX_NOW then
       return redis.error_reply('ERR tollgate: bad arguments (request layout)')
     end
     FIRST[r], COUNT[r], DEADLINE[r] = nlimits, m, dl
@@ -352,7 +368,8 @@ local function run_check()
     for i = k0 + 1, k0 + m do
       local code, remaining, reset, retry, delay = 6, 0, 0, 0, 0
       if plain then
-        code, remaining, reset, retry, delay = ALGO[i].check(KEYS[KEY[i]], now, LIMIT[i], INTERVAL[i], COST[i])
+        local sp = SPEC[i]
+        code, remaining, reset, retry, delay = sp[1].check(KEYS[KEY[i]], now, sp[2], sp[3], sp[4])
       elseif not late then
         code, remaining, reset, retry, delay = decide(i, COST[i], true)
       end
@@ -495,7 +512,7 @@ local function tg_run(keys, argv)
     -- (numbers, and holders of at most 64 bytes), which the gateway's batches bound.
     ALGO, LIMIT, INTERVAL, COST, SHADOW, MEMBER, KEY, PKEY, PBASE, PMAX = {}, {}, {}, {}, {}, {}, {}, {}, {}, {}
     MKEY, CALU, CALO, LWANT, LLIFE = {}, {}, {}, {}, {}
-    FIRST, COUNT, DEADLINE, PLAIN, ADMITTED, ROFF = {}, {}, {}, {}, {}, {}
+    FIRST, COUNT, DEADLINE, PLAIN, ADMITTED, ROFF, SPEC = {}, {}, {}, {}, {}, {}, {}
   end
   nlimits, nkeys = 0, 0
   reply = { now }

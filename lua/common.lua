@@ -209,7 +209,7 @@ end
 -- a batch asks for the same few).
 local TG_SHAPES
 
--- Entries added to the memo tables (TG_SHAPES, TG_NUM, TG_UINT, TG_DEC) since they were last emptied.
+-- Entries added to the memo tables (TG_SHAPES, TG_NUM, TG_UINT, TG_DEC, TG_SPEC) since they were last emptied.
 local TG_MEMO_N = 0
 
 local function tg_shape(fam, w)
@@ -280,6 +280,8 @@ end
 -- for every request, and Lua's string-to-number conversion (strtod) is one of the costliest
 -- steps of a script run. Lua interns strings, so the lookup is one hash probe.
 local TG_NUM, TG_UINT
+-- A limit's spec string to its validated record or false (limit_spec in check.lua).
+local TG_SPEC
 
 -- A whole number in [0, 2^53] (the bounds of every count, limit and instant), memoised like
 -- tg_num, or nil for anything else (negative, fractional, non-finite, not a number): the
@@ -344,7 +346,7 @@ local function tg_begin(mode)
   TG_NXGET = mode == 'check' and (redis.REDIS_VERSION_NUM or 0) >= 0x070000
   TG_SEEN, TG_SEEN_R, TG_SEEN_BAD = {}, {}, {}
   if TG_NUM == nil or TG_MEMO_N > 4096 then
-    TG_NUM, TG_UINT, TG_SHAPES, TG_DEC, TG_MEMO_N = {}, {}, { f = {}, s = {} }, {}, 0
+    TG_NUM, TG_UINT, TG_SHAPES, TG_DEC, TG_SPEC, TG_MEMO_N = {}, { ['0'] = 0 }, { f = {}, s = {} }, {}, {}, 0
   end
   TG_CAL_UNIT, TG_CAL_OFF = 0, 0
 end

@@ -695,15 +695,15 @@ async fn bad_arguments_are_a_script_error_not_a_panic() {
     // The combined script refuses a wrong argument count with an error reply.
     let out = eval("1 k check ''");
     assert!(out.contains("tollgate: bad arguments"), "{out}");
-    let out = eval("1 k check '' 1 1 0 9 1 1 1 0");
+    let out = eval("1 k check '' 1 1 0 9:1:1:1:0");
     assert!(out.contains("bad arguments for limit 1"), "{out}");
     // A batch whose layout does not add up is refused before anything is written.
-    let out = eval("1 k check '' 2 1 0 3 5 1000000 1 0");
+    let out = eval("1 k check '' 2 1 0 3:5:1000000:1:0");
     assert!(out.contains("request layout"), "{out}");
     // A request's deadline must be a whole instant (0: none).
-    let out = eval("1 k check '' 1 1 -1 3 5 1000000 1 0");
+    let out = eval("1 k check '' 1 1 -1 3:5:1000000:1:0");
     assert!(out.contains("request layout"), "{out}");
-    let out = eval("2 k k check '' 1 1 0 3 5 1000000 1 0");
+    let out = eval("2 k k check '' 1 1 0 3:5:1000000:1:0");
     assert!(out.contains("bad arguments"), "{out}");
     assert_eq!(server.cli(&["EXISTS", "k"]), "0");
     let out = eval("0 nope ''");
@@ -725,24 +725,29 @@ async fn bad_arguments_are_a_script_error_not_a_panic() {
     // numbers, a sliding log past its bound, a bucket past 10 years of refill, a bad `now`.
     let now = "1800000000000000";
     for (what, limit_args) in [
-        ("negative cost", "3 5 1000000 -10 0"),
-        ("fractional cost", "3 5 1000000 1.5 0"),
-        ("fractional limit", "3 5.5 1000000 1 0"),
-        ("non-finite limit", "3 inf 1000000 1 0"),
-        ("NaN interval", "3 5 nan 1 0"),
-        ("huge cost", "3 5 1000000 100000000000000000 0"),
-        ("huge limit", "5 10000000000000 1000000 1 0"),
-        ("zero interval", "1 5 0 1 0"),
-        ("bucket refill over 10 years", "1 1000000000 1000000000 1 0"),
-        ("sliding log over its bound", "4 3000000 1000000 1 0"),
-        ("sliding log cost over its bound", "4 10000 1000000 3000000 0"),
-        ("shadow flag", "3 5 1000000 1 yes"),
-        ("unknown flag", "3 5 1000000 1 4"),
-        ("concurrency cost over 1", "6 5 30000000 2 0 00ab"),
-        ("concurrency holder missing", "6 5 30000000 1 0"),
-        ("concurrency holder with bad bytes", "6 5 30000000 1 0 a-b"),
-        ("penalty max under base", "3 5 1000000 1 2 5000000 1000000"),
-        ("penalty of 0", "3 5 1000000 1 2 0 0"),
+        ("negative cost", "3:5:1000000:-10:0"),
+        ("fractional cost", "3:5:1000000:1.5:0"),
+        ("fractional limit", "3:5.5:1000000:1:0"),
+        ("non-finite limit", "3:inf:1000000:1:0"),
+        ("NaN interval", "3:5:nan:1:0"),
+        ("huge cost", "3:5:1000000:100000000000000000:0"),
+        ("huge limit", "5:10000000000000:1000000:1:0"),
+        ("zero interval", "1:5:0:1:0"),
+        ("bucket refill over 10 years", "1:1000000000:1000000000:1:0"),
+        ("sliding log over its bound", "4:3000000:1000000:1:0"),
+        ("sliding log cost over its bound", "4:10000:1000000:3000000:0"),
+        ("shadow flag", "3:5:1000000:1:yes"),
+        ("unknown flag", "3:5:1000000:1:4"),
+        ("concurrency cost over 1", "6:5:30000000:2:0 00ab"),
+        ("concurrency holder missing", "6:5:30000000:1:0"),
+        ("concurrency holder with bad bytes", "6:5:30000000:1:0 a-b"),
+        ("penalty max under base", "3:5:1000000:1:2 5000000 1000000"),
+        ("penalty of 0", "3:5:1000000:1:2 0 0"),
+        ("a spec of 4 numbers", "3:5:1000000:1"),
+        ("a spec of 6 numbers", "3:5:1000000:1:0:1"),
+        ("a number in hex", "3:0x5:1000000:1:0"),
+        ("a number with a sign", "3:+5:1000000:1:0"),
+        ("the 5 numbers as 5 arguments", "3 5 1000000 1 0"),
     ] {
         let out = eval(&format!("1 k check {now} 1 1 0 {limit_args}"));
         assert!(out.contains("bad arguments for limit 1"), "{what}: {out}");
@@ -750,7 +755,7 @@ async fn bad_arguments_are_a_script_error_not_a_panic() {
         assert!(out.contains("bad arguments for limit 1"), "{what} (refund): {out}");
     }
     for bad_now in ["-5", "1.5", "inf", "99999999999999999"] {
-        let out = eval(&format!("1 k check {bad_now} 1 1 0 3 5 1000000 1 0"));
+        let out = eval(&format!("1 k check {bad_now} 1 1 0 3:5:1000000:1:0"));
         assert!(out.contains("bad arguments (now)"), "now {bad_now}: {out}");
     }
     assert_eq!(server.cli(&["EXISTS", "k"]), "0", "a refused call wrote");
@@ -769,7 +774,7 @@ fn eval_batch(server: &RedisServer, now: u64, requests: &[&[RawLimit<'_>]]) -> V
     for r in requests {
         cmd.arg(r.len()).arg(0); // no deadline
         for &(_, algo, limit, interval, cost, shadow) in r.iter() {
-            cmd.arg(algo).arg(limit).arg(interval).arg(cost).arg(u8::from(shadow));
+            cmd.arg(format!("{algo}:{limit}:{interval}:{cost}:{}", u8::from(shadow)));
         }
     }
     let mut con = redis::Client::open(server.url())
@@ -1186,7 +1191,7 @@ async fn a_request_past_its_deadline_is_answered_late_and_spends_nothing() {
         .arg(now)
         .arg(2);
     for deadline in [now - 1, now + 1] {
-        cmd.arg(1).arg(deadline).arg(3).arg(5).arg(60_000_000).arg(1).arg(0);
+        cmd.arg(1).arg(deadline).arg("3:5:60000000:1:0");
     }
     let mut con = redis::Client::open(server.url())
         .and_then(|c| c.get_connection())

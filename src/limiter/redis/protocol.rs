@@ -112,19 +112,25 @@ pub(super) fn function_library(name: &str) -> String {
     )
 }
 
-/// Append the script arguments of one limit: code, limit, interval, cost, flags (1 shadow,
-/// 2 penalty box, 4 calendar window, 8 lease), then the holder for a concurrency slot, the
-/// penalty's base and max, the calendar unit and UTC offset, and the lease wanted and its life.
+/// Append the script arguments of one limit: its spec, `code:limit:interval:cost:flags` (flags
+/// 1 shadow, 2 penalty box, 4 calendar window, 8 lease), then the holder for a concurrency
+/// slot, the penalty's base and max, the calendar unit and UTC offset, and the lease wanted and
+/// its life.
 fn limit_args(cmd: &mut Cmd, c: &LimitCheck) {
     let flags = u8::from(c.shadow)
         | if c.penalty.is_some() { 2 } else { 0 }
         | if c.quota.calendar.is_some() { 4 } else { 0 }
         | if c.lease.is_some() { 8 } else { 0 };
-    cmd.arg(c.quota.algorithm.code())
-        .arg(c.quota.limit.get())
-        .arg(c.quota.interval_us.get())
-        .arg(c.cost)
-        .arg(flags);
+    cmd.arg(
+        LimitSpec::new([
+            u64::from(c.quota.algorithm.code()),
+            c.quota.limit.get(),
+            c.quota.interval_us.get(),
+            c.cost,
+            u64::from(flags),
+        ])
+        .as_bytes(),
+    );
     if c.is_slot() {
         cmd.arg(holder_member(c.holder));
     }
@@ -136,6 +142,30 @@ fn limit_args(cmd: &mut Cmd, c: &LimitCheck) {
     }
     if let Some(l) = c.lease {
         cmd.arg(l.want).arg(l.life_us);
+    }
+}
+
+/// A limit's spec argument, its 5 numbers in decimal joined by `:`, built on the stack (at
+/// most 5 * 20 digits and 4 separators). The script validates a spec once and then knows it by
+/// its string: one argument and one table probe per limit, where 5 numbers were 5 arguments
+/// for Redis to parse and 5 for the script to check (`docs/redis.md`).
+struct LimitSpec(smallvec::SmallVec<[u8; 104]>);
+
+impl LimitSpec {
+    fn new(numbers: [u64; 5]) -> Self {
+        let mut out = smallvec::SmallVec::new();
+        let mut digits = itoa::Buffer::new();
+        for (j, n) in numbers.into_iter().enumerate() {
+            if j > 0 {
+                out.push(b':');
+            }
+            out.extend_from_slice(digits.format(n).as_bytes());
+        }
+        LimitSpec(out)
+    }
+
+    fn as_bytes(&self) -> &[u8] {
+        &self.0
     }
 }
 
@@ -184,7 +214,7 @@ fn now_arg(cmd: &mut Cmd, now: Option<u64>) {
 /// Build the `check` call for a batch of `requests` (each one request's limits, all on one
 /// slot, and its deadline in Redis time, 0 for none), in the script's batch layout: keys of
 /// every request, then `check`, `now`, the request count, and per request its limit count, its
-/// deadline and 5 arguments per limit.
+/// deadline and each limit's arguments ([`limit_args`]).
 pub(super) fn check_cmd<'c, R>(how: Invoke<'_>, now: Option<u64>, requests: R) -> Cmd
 where
     R: Iterator<Item = (&'c [LimitCheck], u64)> + Clone,
