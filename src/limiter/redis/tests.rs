@@ -105,10 +105,7 @@ fn evalsha_command_layout() {
     let a = args(&cmd);
     assert_eq!(a[0], "EVAL");
     assert_eq!(a[1], SCRIPT_SOURCE);
-    assert_eq!(
-        a[2..],
-        ["1", "tl:{a}:r1:1s", "peek", "", "3:10:1000000:2:0"]
-    );
+    assert_eq!(a[2..], ["1", "tl:{a}:r1:1s", "peek", "", "3:10:1000000:2:0"]);
 }
 
 #[test]
