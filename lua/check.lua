@@ -273,10 +273,10 @@ local function pack_fmt(n)
   return f
 end
 
--- The reply, packed: one string of little-endian doubles, in chunks of 1000 (unpack() puts
--- every value on the Lua stack, which holds about 8000); one chunk is returned as it is.
-local function pack(values)
-  local n = #values
+-- The reply, packed: values[1 .. n] as one string of little-endian doubles, in chunks of 1000
+-- (unpack() puts every value on the Lua stack, which holds about 8000); one chunk is returned
+-- as it is.
+local function pack(values, n)
   if n <= 1000 then
     return struct.pack(pack_fmt(n), unpack(values, 1, n))
   end
@@ -414,7 +414,7 @@ local function run_check()
       end
     end
   end
-  return pack(reply)
+  return pack(reply, o)
 end
 
 -- reset: the marker keys (see the header).
@@ -427,7 +427,7 @@ local function run_reset()
   for i = 1, #KEYS do
     rcall('SET', KEYS[i], at, 'PX', sfmt('%d', life))
   end
-  return pack(reply)
+  return pack(reply, 1)
 end
 
 -- True when limit i was reset at or after `now` (its marker says so): a refund of units spent
@@ -450,8 +450,8 @@ local function run_other()
     return redis.error_reply('ERR tollgate: bad arguments (want mode, now, the limits)')
   end
   if mode == 'peek' then
+    local o = 1
     for i = 1, nlimits do
-      local o = #reply
       local exists = rcall('EXISTS', KEYS[KEY[i]]) == 1 or (PKEY[i] and penalty_of(i))
       if exists then
         local code, remaining, reset, retry, delay = decide(i, 0, false)
@@ -467,8 +467,9 @@ local function run_other()
         reply[o + 4] = 0
         reply[o + 5] = 0
       end
+      o = o + 5
     end
-    return pack(reply)
+    return pack(reply, o)
   elseif mode == 'refund' then
     for i = 1, nlimits do
       if ALGO[i] == ALGOS[6] or not reset_since(i) then
@@ -476,7 +477,7 @@ local function run_other()
         ALGO[i].refund(KEYS[KEY[i]], now, LIMIT[i], INTERVAL[i], COST[i], MEMBER[i])
       end
     end
-    return pack(reply)
+    return pack(reply, 1)
   elseif mode == 'debit' or mode == 'renew' then
     -- The algorithms that take this mode (ALGOS: debit for the buckets and windows, renew for
     -- concurrency); the others are skipped. A calendar only matters to the windows.
@@ -487,7 +488,7 @@ local function run_other()
         f(KEYS[KEY[i]], now, LIMIT[i], INTERVAL[i], COST[i], MEMBER[i])
       end
     end
-    return pack(reply)
+    return pack(reply, 1)
   end
   return redis.error_reply('ERR tollgate: unknown mode')
 end
@@ -495,7 +496,7 @@ end
 -- One call: KEYS and ARGV as the header describes. Everything per call is set here.
 local function tg_run(keys, argv)
   KEYS, ARGV, mode = keys, argv, argv[1]
-  tg_begin(mode)
+  tg_begin(mode, keys)
   if ARGV[2] == nil or ARGV[2] == '' then
     local t = rcall('TIME')
     now = tonum(t[1]) * 1000000 + tonum(t[2])
@@ -515,7 +516,12 @@ local function tg_run(keys, argv)
     FIRST, COUNT, DEADLINE, PLAIN, ADMITTED, ROFF, SPEC = {}, {}, {}, {}, {}, {}, {}
   end
   nlimits, nkeys = 0, 0
-  reply = { now }
+  -- The reply's table outlives the call too: it is written from reply[1] on, and only the
+  -- call's own entries are packed.
+  if not reply then
+    reply = {}
+  end
+  reply[1] = now
   if mode == 'check' then
     return run_check()
   elseif mode == 'reset' then

@@ -104,23 +104,51 @@ end
 -- another shape for another algorithm, e.g. HMGET i c vs HMGET i p c), and every write either
 -- replaces the entry with exactly what a fresh read would now return (tg_remember) or drops it
 -- (tg_forget).
--- Three parallel tables keyed by key name (no table per entry): the family that read it, the
--- read's result and its `bad` flag.
-local TG_SEEN, TG_SEEN_R, TG_SEEN_BAD
+-- Two parallel tables keyed by key name (no table per entry): the family that read it (its
+-- "bad" form, TG_BAD[kind], when the read found a key of another type), and the read's result.
+-- They outlive the call, so that a call's entries reuse the slots of the one before instead of
+-- building and growing new tables each call: tg_begin clears the previous call's entries,
+-- every one of which is under one of that call's KEYS (the only keys the algorithms read).
+local TG_SEEN, TG_SEEN_R, TG_SEEN_KEYS
+local TG_BAD = { bucket = 'bucket!', fw = 'fw!', sw = 'sw!' }
 
 local function tg_read_key(kind, key, cmd, ...)
-  if TG_SEEN[key] == kind then
-    return TG_SEEN_R[key], TG_SEEN_BAD[key]
+  local seen = TG_SEEN[key]
+  if seen == kind then
+    return TG_SEEN_R[key], false
+  elseif seen ~= nil and seen == TG_BAD[kind] then
+    return nil, true
   end
   local r, bad = tg_read(cmd, key, ...)
-  TG_SEEN[key], TG_SEEN_R[key], TG_SEEN_BAD[key] = kind, r, bad
+  if bad then
+    TG_SEEN[key], TG_SEEN_R[key] = TG_BAD[kind], nil
+  else
+    TG_SEEN[key], TG_SEEN_R[key] = kind, r
+  end
   return r, bad
 end
 
 -- After a write: `r` is what `kind`'s read of `key` now returns (numbers where Redis would
 -- return their decimal strings; readers convert with tonumber either way).
 local function tg_remember(kind, key, r)
-  TG_SEEN[key], TG_SEEN_R[key], TG_SEEN_BAD[key] = kind, r, false
+  TG_SEEN[key], TG_SEEN_R[key] = kind, r
+end
+
+-- After a write of a window hash: what `kind`'s read of `key` now returns is `n` fields (up
+-- to 4, in its read's order), written into the table the last read or write of it left when
+-- there is one (that table is referenced from nowhere else), else into a new one.
+local function tg_remember_fields(kind, key, n, a, b, c, d)
+  local r = TG_SEEN_R[key]
+  if TG_SEEN[key] == kind and type(r) == 'table' then
+    r[1], r[2], r[3] = a, b, c
+    if n == 4 then
+      r[4] = d
+    end
+  elseif n == 4 then
+    TG_SEEN[key], TG_SEEN_R[key] = kind, { a, b, c, d }
+  else
+    TG_SEEN[key], TG_SEEN_R[key] = kind, { a, b, c }
+  end
 end
 
 local function tg_forget(key)
@@ -337,14 +365,23 @@ end
 -- string to what it always means, so they outlive the call (the same few strings come in every
 -- call; building them afresh was a tenth of a one-request call), but they are emptied once they
 -- hold 4096 entries: whatever callers send, they stay small.
-local function tg_begin(mode)
+local function tg_begin(mode, keys)
   if not rcall then
     floor, mmax, mmin, sfmt, smatch = math.floor, math.max, math.min, string.format, string.match
     rcall, tonum = redis.call, tonumber
   end
   TG_WRITE = mode ~= 'peek'
   TG_NXGET = mode == 'check' and (redis.REDIS_VERSION_NUM or 0) >= 0x070000
-  TG_SEEN, TG_SEEN_R, TG_SEEN_BAD = {}, {}, {}
+  if TG_SEEN == nil then
+    TG_SEEN, TG_SEEN_R = {}, {}
+  elseif TG_SEEN_KEYS then
+    local seen, seen_r = TG_SEEN, TG_SEEN_R
+    for i = 1, #TG_SEEN_KEYS do
+      local k = TG_SEEN_KEYS[i]
+      seen[k], seen_r[k] = nil, nil
+    end
+  end
+  TG_SEEN_KEYS = keys
   if TG_NUM == nil or TG_MEMO_N > 4096 then
     TG_NUM, TG_UINT, TG_SHAPES, TG_DEC, TG_SPEC, TG_MEMO_N = {}, { ['0'] = 0 }, { f = {}, s = {} }, {}, {}, 0
   end

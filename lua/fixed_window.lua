@@ -20,7 +20,7 @@ local function fw_put(key, index, count, w, q)
     rcall('HSET', key, 'i', tg_dec(index), 'c', tg_dec(count), 'q', q)
     rcall('PEXPIREAT', key, tg_at_ms(tg_start(index + 1, w)))
   end
-  tg_remember('fw', key, { index, count, q })
+  tg_remember_fields('fw', key, 3, index, count, q)
 end
 
 -- The stored (index, count) under this window, or nil; state of another shape is converted.
@@ -65,7 +65,7 @@ local function fw_spend(key, now, limit, w, cost)
   local i, c = fw_get(key, now, limit, w)
   if i == index then
     -- Same window: the key already expires at its end (set when the window began).
-    tg_remember('fw', key, { index, rcall('HINCRBY', key, 'c', tg_dec(cost)), tg_shape('f', w) })
+    tg_remember_fields('fw', key, 3, index, rcall('HINCRBY', key, 'c', tg_dec(cost)), tg_shape('f', w))
   else
     fw_put(key, index, cost, w, tg_shape('f', w))
   end
@@ -88,13 +88,7 @@ local function fw_check(key, now, limit, w, cost)
   if i == index then
     -- Same window: the key already expires at its end. What a read now returns, in place of
     -- the read fw_get kept (this call's own table, referenced nowhere else).
-    local n = rcall('HINCRBY', key, 'c', tg_dec(cost))
-    local r = TG_SEEN_R[key]
-    if TG_SEEN[key] == 'fw' and type(r) == 'table' then
-      r[1], r[2], r[3] = index, n, tg_shape('f', w)
-    else
-      tg_remember('fw', key, { index, n, tg_shape('f', w) })
-    end
+    tg_remember_fields('fw', key, 3, index, rcall('HINCRBY', key, 'c', tg_dec(cost)), tg_shape('f', w))
   else
     fw_put(key, index, cost, w, tg_shape('f', w))
   end
@@ -135,7 +129,7 @@ local function fw_debit(key, now, limit, w, cost)
   if i == index then
     -- Same window: the key already expires at its end.
     rcall('HSET', key, 'c', new)
-    tg_remember('fw', key, { index, new, q })
+    tg_remember_fields('fw', key, 3, index, new, q)
   else
     fw_put(key, index, new, w, q)
   end

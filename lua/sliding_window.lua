@@ -23,7 +23,7 @@ local function sw_put(key, index, prev, curr, w, q)
     rcall('HSET', key, 'i', tg_dec(index), 'p', tg_dec(prev), 'c', tg_dec(curr), 'q', q)
     rcall('PEXPIREAT', key, tg_at_ms(tg_start(index + 2, w)))
   end
-  tg_remember('sw', key, { index, prev, curr, q })
+  tg_remember_fields('sw', key, 4, index, prev, curr, q)
 end
 
 -- The state rolled to now's window: index, previous, current, and whether the stored window is
@@ -93,7 +93,7 @@ local function sw_add(key, w, cost, index, prev, curr, same)
   local q = tg_shape('s', w)
   if same then
     -- Same window: only the count moves; the expiry, set when the window began, stands.
-    tg_remember('sw', key, { index, prev, rcall('HINCRBY', key, 'c', tg_dec(cost)), q })
+    tg_remember_fields('sw', key, 4, index, prev, rcall('HINCRBY', key, 'c', tg_dec(cost)), q)
   else
     sw_put(key, index, prev, curr + cost, w, q)
   end
@@ -159,7 +159,7 @@ local function sw_debit(key, now, limit, w, cost)
   if same then
     -- Same window: only the count moves; the expiry, set when the window began, stands.
     rcall('HSET', key, 'c', new)
-    tg_remember('sw', key, { index, prev, new, q })
+    tg_remember_fields('sw', key, 4, index, prev, new, q)
   else
     sw_put(key, index, prev, new, w, q)
   end

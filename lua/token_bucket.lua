@@ -109,7 +109,11 @@ local function bucket_check(key, now, limit, t, cost, leaky)
       tg_remember('bucket', key, v)
       return 1, limit - cost, cost * t, 0, 0
     end
-    TG_SEEN[key], TG_SEEN_R[key], TG_SEEN_BAD[key] = 'bucket', r, bad
+    if bad then
+      TG_SEEN[key], TG_SEEN_R[key] = TG_BAD.bucket, nil
+    else
+      TG_SEEN[key], TG_SEEN_R[key] = 'bucket', r
+    end
   end
   local tat = bucket_get(key, now, limit, t)
   local base = now
