@@ -112,6 +112,15 @@ end
 local TG_SEEN, TG_SEEN_R, TG_SEEN_KEYS
 local TG_BAD = { bucket = 'bucket!', fw = 'fw!', sw = 'sw!' }
 
+-- Record what `kind`'s read of `key` returned (tg_read's two results).
+local function tg_note_read(kind, key, r, bad)
+  if bad then
+    TG_SEEN[key], TG_SEEN_R[key] = TG_BAD[kind], nil
+  else
+    TG_SEEN[key], TG_SEEN_R[key] = kind, r
+  end
+end
+
 local function tg_read_key(kind, key, cmd, ...)
   local seen = TG_SEEN[key]
   if seen == kind then
@@ -120,11 +129,7 @@ local function tg_read_key(kind, key, cmd, ...)
     return nil, true
   end
   local r, bad = tg_read(cmd, key, ...)
-  if bad then
-    TG_SEEN[key], TG_SEEN_R[key] = TG_BAD[kind], nil
-  else
-    TG_SEEN[key], TG_SEEN_R[key] = kind, r
-  end
+  tg_note_read(kind, key, r, bad)
   return r, bad
 end
 
@@ -383,6 +388,8 @@ local function tg_begin(mode, keys)
   end
   TG_SEEN_KEYS = keys
   if TG_NUM == nil or TG_MEMO_N > 4096 then
+    -- TG_UINT starts with "0", the deadline of a request that has none (run_check reads
+    -- deadlines from the memo only: they are mostly new with every request).
     TG_NUM, TG_UINT, TG_SHAPES, TG_DEC, TG_SPEC, TG_MEMO_N = {}, { ['0'] = 0 }, { f = {}, s = {} }, {}, {}, 0
   end
   TG_CAL_UNIT, TG_CAL_OFF = 0, 0

@@ -20,7 +20,6 @@
 -- of a batch (same rate and cost) gets the same tat.
 local BP_TAT, BP_T, BP_V
 
-
 local function bucket_state(tat, t)
   if tat ~= BP_TAT or t ~= BP_T then
     BP_TAT, BP_T, BP_V = tat, t, sfmt('%d:%d', tat, t)
@@ -109,11 +108,7 @@ local function bucket_check(key, now, limit, t, cost, leaky)
       tg_remember('bucket', key, v)
       return 1, limit - cost, cost * t, 0, 0
     end
-    if bad then
-      TG_SEEN[key], TG_SEEN_R[key] = TG_BAD.bucket, nil
-    else
-      TG_SEEN[key], TG_SEEN_R[key] = 'bucket', r
-    end
+    tg_note_read('bucket', key, r, bad)
   end
   local tat = bucket_get(key, now, limit, t)
   local base = now
