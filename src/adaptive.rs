@@ -5,8 +5,11 @@
 //! - A request takes a [`Permit`] before it is forwarded and gives it back when the upstream's
 //!   response head arrives (or the exchange fails); the time between is its latency sample.
 //! - With no room, a request waits for at most its class's `queue_timeout`. Room that frees goes
-//!   to the highest class waiting, newest first within a class, so the requests admitted from
-//!   the queue have waited least and those left behind are refused when their time is up.
+//!   to the highest class waiting. Within a class without a guaranteed share it goes to the
+//!   newest waiter, so under overload the requests admitted from the queue have waited least
+//!   and those left behind are refused when their time is up; within a class with a share
+//!   (which is meant to be served) to the oldest, so a burst after a stall is served in order
+//!   and none of it times out while newer requests go first.
 //! - A full queue makes room for a higher class by refusing the newest waiter of the lowest
 //!   class below it; a request with nothing below it is refused at once.
 //! - Each class may have a guaranteed share of the limit: the other classes cannot take the
@@ -160,11 +163,20 @@ impl Inner {
         self.window.peak = self.window.peak.max(self.in_flight);
     }
 
-    /// Hand free room to waiters: highest class first, newest first within a class.
+    /// Hand free room to waiters: highest class first; within a class, oldest first for a class
+    /// with a guaranteed share (it is meant to be served, so the waiter nearest its timeout
+    /// goes first) and newest first for the others (under overload, the waiters admitted are
+    /// those that waited least, and the ones left behind time out).
     fn grant(&mut self, classes: &[Class]) {
         for class in 0..classes.len() {
+            let oldest_first = classes[class].guaranteed > 0.0;
             while !self.waiting[class].is_empty() && self.admissible(classes, class) {
-                let Some(w) = self.waiting[class].pop_back() else { break };
+                let next = if oldest_first {
+                    self.waiting[class].pop_front()
+                } else {
+                    self.waiting[class].pop_back()
+                };
+                let Some(w) = next else { break };
                 self.queued -= 1;
                 if w.tx.send(()).is_ok() {
                     self.take(class);

@@ -271,6 +271,41 @@ async fn freed_room_goes_to_the_highest_class_waiting() {
     assert_eq!(got, Ok(2));
 }
 
+/// The order in which one slot serves `n` waiters of `class`, queued one after the other
+/// (each in the queue before the next starts) while `ad`'s only slot is held. Each waiter
+/// notes its place in line once admitted and gives the slot back at once, which admits the
+/// next.
+async fn served_order(ad: &Arc<Adaptive>, class: usize, n: usize) -> Vec<usize> {
+    let held = ad.acquire(1).await.unwrap_or_else(|e| panic!("{e:?}"));
+    let order = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let mut waiters = Vec::new();
+    for i in 0..n {
+        let (a, order) = (ad.clone(), order.clone());
+        waiters.push(tokio::spawn(async move {
+            if let Ok(p) = a.acquire(class).await {
+                order.lock().push(i);
+                drop(p);
+            }
+        }));
+        assert!(eventually(|| ad.status()["queued"].as_u64() == Some(i as u64 + 1)).await);
+    }
+    drop(held);
+    for w in waiters {
+        let _ = w.await;
+    }
+    let v = order.lock().clone();
+    v
+}
+
+#[tokio::test]
+async fn a_class_with_a_share_is_served_oldest_first_the_others_newest_first() {
+    // One slot; of the default classes critical has a share, default and sheddable none.
+    let ad = adaptive("min: 1\nmax: 1\nqueue_timeout: 5s\n");
+    assert_eq!(served_order(&ad, 0, 3).await, [0, 1, 2], "critical: oldest first");
+    assert_eq!(served_order(&ad, 1, 3).await, [2, 1, 0], "default: newest first");
+    assert_eq!(served_order(&ad, 2, 3).await, [2, 1, 0], "sheddable: newest first");
+}
+
 #[tokio::test]
 async fn a_wait_ends_in_a_refusal_after_the_queue_timeout() {
     let ad = adaptive("min: 1\nmax: 1\nqueue_timeout: 30ms\n");
